@@ -1,0 +1,1 @@
+"""Model variants and sharding rule tables as data (installed as `wan_tpu.configs`)."""

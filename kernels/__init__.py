@@ -1,0 +1,1 @@
+"""Pallas attention kernels (installed as `wan_tpu.kernels`)."""

@@ -1,0 +1,137 @@
+"""Reading diffusers-format checkpoint folders (config.json + safetensors) tensor by tensor.
+
+The safetensors container is parsed here directly (an 8-byte header length, a JSON header, then
+raw little-endian data) and every tensor is a read-only `np.memmap` view, so a 57 GB checkpoint is
+never held twice in host memory: callers convert and place one tensor at a time. Parsing the header
+ourselves also lets a corrupt or truncated file fail with a message that names it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+
+import ml_dtypes
+import numpy as np
+
+from wan_tpu.errors import WanInputError
+
+_DTYPES = {
+    "F64": np.float64,
+    "F32": np.float32,
+    "F16": np.float16,
+    "BF16": ml_dtypes.bfloat16,
+    "I64": np.int64,
+    "I32": np.int32,
+    "I16": np.int16,
+    "I8": np.int8,
+    "U8": np.uint8,
+    "BOOL": np.bool_,
+}
+
+
+@dataclass(frozen=True)
+class _Entry:
+    file: str
+    dtype: np.dtype
+    shape: tuple[int, ...]
+    begin: int
+    end: int
+
+
+def _read_header(path: str) -> dict[str, _Entry]:
+    size = os.path.getsize(path)
+    with open(path, "rb") as f:
+        raw = f.read(8)
+        if len(raw) < 8:
+            raise WanInputError(f"{path}: not a safetensors file (shorter than its 8-byte header length); re-download or re-save it")
+        (n,) = struct.unpack("<Q", raw)
+        if n <= 0 or 8 + n > size:
+            raise WanInputError(f"{path}: corrupt safetensors header (length {n} for a {size}-byte file); re-download or re-save it")
+        try:
+            header = json.loads(f.read(n))
+        except (UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise WanInputError(f"{path}: corrupt safetensors header ({e}); re-download or re-save it") from None
+    start = 8 + n
+    entries = {}
+    for name, info in header.items():
+        if name == "__metadata__":
+            continue
+        try:
+            dtype = np.dtype(_DTYPES[info["dtype"]])
+            shape = tuple(int(d) for d in info["shape"])
+            begin, end = (start + int(o) for o in info["data_offsets"])
+        except (KeyError, TypeError, ValueError):
+            raise WanInputError(f"{path}: corrupt safetensors entry for tensor {name!r}; re-download or re-save it") from None
+        if end > size or end - begin != dtype.itemsize * int(np.prod(shape, dtype=np.int64)):
+            raise WanInputError(
+                f"{path}: tensor {name!r} lies outside the file or has the wrong byte count (truncated download?); re-download it"
+            )
+        entries[name] = _Entry(path, dtype, shape, begin, end)
+    return entries
+
+
+def read_metadata(path: str) -> dict[str, str]:
+    """The `__metadata__` string map of one safetensors file (empty when absent)."""
+    with open(path, "rb") as f:
+        (n,) = struct.unpack("<Q", f.read(8))
+        return dict(json.loads(f.read(n)).get("__metadata__", {}) or {})
+
+
+class TensorSource(Mapping):
+    """Name → lazily memory-mapped numpy array over one or more safetensors files."""
+
+    def __init__(self, files: list[str]):
+        self._entries: dict[str, _Entry] = {}
+        for path in files:
+            self._entries.update(_read_header(path))
+
+    def __getitem__(self, name: str) -> np.ndarray:
+        e = self._entries[name]
+        count = int(np.prod(e.shape, dtype=np.int64))
+        return np.memmap(e.file, dtype=e.dtype, mode="r", offset=e.begin, shape=(count,)).reshape(e.shape)
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return self._entries[name].shape
+
+    def dtype(self, name: str) -> np.dtype:
+        return self._entries[name].dtype
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._entries)
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+
+def open_checkpoint(path: str, what: str = "model") -> tuple[dict, TensorSource]:
+    """Open a diffusers-format component folder: returns (config.json as a dict, its tensors).
+
+    Accepts one `*.safetensors` file or shards listed by `*.safetensors.index.json`.
+    """
+    if not os.path.isdir(path):
+        raise WanInputError(f"{what} checkpoint folder {path!r} does not exist; pass a diffusers-format folder")
+    cfg_path = os.path.join(path, "config.json")
+    if not os.path.isfile(cfg_path):
+        raise WanInputError(f"{path}: no config.json; pass the {what}'s diffusers folder (it holds config.json and *.safetensors)")
+    try:
+        with open(cfg_path) as f:
+            config = json.load(f)
+    except json.JSONDecodeError as e:
+        raise WanInputError(f"{cfg_path}: not valid JSON ({e}); re-download it") from None
+    indexes = sorted(n for n in os.listdir(path) if n.endswith(".safetensors.index.json"))
+    if indexes:
+        with open(os.path.join(path, indexes[0])) as f:
+            shards = sorted(set(json.load(f)["weight_map"].values()))
+        missing = [s for s in shards if not os.path.isfile(os.path.join(path, s))]
+        if missing:
+            raise WanInputError(f"{path}: shard {missing[0]} named by {indexes[0]} is missing; re-download the checkpoint")
+        files = [os.path.join(path, s) for s in shards]
+    else:
+        files = sorted(os.path.join(path, n) for n in os.listdir(path) if n.endswith(".safetensors"))
+        if not files:
+            raise WanInputError(f"{path}: no *.safetensors weights; save the {what} with save_pretrained(safe_serialization=True)")
+    return config, TensorSource(files)
