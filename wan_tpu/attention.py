@@ -1,37 +1,140 @@
 """`wan_tpu.attention`: one entry point for every attention kernel, layout (B, S, H, D).
 
-Softmax scale is 1/sqrt(D). `impl=None` picks the fastest correct kernel for the backend; a named
-`impl` is honoured even when exporting for another platform (the backend check happens only for
-`impl=None`).
+Softmax scale is 1/sqrt(D), non-causal, any Sq, Skv ≥ 1. Kernels:
+
+- `"reference"`: plain XLA, logits and softmax in float32; runs everywhere.
+- `"splash_exp2"`: our TPU Pallas kernel (`kernels/splash_exp2.py`); `interpret=True` runs it on
+  CPU (slowly, for tests).
+- `"pallas_gpu"`: our GPU Pallas kernel (`kernels/flash_gpu.py`): the Hopper kernel for bf16/fp16
+  with D % 64 == 0, the Triton fallback otherwise; `interpret=True` runs the latter on CPU.
+- `"cudnn"`: `jax.nn.dot_product_attention(implementation="cudnn")`: bf16/fp16 only (float32 is
+  refused, not silently cast), head dim a multiple of 8 up to 256 (128 before Hopper); inference
+  has no sequence-length constraint.
+
+`block_sizes` (keys block_q, block_kv, block_kv_compute, block_kv_compute_in; missing keys take the
+tuned defaults of `kernels/tuning.py`, unknown keys are an error) tunes the Pallas kernels; the GPU
+kernels read only block_q and block_kv.
+
+`impl=None` picks by backend: TPU → splash_exp2; Hopper GPU → the faster of pallas_gpu and cuDNN
+for the shape class, as measured (`kernels/tuning.py`: ours for self-attention, cuDNN for short
+cross-attention), other GPUs → cuDNN, float32 on GPU → reference; CPU → reference. The
+environment variable `WAN_TPU_ATTENTION` names an impl that `impl=None` uses instead.
+
+A named impl is honoured as given while tracing (inside `jax.jit` or `jax.export` for another
+platform, e.g. exporting `splash_exp2` for TPU from a CPU host): the backend is checked only when
+the call runs eagerly, on concrete arrays, or when `impl=None` has to choose.
 """
 
 from __future__ import annotations
 
 import math
+import os
+import sys
+import types
 
 import jax
 import jax.numpy as jnp
 
+from wan_tpu.errors import WanInputError
+from wan_tpu.kernels.tuning import GPU_FASTEST, check_block_keys, gpu_shape_class
+
+_HALF = (jnp.bfloat16, jnp.float16)
+
 
 def reference_attention(q, k, v):
-    """Plain XLA attention; logits and softmax in float32 whatever the input dtype."""
+    """Plain XLA attention; logits and softmax in float32 whatever the input dtype. Products at
+    HIGHEST precision: this is the yardstick, so float32 must not become TF32 on a GPU."""
     scale = 1.0 / math.sqrt(q.shape[-1])
-    logits = jnp.einsum("bqhd,bkhd->bhqk", q, k, preferred_element_type=jnp.float32) * scale
+    highest = jax.lax.Precision.HIGHEST
+    logits = jnp.einsum("bqhd,bkhd->bhqk", q, k, precision=highest, preferred_element_type=jnp.float32) * scale
     p = jax.nn.softmax(logits, axis=-1)
-    out = jnp.einsum("bhqk,bkhd->bqhd", p.astype(v.dtype), v, preferred_element_type=jnp.float32)
+    out = jnp.einsum("bhqk,bkhd->bqhd", p.astype(v.dtype), v, precision=highest, preferred_element_type=jnp.float32)
     return out.astype(q.dtype)
 
 
 def cudnn_attention(q, k, v):
+    if q.dtype not in _HALF:
+        raise WanInputError(f"cudnn attention needs bfloat16 or float16 inputs, got {q.dtype}; cast first or use impl='reference'")
     return jax.nn.dot_product_attention(q, k, v, implementation="cudnn")
 
 
-_IMPLS = {"reference": reference_attention, "cudnn": cudnn_attention}
+def _splash_exp2(q, k, v, block_sizes, interpret):
+    from wan_tpu.kernels.splash_exp2 import splash_exp2_attention
+
+    return splash_exp2_attention(q, k, v, block_sizes=block_sizes, interpret=interpret)
+
+
+def _pallas_gpu(q, k, v, block_sizes, interpret):
+    from wan_tpu.kernels.flash_gpu import flash_attention
+
+    return flash_attention(q, k, v, block_sizes=block_sizes, interpret=interpret)
+
+
+# name → (function of (q, k, v, block_sizes, interpret), backends it runs on without interpret).
+_IMPLS = {
+    "reference": (lambda q, k, v, bs, interpret: reference_attention(q, k, v), ("cpu", "gpu", "tpu")),
+    "splash_exp2": (_splash_exp2, ("tpu",)),
+    "pallas_gpu": (_pallas_gpu, ("gpu",)),
+    "cudnn": (lambda q, k, v, bs, interpret: cudnn_attention(q, k, v), ("gpu",)),
+}
+# Pallas interpret mode runs these on any backend.
+_INTERPRETABLE = ("splash_exp2", "pallas_gpu")
+
+
+def runnable_impls(backend: str, interpret: bool = False) -> list[str]:
+    return [name for name, (_, backends) in _IMPLS.items() if backend in backends or (interpret and name in _INTERPRETABLE)]
+
+
+def _default_impl(q, k, backend: str) -> str:
+    override = os.environ.get("WAN_TPU_ATTENTION")
+    if override:
+        return override
+    if backend == "tpu":
+        return "splash_exp2"
+    if backend == "gpu" and q.dtype in _HALF and q.shape[-1] % 8 == 0 and q.shape[-1] <= 256:
+        from wan_tpu.kernels.flash_gpu import is_hopper
+
+        # The Hopper kernel needs D % 64 == 0; elsewhere ours is the Triton fallback, slower than cuDNN.
+        ours = is_hopper() and q.shape[-1] % 64 == 0
+        return GPU_FASTEST[gpu_shape_class(k.shape[1])] if ours else "cudnn"
+    return "reference"
+
+
+def _backend_of(x) -> str | None:
+    """Platform the concrete array `x` lives on; None while tracing."""
+    if isinstance(x, jax.core.Tracer) or not isinstance(x, jax.Array):
+        return None
+    return next(iter(x.devices())).platform
 
 
 def attention(q, k, v, impl=None, interpret=False, block_sizes=None):
+    """Attention over (B, S, H, D) inputs; returns (B, Sq, H, D) in q's dtype."""
+    if q.ndim != 4 or k.shape != v.shape or k.ndim != 4 or (q.shape[0], q.shape[2:]) != (k.shape[0], k.shape[2:]):
+        raise WanInputError(f"q {q.shape}, k {k.shape}, v {v.shape} must be (B, S, H, D) with equal B, H, D")
+    if q.shape[1] < 1 or k.shape[1] < 1:
+        raise WanInputError(f"sequence lengths must be ≥ 1, got Sq={q.shape[1]}, Skv={k.shape[1]}")
+    check_block_keys(block_sizes)
+    backend = _backend_of(q)
     if impl is None:
-        impl = "cudnn" if jax.default_backend() == "gpu" and q.dtype in (jnp.bfloat16, jnp.float16) else "reference"
-    if impl not in _IMPLS:
-        raise ValueError(f"unknown attention impl {impl!r}; choose one of {sorted(_IMPLS)}")
-    return _IMPLS[impl](q, k, v)
+        backend = backend or jax.default_backend()
+        impl = _default_impl(q, k, backend)
+    if impl not in _IMPLS or (backend is not None and impl not in runnable_impls(backend, interpret)):
+        where = backend or jax.default_backend()
+        raise WanInputError(
+            f"attention impl {impl!r} {'is unknown' if impl not in _IMPLS else 'cannot run here'}; on {where} "
+            f"(interpret={interpret}) choose one of {runnable_impls(where, interpret)}; "
+            f"interpret=True adds {list(_INTERPRETABLE)}"
+        )
+    fn, _ = _IMPLS[impl]
+    return fn(q, k, v, block_sizes, interpret)
+
+
+class _CallableModule(types.ModuleType):
+    """`wan_tpu.attention` is both this module and the public function: importing the submodule
+    binds the package attribute to the module, so the module must be callable as the function."""
+
+    def __call__(self, q, k, v, impl=None, interpret=False, block_sizes=None):
+        return attention(q, k, v, impl=impl, interpret=interpret, block_sizes=block_sizes)
+
+
+sys.modules[__name__].__class__ = _CallableModule

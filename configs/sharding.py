@@ -1,0 +1,80 @@
+"""Sharding rules as data: per model family, a first-match table of `regex → PartitionSpec`.
+
+Patterns are searched (`re.search`) in the parameter's dotted path as the loader names it; the
+first that matches gives the spec, one entry per array dimension. A parameter no pattern matches
+is replicated and listed as such by `wan_tpu.sharding.describe_sharding`. A spec dimension that the
+mesh axes do not divide falls back to fewer axes, then to replicated, on that dimension only.
+
+FSDP layout (Megatron split + FSDP on the other dimension):
+- q/k/v and FFN-in are column-parallel: the output dimension over `tp`;
+- o and FFN-out are row-parallel: the input dimension over `tp`;
+- the other dimension of every large weight is FSDP-sharded over `FSDP` (`dp` and `sp`), so each
+  device stores 1/(dp·sp·tp) of it; XLA gathers one layer's weights inside the layer scan.
+- The leading layer axis of the DiT's stacked block parameters is never sharded (the scan slices it).
+Norm scales, biases of row-parallel layers, modulation tables, and the small patch/proj-out
+weights are replicated on purpose (`REPLICATED`): they are tiny and used whole by every device.
+
+Layouts differ by family: our DiT is Flax (`kernel` is (in, out), stacked blocks have a leading
+layer axis); UMT5 and CLIP keep torch names and layouts (`weight` is (out, in)).
+"""
+
+from jax.sharding import PartitionSpec as P
+
+FSDP = ("dp", "sp")
+REPLICATED = P()
+
+DIT = (
+    # Self- and cross-attention (blocks stacked on a leading layer axis).
+    (r"^blocks\.attn[12]\.(to_q|to_k|to_v|add_k_proj|add_v_proj)\.kernel$", P(None, FSDP, "tp")),
+    (r"^blocks\.attn[12]\.(to_q|to_k|to_v|add_k_proj|add_v_proj)\.bias$", P(None, "tp")),
+    (r"^blocks\.attn[12]\.to_out\.kernel$", P(None, "tp", FSDP)),
+    (r"^blocks\.attn[12]\.to_out\.bias$", REPLICATED),
+    (r"^blocks\.attn[12]\.norm_(q|k|added_k)\.(scale|weight)$", REPLICATED),
+    # Feed-forward.
+    (r"^blocks\.ffn\.proj_in\.kernel$", P(None, FSDP, "tp")),
+    (r"^blocks\.ffn\.proj_in\.bias$", P(None, "tp")),
+    (r"^blocks\.ffn\.proj_out\.kernel$", P(None, "tp", FSDP)),
+    (r"^blocks\.ffn\.proj_out\.bias$", REPLICATED),
+    (r"^blocks\.norm\d\.(scale|weight|bias)$", REPLICATED),
+    (r"^blocks\.scale_shift_table$", REPLICATED),
+    # Condition embedders: time_proj alone is dim × 6·dim (157M parameters in the 14B model). Their
+    # outputs stay whole: a `tp`-split modulation would split the modulated tokens by channel too,
+    # and XLA would gather them back before every projection.
+    (r"^condition_embedder\..*(norm\d?\.(scale|weight|bias)|pos_embed)$", REPLICATED),
+    (r"^condition_embedder\..*\.kernel$", P(FSDP + ("tp",), None)),
+    (r"^condition_embedder\..*\.bias$", REPLICATED),
+    # Patch embedding in, unpatchify projection out: dim × (channels · patch volume), small.
+    (r"^patch_embedding\.(kernel|bias)$", REPLICATED),
+    (r"^proj_out\.(kernel|bias)$", REPLICATED),
+    (r"^scale_shift_table$", REPLICATED),
+)
+
+# The VAE is a convolution stack with small weights: replicate them and shard activations on width.
+VAE = ((r".*", REPLICATED),)
+
+# transformers UMT5EncoderModel; torch layout, `weight` is (out, in).
+UMT5 = (
+    (r"(^|\.)(shared|embed_tokens)\.weight$", P(FSDP, "tp")),  # (vocab 256,384, d_model)
+    (r"\.SelfAttention\.(q|k|v)\.weight$", P("tp", FSDP)),
+    (r"\.SelfAttention\.o\.weight$", P(FSDP, "tp")),
+    (r"\.SelfAttention\.relative_attention_bias\.weight$", REPLICATED),
+    (r"\.DenseReluDense\.(wi|wi_0|wi_1)\.weight$", P("tp", FSDP)),
+    (r"\.DenseReluDense\.wo\.weight$", P(FSDP, "tp")),
+    (r"layer_norm\.weight$", REPLICATED),
+)
+
+# transformers CLIPVisionModel (with or without the `vision_model.` prefix); torch layout.
+CLIP = (
+    (r"\.self_attn\.(q|k|v)_proj\.weight$", P("tp", FSDP)),
+    (r"\.self_attn\.(q|k|v)_proj\.bias$", P("tp")),
+    (r"\.self_attn\.out_proj\.weight$", P(FSDP, "tp")),
+    (r"\.self_attn\.out_proj\.bias$", REPLICATED),
+    (r"\.mlp\.fc1\.weight$", P("tp", FSDP)),
+    (r"\.mlp\.fc1\.bias$", P("tp")),
+    (r"\.mlp\.fc2\.weight$", P(FSDP, "tp")),
+    (r"\.mlp\.fc2\.bias$", REPLICATED),
+    (r"(layer_norm\d|pre_layrnorm|post_layernorm)\.(weight|bias)$", REPLICATED),
+    (r"(^|\.)embeddings\.(class_embedding|patch_embedding\.weight|position_embedding\.weight|position_ids)$", REPLICATED),
+)
+
+RULES = {"dit": DIT, "vae": VAE, "umt5": UMT5, "clip": CLIP}

@@ -1,0 +1,203 @@
+"""Hopper exp2 flash attention forward in Pallas Mosaic GPU (wgmma, TMA, warp specialisation).
+
+Three warpgroups per CTA: two compute warpgroups, each owning `block_q` query rows, and one memory
+warpgroup that streams K and V tiles into a `stages`-deep shared-memory ring with TMA. The compute
+warpgroups take turns on the tensor cores through a shared "schedule" barrier, so one's softmax
+runs while the other's matrix products do (the FA3 ping-pong).
+
+Lengths that are multiples of 8 (all of Wan's video token counts) need no padding: TMA fills reads
+past the end of an array with zeros and drops writes past it, so ragged query tiles cost nothing, and the last kv tile's past-the-end keys are masked to
+probability 0 in the one (static) step that holds them. Shared memory holds the input dtype
+(bf16 or fp16), and the softmax scale·log2(e) folds into the FMA before exp2 (see flash_gpu.py).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from wan_tpu.errors import WanInputError
+
+LOG2E = math.log2(math.e)
+COMPUTE_WGS = 2
+# Shared memory per CTA on H100/H200 (227 KiB): the ring plus the two q/out tiles must fit.
+SMEM_BYTES = 227 * 1024
+
+
+def _smem_bytes(block_q, block_kv, stages, d, itemsize):
+    return (COMPUTE_WGS * block_q + 2 * stages * block_kv) * d * itemsize
+
+
+def _pad_to_8(x):
+    return jnp.pad(x, ((0, 0), (0, -x.shape[1] % 8), (0, 0), (0, 0)))
+
+
+@functools.partial(jax.jit, static_argnames=("block_q", "block_kv", "stages"))
+def mgpu_attention(q, k, v, block_q=64, block_kv=192, stages=2):
+    """(B, S, H, D) → (B, Sq, H, D). TMA tiles global memory in rows of 8, so a length that is
+    not a multiple of 8 (e.g. 257 + 512 cross-attention keys) is zero-padded to one first; the
+    padded keys fall in the masked tail."""
+    sq, skv = q.shape[1], k.shape[1]
+    if sq % 8 or skv % 8:
+        return _kernel_call(_pad_to_8(q), _pad_to_8(k), _pad_to_8(v), skv, block_q, block_kv, stages)[:, :sq]
+    return _kernel_call(q, k, v, skv, block_q, block_kv, stages)
+
+
+def _kernel_call(q, k, v, skv, block_q, block_kv, stages):
+    b, sq, h, d = q.shape
+    dtype = q.dtype
+    if dtype not in (jnp.bfloat16, jnp.float16) or k.dtype != dtype or v.dtype != dtype:
+        raise WanInputError(f"the Hopper attention kernel needs bf16 or fp16 q, k, v; got {q.dtype}, {k.dtype}, {v.dtype}")
+    if d % 64 or block_q % 64 or block_kv % 64:
+        raise WanInputError(f"head dim ({d}), block_q ({block_q}) and block_kv ({block_kv}) must be multiples of 64")
+    kv_steps = pl.cdiv(skv, block_kv)
+    stages = min(stages, kv_steps)
+    if _smem_bytes(block_q, block_kv, stages, d, 2) > SMEM_BYTES:
+        raise WanInputError(f"block_q {block_q}, block_kv {block_kv}, {stages} stages exceed {SMEM_BYTES} bytes of shared memory")
+    last_valid = skv - (kv_steps - 1) * block_kv
+    c = LOG2E / math.sqrt(d)
+
+    def kernel(q_ref, k_ref, v_ref, o_ref, smem, loaded, consumed, turn):
+        qo_tiles, k_ring, v_ring = smem
+        q_loaded, k_loaded, v_loaded = loaded
+        k_consumed, v_consumed = consumed
+        bi = lax.axis_index("batch")
+        hi = lax.axis_index("heads")
+        wg = lax.axis_index("wg")
+
+        def take_turn():
+            plgpu.barrier_arrive(turn)
+            plgpu.barrier_wait(turn)
+
+        @pl.when(wg < COMPUTE_WGS)
+        def _compute():
+            plgpu.set_max_registers(232, action="increase")
+            qo = qo_tiles.at[wg]
+            rows = pl.ds(lax.axis_index("q_tiles") * (COMPUTE_WGS * block_q) + wg * block_q, block_q)
+            plgpu.copy_gmem_to_smem(q_ref.at[bi, rows, hi], qo, q_loaded.at[wg])
+            plgpu.barrier_wait(q_loaded.at[wg])
+            row_layout = plgpu.Layout.WGMMA.reduce(1)
+            m = plgpu.layout_cast(jnp.full((block_q,), -jnp.inf, jnp.float32), row_layout)
+            l = plgpu.layout_cast(jnp.full((block_q,), 0, jnp.float32), row_layout)
+            acc = plgpu.layout_cast(jnp.full((block_q, d), 0, jnp.float32), plgpu.Layout.WGMMA)
+            plgpu.barrier_wait(k_loaded.at[0])
+            pl.when(wg == 1)(take_turn)
+
+            def slot_of(j):
+                return lax.rem(j, jnp.int32(stages))
+
+            def step(j, carry, valid=block_kv):
+                """One kv tile: Q·Kᵀ, online softmax, P·V. `valid` (static) < block_kv masks
+                the past-the-end keys of the last tile."""
+                acc, m, l = carry
+                slot = slot_of(j)
+
+                def scores(s_ref):
+                    plgpu.wgmma(s_ref, qo, plgpu.transpose_ref(k_ring.at[slot], (1, 0)))
+                    take_turn()
+                    return s_ref[...]
+
+                s = pl.run_scoped(scores, plgpu.ACC((block_q, block_kv), jnp.float32))
+                plgpu.barrier_arrive(k_consumed.at[slot])
+                if valid < block_kv:
+                    cols = plgpu.broadcasted_iota(jnp.int32, s.shape, 1, layout=plgpu.Layout.WGMMA)
+                    s = jnp.where(cols < valid, s, -jnp.inf)
+                m_new = jnp.maximum(m, s.max(axis=1) * c)
+                alpha = jnp.exp2(m - m_new)
+                p = jnp.exp2(s * c - lax.broadcast_in_dim(m_new, s.shape, [0]))
+                l = l * alpha + p.sum(axis=1)
+                acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+                p = p.astype(dtype)
+                # Keep the softmax ahead of the hand-over: the compiler must not sink it past the
+                # barriers into the other warpgroup's tensor-core turn.
+                acc, l, m_new, p = lax.optimization_barrier((acc, l, m_new, p))
+                plgpu.barrier_arrive(turn)
+                plgpu.barrier_wait(v_loaded.at[slot])
+                plgpu.barrier_wait(turn)
+
+                def update(acc_ref):
+                    plgpu.wgmma(acc_ref, p, v_ring.at[slot])
+                    nxt = j + 1
+
+                    @pl.when(nxt < kv_steps)
+                    def _():
+                        plgpu.barrier_wait(k_loaded.at[slot_of(nxt)])
+
+                acc = pl.run_state(update)(plgpu.ACC.init(acc))
+                plgpu.barrier_arrive(v_consumed.at[slot])
+                return acc, m_new, l
+
+            # The ragged tile runs as a one-trip loop so that its index stays a loop variable:
+            # Mosaic GPU wants barrier and ring indices as values, not folded constants.
+            carry = lax.fori_loop(0, kv_steps - (last_valid < block_kv), step, (acc, m, l))
+            if last_valid < block_kv:
+                carry = lax.fori_loop(kv_steps - 1, kv_steps, functools.partial(step, valid=last_valid), carry)
+            acc, _, l = carry
+            pl.when(wg == 0)(take_turn)
+            acc = acc * lax.broadcast_in_dim(1.0 / l, acc.shape, [0])
+            qo[...] = acc.astype(dtype)
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(qo, o_ref.at[bi, rows, hi])
+            plgpu.wait_smem_to_gmem(0)
+
+        @pl.when(wg == COMPUTE_WGS)
+        def _memory():
+            plgpu.set_max_registers(40, action="decrease")
+
+            def fetch_k(j, slot):
+                rows = pl.ds(j * block_kv, block_kv)
+                plgpu.copy_gmem_to_smem(k_ref.at[bi, rows, hi], k_ring.at[slot], k_loaded.at[slot])
+
+            def fetch_v(j, slot):
+                rows = pl.ds(j * block_kv, block_kv)
+                plgpu.copy_gmem_to_smem(v_ref.at[bi, rows, hi], v_ring.at[slot], v_loaded.at[slot])
+
+            for slot in range(stages):
+                fetch_k(slot, slot)
+                fetch_v(slot, slot)
+
+            # K and V slots are released separately (K after Q·Kᵀ, V after P·V): waiting for both
+            # before refilling either would tie the next K tile to the slower warpgroup's P·V.
+            @pl.loop(stages, kv_steps)
+            def _(j):
+                slot = lax.rem(j, jnp.int32(stages))
+                plgpu.barrier_wait(k_consumed.at[slot])
+                fetch_k(j, slot)
+                plgpu.barrier_wait(v_consumed.at[slot])
+                fetch_v(j, slot)
+
+    def entry(q_ref, k_ref, v_ref, o_ref):
+        transforms = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
+        smem = (
+            plgpu.SMEM((COMPUTE_WGS, block_q, d), dtype, transforms=transforms),
+            plgpu.SMEM((stages, block_kv, d), dtype, transforms=transforms),
+            plgpu.SMEM((stages, block_kv, d), dtype, transforms=transforms),
+        )
+        loaded = (
+            plgpu.Barrier(num_barriers=COMPUTE_WGS),
+            plgpu.Barrier(num_barriers=stages),
+            plgpu.Barrier(num_barriers=stages),
+        )
+        consumed = (plgpu.Barrier(num_arrivals=COMPUTE_WGS, num_barriers=stages),) * 2
+        turn = plgpu.Barrier(num_arrivals=COMPUTE_WGS)
+        pl.run_scoped(
+            lambda *scratch: kernel(q_ref, k_ref, v_ref, o_ref, *scratch),
+            smem, loaded, consumed, turn,
+            collective_axes="wg",
+        )
+
+    return plgpu.kernel(
+        entry,
+        out_type=jax.ShapeDtypeStruct(q.shape, dtype),
+        grid=(h, pl.cdiv(sq, COMPUTE_WGS * block_q), b),
+        grid_names=("heads", "q_tiles", "batch"),
+        num_threads=COMPUTE_WGS + 1,
+        thread_name="wg",
+        compiler_params=plgpu.CompilerParams(approx_math=True),
+    )(q, k, v)

@@ -1,0 +1,525 @@
+"""End-to-end generate benchmark: text encode → 50 UniPC steps with CFG → VAE decode → mp4, per mesh.
+
+    python scripts/bench_e2e.py --config 14b --prepare-only --workdir outputs/bench_e2e
+    python scripts/bench_e2e.py --config 14b --meshes 2,1,2 2,2,1 --steps 10 --time-limit 540 \
+        --workdir outputs/bench_e2e
+    python scripts/bench_e2e.py --config tiny --steps 2 --size 32*32     # a smoke run on CPU
+
+Wan 2.1 T2V (`--config 14b`: 720×1280, 81 frames, 50 steps, guidance 5 by default; `1.3b`: 480×832;
+`tiny`: the test-sized model) with RANDOM weights, written once in the diffusers layout
+(`model_index.json`, `transformer/`, `vae/`, `text_encoder/` (UMT5-XXL, as in the Wan-AI repos),
+`tokenizer/` (the in-process tokenizer), `scheduler/`) under `--workdir` and reused when present.
+The DiT and UMT5 are stored bf16, the VAE float32 (the dtypes they run in). Each tensor is drawn
+with numpy straight into its safetensors shard, chunk by chunk, shards in parallel threads: the
+14B checkpoint (~41 GB) never sits in memory. Parameter names and shapes come from diffusers' and
+transformers' own modules built on the meta device, so the files are what those libraries save.
+
+Each mesh `dp,sp,tp` loads the checkpoint through `WanPipeline.from_pretrained(path, mesh=...)` and
+runs the whole generate path, printing seconds per stage: load (text encoder, transformer, VAE),
+text encode and VAE decode (first call, compile included, then a warm repeat), denoise with and
+without compilation (without: the steps' wall time with the first, compiling, step counted at the
+median step), s/step, mp4 write, total (one generate: every stage once, load included, warm
+repeats left out; with fewer steps than the model's default also projected to the default), MFU
+and peak device memory (per device, `memory_stats()['peak_bytes_in_use']`). MFU = DiT model FLOPs
+(`wan_tpu.profiling.dit_forward_flops`, the anchors' per-layer formula) × 2 (CFG) × steps ÷ denoise
+time without compilation ÷ (devices × peak); the peak is an 8192³ bf16 matmul measured on the first
+device in the same process (`--peak-matmul 0`: the table figure of `wan_tpu.profiling`).
+
+With several meshes (or a `--time-limit`) each mesh runs in its own process: clean peak memory,
+nothing left over from the previous mesh, and a mesh still running at the time limit is stopped so
+that the final table (one row per mesh) is always printed. A mesh needing more devices than the
+machine has is reported as skipped.
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import dataclasses
+import json
+import math
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import zlib
+
+import numpy as np
+
+from wan_tpu.errors import WanInputError
+
+PROMPT = "a cat walks on the grass, realistic"
+SEED = 0
+CHUNK = 1 << 23  # elements drawn per numpy call: bounds each writer thread to ~50 MB
+SHARD_BYTES = 2 << 30  # ~22 shards at 14B: enough to keep a many-core host busy
+DONE = "bench_e2e_checkpoint.json"  # written last: its presence means the checkpoint is complete
+
+
+def umt5_xxl_config():
+    """UMT5-XXL encoder, as in Wan-AI/Wan2.1-T2V-14B-Diffusers/text_encoder/config.json."""
+    from transformers import UMT5Config
+
+    return UMT5Config(vocab_size=256384, d_model=4096, d_kv=64, d_ff=10240, num_layers=24, num_decoder_layers=24,
+                      num_heads=64, relative_attention_num_buckets=32, relative_attention_max_distance=128,
+                      feed_forward_proj="gated-gelu", dense_act_fn="gelu_new", is_gated_act=True,
+                      layer_norm_epsilon=1e-6, scalable_attention=True, tie_word_embeddings=False,
+                      dropout_rate=0.1, pad_token_id=0, eos_token_id=1, decoder_start_token_id=0)
+
+
+@dataclasses.dataclass(frozen=True)
+class BenchConfig:
+    variant: str  # key of wan_tpu.configs.models.VARIANTS
+    vae: str  # "tiny" (the tiny preset's 16-channel VAE) or a key of VAE_PRESETS
+
+    def parts(self):
+        """(WanTransformerConfig, WanVAEConfig, UMT5Config) of the checkpoint."""
+        from wan_tpu import presets
+        from wan_tpu.configs.models import VARIANTS
+        from wan_tpu.configs.vae import VAE_PRESETS
+
+        dit = VARIANTS[self.variant].transformer
+        if self.vae == "tiny":
+            return dit, presets.TINY_VAE, presets.tiny_umt5_config(dit.text_dim)
+        return dit, VAE_PRESETS[self.vae], umt5_xxl_config()
+
+
+CONFIGS = {
+    "14b": BenchConfig("wan2.1-t2v-14b", "wan2.1"),
+    "1.3b": BenchConfig("wan2.1-t2v-1.3b", "wan2.1"),
+    "tiny": BenchConfig("tiny", "tiny"),
+}
+
+
+# ---- the random checkpoint ------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class TensorSpec:
+    name: str
+    shape: tuple[int, ...]
+    mean: float
+    std: float
+
+    @property
+    def size(self) -> int:
+        return math.prod(self.shape)
+
+
+def init_stats(name: str, shape: tuple[int, ...], vae: bool) -> tuple[float, float]:
+    """(mean, std) of one random tensor: scales that keep activations O(1) through every layer.
+
+    Matrices and convolutions N(0, g²/fan_in) (g = 0.5 in the VAE, whose deep conv stack would
+    otherwise grow), modulation tables N(0, 1/dim), norm gains 1 (the VAE's 1 ± 0.2: gains of
+    exactly 1 would hide a layout bug), biases small.
+    """
+    if name.endswith("gamma"):
+        return 1.0, 0.2
+    if name.endswith("scale_shift_table"):
+        return 0.0, shape[-1] ** -0.5
+    if len(shape) >= 2:
+        return 0.0, (0.5 if vae else 1.0) / math.sqrt(math.prod(shape[1:]))
+    if name.endswith(".weight"):
+        return 1.0, 0.0
+    return 0.0, 0.05 if vae else 0.02
+
+
+def module_tensors(module, vae: bool = False) -> list[TensorSpec]:
+    """What `save_pretrained` stores for a torch module (built on the meta device): its state dict
+    less tied aliases (UMT5's `encoder.embed_tokens.weight` is `shared.weight`)."""
+    every = {n for n, _ in module.named_parameters(remove_duplicate=False)}
+    aliases = every - {n for n, _ in module.named_parameters()}
+    return [TensorSpec(n, tuple(t.shape), *init_stats(n, tuple(t.shape), vae))
+            for n, t in module.state_dict().items() if n not in aliases]
+
+
+def _write_shard(path: str, tensors: list[TensorSpec], dtype, seed: int) -> None:
+    import ml_dtypes
+
+    code = {np.dtype(np.float32): "F32", np.dtype(ml_dtypes.bfloat16): "BF16"}[np.dtype(dtype)]
+    item = np.dtype(dtype).itemsize
+    header, offset = {"__metadata__": {"format": "pt"}}, 0
+    for t in tensors:
+        header[t.name] = {"dtype": code, "shape": list(t.shape), "data_offsets": [offset, offset + t.size * item]}
+        offset += t.size * item
+    raw = json.dumps(header).encode()
+    raw += b" " * (-len(raw) % 8)  # data starts 8-byte aligned
+    draw = np.empty(min(CHUNK, max(t.size for t in tensors)), np.float32)
+    out = np.empty(draw.shape, dtype)
+    with open(path, "wb") as f:
+        f.write(len(raw).to_bytes(8, "little") + raw)
+        for t in tensors:
+            rng = np.random.default_rng([seed, zlib.crc32(t.name.encode())])
+            for start in range(0, t.size, CHUNK):
+                n = min(CHUNK, t.size - start)
+                if t.std:
+                    rng.standard_normal(out=draw[:n], dtype=np.float32)
+                    np.multiply(draw[:n], np.float32(t.std), out=draw[:n])
+                    np.add(draw[:n], np.float32(t.mean), out=draw[:n])
+                else:
+                    draw[:n] = t.mean
+                out[:n] = draw[:n]
+                f.write(out[:n].view(np.uint8))
+
+
+def _plan_shards(folder: str, prefix: str, tensors: list[TensorSpec], item: int) -> list[tuple[str, list]]:
+    groups, size = [[]], 0
+    for t in tensors:
+        if groups[-1] and size + t.size * item > SHARD_BYTES:
+            groups.append([])
+            size = 0
+        groups[-1].append(t)
+        size += t.size * item
+    if len(groups) == 1:
+        return [(os.path.join(folder, f"{prefix}.safetensors"), groups[0])]
+    names = [f"{prefix}-{i + 1:05d}-of-{len(groups):05d}.safetensors" for i in range(len(groups))]
+    index = {"metadata": {"total_size": sum(t.size for t in tensors) * item},
+             "weight_map": {t.name: name for name, group in zip(names, groups) for t in group}}
+    with open(os.path.join(folder, f"{prefix}.safetensors.index.json"), "w") as f:
+        json.dump(index, f, indent=2)
+    return [(os.path.join(folder, name), group) for name, group in zip(names, groups)]
+
+
+def checkpoint_plan(config: BenchConfig):
+    """Meta-device modules of every component: (sub-folder, module, file prefix, tensors, dtype)."""
+    import diffusers
+    import ml_dtypes
+    import torch
+    from transformers import UMT5EncoderModel
+
+    from wan_tpu.configs.models import config_to_json
+
+    dit_cfg, vae_cfg, umt5_cfg = config.parts()
+    # clip_output is a Wan 2.2 config.json key that AutoencoderKLWan's constructor does not take.
+    vae_kwargs = {f.name: (list(v) if isinstance(v, tuple) else v) for f in dataclasses.fields(vae_cfg)
+                  if f.name != "clip_output" and (v := getattr(vae_cfg, f.name)) is not None}
+    with torch.device("meta"):
+        dit = diffusers.WanTransformer3DModel(**config_to_json(dit_cfg))
+        vae = diffusers.AutoencoderKLWan(**vae_kwargs)
+        umt5 = UMT5EncoderModel(umt5_cfg)
+    bf16 = ml_dtypes.bfloat16
+    return [
+        ("transformer", dit, "diffusion_pytorch_model", module_tensors(dit), bf16),
+        ("vae", vae, "diffusion_pytorch_model", module_tensors(vae, vae=True), np.float32),
+        ("text_encoder", umt5, "model", module_tensors(umt5), bf16),
+    ]
+
+
+def write_random_checkpoint(path: str, config: BenchConfig, seed: int = SEED, workers: int | None = None) -> int:
+    """Write the checkpoint into `path` (a new folder); returns the bytes written."""
+    import diffusers
+    import torch
+
+    from wan_tpu.tokenizers import tiny_tokenizer
+
+    plan = checkpoint_plan(config)
+    total = sum(t.size * np.dtype(dtype).itemsize for *_, tensors, dtype in plan for t in tensors)
+    parent = os.path.dirname(os.path.abspath(path))
+    os.makedirs(parent, exist_ok=True)
+    free = shutil.disk_usage(parent).free
+    if free < total * 1.05:
+        raise WanInputError(f"the random checkpoint needs {total / 2**30:.1f} GiB but {parent} has "
+                            f"{free / 2**30:.1f} GiB free; pass --workdir on a larger disk")
+    jobs = []
+    for folder, module, prefix, tensors, dtype in plan:
+        sub = os.path.join(path, folder)
+        os.makedirs(sub)
+        if folder == "text_encoder":
+            module.config.dtype = torch.bfloat16
+            module.config.save_pretrained(sub)
+        else:
+            module.save_config(sub)
+        shards = _plan_shards(sub, prefix, tensors, np.dtype(dtype).itemsize)
+        jobs += [(file, group, dtype) for file, group in shards]
+    tiny_tokenizer().save_pretrained(os.path.join(path, "tokenizer"))
+    diffusers.UniPCMultistepScheduler(prediction_type="flow_prediction", use_flow_sigmas=True, num_train_timesteps=1000,
+                                      flow_shift=5.0).save_config(os.path.join(path, "scheduler"))
+    index = {"_class_name": "WanPipeline", "_diffusers_version": diffusers.__version__,
+             "scheduler": ["diffusers", "UniPCMultistepScheduler"], "text_encoder": ["transformers", "UMT5EncoderModel"],
+             "tokenizer": ["transformers", "T5TokenizerFast"], "transformer": ["diffusers", "WanTransformer3DModel"],
+             "vae": ["diffusers", "AutoencoderKLWan"]}
+    with open(os.path.join(path, "model_index.json"), "w") as f:
+        json.dump(index, f, indent=2)
+    # Largest shards first, so that the last thread to finish does not start late on a big one.
+    jobs.sort(key=lambda j: -sum(t.size for t in j[1]))
+    with concurrent.futures.ThreadPoolExecutor(workers or os.cpu_count() or 1) as pool:
+        for future in [pool.submit(_write_shard, file, group, dtype, seed) for file, group, dtype in jobs]:
+            future.result()
+    return total
+
+
+def ensure_checkpoint(workdir: str, config_name: str) -> str:
+    """The checkpoint folder for `config_name` under `workdir`, written first if it is not complete."""
+    path = os.path.join(os.path.abspath(workdir), f"{CONFIGS[config_name].variant}-random")
+    if os.path.isfile(os.path.join(path, DONE)):
+        print(f"reusing random checkpoint {path}", flush=True)
+        return path
+    if os.path.exists(path):
+        shutil.rmtree(path)  # an interrupted write
+    partial = f"{path}.partial-{os.getpid()}"
+    start = time.perf_counter()
+    try:
+        total = write_random_checkpoint(partial, CONFIGS[config_name])
+        seconds = time.perf_counter() - start
+        with open(os.path.join(partial, DONE), "w") as f:
+            json.dump({"config": config_name, "seed": SEED, "bytes": total, "write_seconds": seconds}, f)
+        os.replace(partial, path)
+    finally:
+        if os.path.exists(partial):
+            shutil.rmtree(partial)
+    print(f"wrote random checkpoint {path}: {total / 2**30:.1f} GiB in {seconds:.1f} s", flush=True)
+    return path
+
+
+# ---- one mesh ---------------------------------------------------------------------------------
+
+
+def measured_peak_flops(n: int, device) -> float:
+    """bf16 FLOP/s of an n×n×n matmul on `device` (median of 5 timings of 10 back-to-back products)."""
+    import jax
+    import jax.numpy as jnp
+
+    ka, kb = jax.random.split(jax.random.key(0))
+    a = jax.device_put(jax.random.normal(ka, (n, n), jnp.bfloat16), device)
+    b = jax.device_put(jax.random.normal(kb, (n, n), jnp.bfloat16), device)
+    matmul = jax.jit(lambda a, b: a @ b)
+    jax.block_until_ready(matmul(a, b))
+    times = []
+    for _ in range(5):
+        start = time.perf_counter()
+        jax.block_until_ready([matmul(a, b) for _ in range(10)])
+        times.append((time.perf_counter() - start) / 10)
+    return 2 * n**3 / statistics.median(times)
+
+
+def parse_mesh(spec: str) -> tuple[int, int, int]:
+    parts = spec.split(",")
+    if len(parts) != 3 or not all(p.strip().isdigit() and int(p) > 0 for p in parts):
+        raise WanInputError(f"mesh {spec!r} is not dp,sp,tp with positive sizes; pass e.g. --meshes 2,1,4 2,2,2")
+    return tuple(int(p) for p in parts)
+
+
+def run_mesh(ckpt: str, mesh_spec: str, args) -> dict:
+    """Load `ckpt` on mesh `mesh_spec` and run one whole generate; a result row (see `print_detail`)."""
+    import jax
+    import jax.numpy as jnp
+
+    from wan_tpu.generate import parse_size
+    from wan_tpu.mesh import make_mesh
+    from wan_tpu.pipeline import WanPipeline
+    from wan_tpu.profiling import StageTimer, dit_forward_flops, peak_flops
+    from wan_tpu.video import write_video
+
+    dp, sp, tp = parse_mesh(mesh_spec)
+    need, devices = dp * sp * tp, jax.devices()
+    row = {"mesh": mesh_spec, "devices": need}
+    if len(devices) < need:
+        return {**row, "status": f"skipped (needs {need} devices, {len(devices)} here)"}
+    devices = devices[:need]
+    mesh = make_mesh(dp=dp, sp=sp, tp=tp, devices=devices)
+    side = args.peak_matmul if args.peak_matmul is not None else 0 if jax.default_backend() == "cpu" else 8192
+    if side:
+        peak = measured_peak_flops(side, devices[0])
+        basis = f"{side}^3 bf16 matmul measured here"
+    else:
+        peak, basis = peak_flops(devices[0])
+    pipe = WanPipeline.from_pretrained(ckpt, mesh=mesh, dtype=jnp.bfloat16, attention_impl=args.attention)
+    width, height = parse_size(args.size)
+    s = pipe.settings(height=height, width=width, num_frames=args.frames, num_inference_steps=args.steps)
+    timer, steps = StageTimer(), []
+    tag = f"[mesh {mesh_spec}]"
+
+    def stage(name):
+        print(f"{tag} {name} ...", flush=True)
+        return timer.stage(name)
+
+    with stage("load text encoder"):
+        pipe.text_encoder
+    for name in ("text encode", "text encode (warm)"):
+        with stage(name):
+            embeds = jax.block_until_ready(pipe.encode_prompt(PROMPT, None, s.guidance_scale))
+    pipe.release("text_encoder")
+    with stage("load transformer"):
+        pipe.transformer
+    with stage(f"denoise ({s.num_inference_steps} steps)"):
+        latents = jax.block_until_ready(pipe.denoise(
+            embeds, seed=SEED, height=s.height, width=s.width, num_frames=s.num_frames,
+            num_inference_steps=s.num_inference_steps, guidance_scale=s.guidance_scale, progress=True,
+            step_seconds=steps))
+    pipe.release("transformer")
+    with stage("load vae"):
+        pipe.vae
+    for name in ("vae decode", "vae decode (warm)"):
+        with stage(name):
+            frames = pipe.decode(latents)
+    out = os.path.join(os.path.abspath(args.workdir), f"bench_e2e_{args.config}_{mesh_spec.replace(',', 'x')}.mp4")
+    with stage("mp4 write"):
+        write_video(out, frames, pipe.variant.fps, overwrite=True)
+
+    sec = timer.seconds
+    denoise = sec[f"denoise ({s.num_inference_steps} steps)"]
+    per_step = statistics.median(steps[1:]) if len(steps) > 1 else steps[0]
+    # Without compilation: the steps' wall time with the first (compiling) step counted at the median.
+    warm = sum(steps[1:]) + per_step
+    compile_s = denoise - warm
+    shape = pipe.latent_shape(s.height, s.width, s.num_frames)
+    cfg = pipe.variant.transformer
+    tokens = math.prod(n // p for n, p in zip(shape[2:], cfg.patch_size))
+    flops = dit_forward_flops(cfg, tokens) * (2 if s.do_cfg else 1) * s.num_inference_steps
+    stats = [d.memory_stats() or {} for d in devices]
+    peaks = [st.get("peak_bytes_in_use") for st in stats]
+    load = sec["load text encoder"] + sec["load transformer"] + sec["load vae"]
+    total = load + sec["text encode"] + denoise + sec["vae decode"] + sec["mp4 write"]
+    return {
+        **row, "status": "ok", "size": s.size, "frames": s.num_frames, "steps": s.num_inference_steps,
+        "default_steps": pipe.variant.sample_steps, "cfg": s.do_cfg, "tokens": tokens,
+        "stages": sec, "load": load, "denoise": denoise, "denoise_excl_compile": warm, "compile": compile_s,
+        "s_per_step": per_step, "total": total,
+        "total_default_steps": total + (pipe.variant.sample_steps - s.num_inference_steps) * per_step,
+        "mfu": None if peak is None else flops / warm / (need * peak), "peak_flops": peak, "peak_basis": basis,
+        "peak_bytes": peaks, "device_kind": devices[0].device_kind, "jax": jax.__version__, "output": out,
+    }
+
+
+# ---- reporting -------------------------------------------------------------------------------
+
+
+def _gib(b) -> str:
+    return "n/a" if b is None else f"{b / 2**30:.1f}"
+
+
+def print_detail(r: dict, out=None) -> None:
+    out = out or sys.stdout
+    if r["status"] != "ok":
+        print(f"mesh {r['mesh']}: {r['status']}", file=out)
+        return
+    lines = [(name, f"{v:9.2f} s") for name, v in r["stages"].items()]
+    lines += [
+        ("denoise excl. compile", f"{r['denoise_excl_compile']:9.2f} s  (compile ≈ {r['compile']:.2f} s)"),
+        ("s/step (median)", f"{r['s_per_step']:9.3f} s"),
+        ("total (one generate)", f"{r['total']:9.2f} s  (load {r['load']:.2f} s; warm repeats left out)"),
+    ]
+    if r["steps"] != r["default_steps"]:
+        lines.append((f"total at {r['default_steps']} steps", f"{r['total_default_steps']:9.2f} s  (projected)"))
+    mfu = "n/a" if r["mfu"] is None else f"{100 * r['mfu']:.1f}%"
+    peak = "unknown" if r["peak_flops"] is None else f"{r['peak_flops'] / 1e12:.0f} TFLOP/s"
+    lines.append(("MFU", f"{mfu:>9}  (peak {peak} per device × {r['devices']}: {r['peak_basis']})"))
+    lines.append(("peak memory GiB/device", " ".join(_gib(b) for b in r["peak_bytes"])))
+    width = max(len(k) for k, _ in lines)
+    print(f"mesh {r['mesh']} ({r['device_kind']}, jax {r['jax']}): {r['size']}, {r['frames']} frames, "
+          f"{r['steps']} steps, {'CFG' if r['cfg'] else 'no CFG'}, {r['tokens']} tokens → {r['output']}", file=out)
+    print("\n".join(f"  {k:<{width}}  {v}" for k, v in lines), file=out)
+
+
+def format_table(rows: list[dict]) -> str:
+    """One row per mesh; skipped or failed meshes say why."""
+    head = ("mesh dp,sp,tp", "load", "text enc", "denoise", "excl.compile", "s/step", "vae dec", "mp4", "total",
+            "total@default", "MFU", "peak GiB")
+    body = []
+    for r in rows:
+        if r["status"] != "ok":
+            body.append((r["mesh"], r["status"]))
+            continue
+        st = r["stages"]
+        peaks = [b for b in r["peak_bytes"] if b is not None]
+        body.append((r["mesh"], f"{r['load']:.1f}", f"{st['text encode']:.1f}", f"{r['denoise']:.1f}",
+                     f"{r['denoise_excl_compile']:.1f}", f"{r['s_per_step']:.3f}", f"{st['vae decode']:.1f}",
+                     f"{st['mp4 write']:.1f}", f"{r['total']:.1f}", f"{r['total_default_steps']:.1f}",
+                     "n/a" if r["mfu"] is None else f"{100 * r['mfu']:.1f}%", _gib(max(peaks) if peaks else None)))
+    widths = [max([len(head[i])] + [len(b[i]) for b in body if len(b) == len(head)]) for i in range(len(head))]
+    lines = ["  ".join(h.rjust(w) for h, w in zip(head, widths))]
+    for b in body:
+        lines.append("  ".join(c.rjust(w) for c, w in zip(b, widths)) if len(b) == len(head) else
+                     f"{b[0].rjust(widths[0])}  {b[1]}")
+    return "\n".join(lines) + "\n(seconds; peak GiB: the largest per-device peak; total@default: projected to the " \
+                              "model's default step count)"
+
+
+# ---- driver ---------------------------------------------------------------------------------
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python scripts/bench_e2e.py", description=__doc__.split("\n\n")[0])
+    p.add_argument("--config", choices=sorted(CONFIGS), default="14b", help="model size (default: 14b)")
+    p.add_argument("--size", default=None, help="W*H (default: the model's, 1280*720 for 14b)")
+    p.add_argument("--frames", type=int, default=None, help="frames, 4n+1 (default: 81)")
+    p.add_argument("--steps", type=int, default=None, help="denoising steps (default: the model's, 50)")
+    p.add_argument("--mesh", "--meshes", dest="meshes", nargs="+", action="extend", metavar="DP,SP,TP",
+                   help="one or more meshes to run; several run one process each (default: 1,1,1)")
+    p.add_argument("--workdir", default=os.path.join(tempfile.gettempdir(), "wan_tpu_bench_e2e"),
+                   help="where the random checkpoint (reused when present) and the mp4s go")
+    p.add_argument("--attention", default=None, help="DiT attention kernel (default: the backend's fastest)")
+    p.add_argument("--peak-matmul", type=int, default=None, metavar="N",
+                   help="measure the MFU peak with an N³ bf16 matmul (default 8192; 0 or CPU default: table figure)")
+    p.add_argument("--prepare-only", action="store_true", help="write the random checkpoint and stop")
+    p.add_argument("--time-limit", type=float, default=None, metavar="SECONDS",
+                   help="stop a mesh still running this long after the start (checkpoint writing included) and "
+                        "skip the rest, so that the table is printed before an outer limit kills the run")
+    p.add_argument("--result-json", default=None, help=argparse.SUPPRESS)  # a mesh's row, for the parent process
+    return p
+
+
+def _child(args, mesh: str, result: str) -> list[str]:
+    argv = [sys.executable, os.path.abspath(__file__), "--config", args.config, "--workdir", args.workdir,
+            "--mesh", mesh, "--result-json", result]
+    for flag, value in (("--size", args.size), ("--frames", args.frames), ("--steps", args.steps),
+                        ("--attention", args.attention), ("--peak-matmul", args.peak_matmul)):
+        if value is not None:
+            argv += [flag, str(value)]
+    return argv
+
+
+def _run_child(args, mesh: str, deadline: float | None) -> dict:
+    """Run one mesh in a child process (stopped at `deadline`, a perf_counter time); its result row."""
+    timeout = None if deadline is None else deadline - time.perf_counter()
+    if timeout is not None and timeout <= 0:
+        return {"mesh": mesh, "status": f"not run (--time-limit {args.time_limit:g} s reached)"}
+    with tempfile.TemporaryDirectory() as tmp:
+        result = os.path.join(tmp, "row.json")
+        try:
+            rc = subprocess.run(_child(args, mesh, result), timeout=timeout).returncode
+        except subprocess.TimeoutExpired:
+            return {"mesh": mesh, "status": f"stopped at --time-limit {args.time_limit:g} s"}
+        if not os.path.isfile(result):
+            return {"mesh": mesh, "status": f"failed (exit status {rc}; see its output above)"}
+        with open(result) as f:
+            return json.load(f)
+
+
+def run(args) -> list[dict]:
+    start = time.perf_counter()
+    meshes = args.meshes or ["1,1,1"]
+    for m in meshes:
+        parse_mesh(m)
+    ckpt = ensure_checkpoint(args.workdir, args.config)
+    if args.prepare_only:
+        return []
+    if len(meshes) == 1 and args.time_limit is None:
+        rows = [run_mesh(ckpt, meshes[0], args)]
+        print_detail(rows[0])
+    else:
+        deadline = None if args.time_limit is None else start + args.time_limit
+        rows = [_run_child(args, m, deadline) for m in meshes]
+    if args.result_json:
+        with open(args.result_json, "w") as f:
+            json.dump(rows[0], f)
+    return rows
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        rows = run(args)
+    except WanInputError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    if rows and not args.result_json:
+        print(f"\nWan 2.1 T2V {args.config}, random weights, bf16 DiT/UMT5, float32 VAE, whole generate path:")
+        print(format_table(rows))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,195 @@
+"""Wan 2.1 VAE decode/encode: wan_tpu (JAX) vs diffusers' AutoencoderKLWan (torch), same random weights, bf16.
+
+    python scripts/bench_vae.py --tiled 384x704:336x576   # 480x832 and 720x1280, 81 frames, on the GPU
+    python scripts/bench_vae.py --impls wan_tpu --sizes 480x832 --reps 3
+
+Every side runs in subprocesses so peak-memory counters do not mix. JAX's peak counter cannot be
+reset and would also count the conv autotuner's scratch, so a "prime" process compiles everything
+into a persistent compilation cache first; the measuring processes load the executables and run
+their work in increasing expected peak (a row marked "peak ≤" was hidden by an earlier, larger one).
+Time is the median of `--reps` runs after one warm-up; peak is `torch.cuda.max_memory_allocated` /
+JAX `memory_stats()['peak_bytes_in_use']`. The last lines compare outputs (first frames at the first
+size) between the two implementations.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+import numpy as np
+
+GIB = 1024**3
+
+
+def _sizes(text):
+    return [tuple(int(v) for v in s.split("x")) for s in text.split(",")]
+
+
+def make_checkpoint(path):
+    import torch
+    from diffusers import AutoencoderKLWan
+
+    torch.manual_seed(0)
+    model = AutoencoderKLWan()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "gamma" in name:
+                p.copy_(1.0 + 0.2 * torch.randn_like(p))
+            else:
+                p.copy_(torch.randn_like(p) * (0.5 / max(1, p[0].numel()) ** 0.5 if p.dim() > 1 else 0.05))
+    model.to(torch.bfloat16).save_pretrained(path)
+
+
+def _inputs(kind, h, w, frames, seed=1):
+    rng = np.random.default_rng(seed)
+    if kind == "decode":
+        return rng.standard_normal((1, 16, (frames - 1) // 4 + 1, h // 8, w // 8), dtype=np.float32)
+    return rng.uniform(-1, 1, (1, 3, frames, h, w)).astype(np.float32)
+
+
+def worker_torch(args):
+    import torch
+    from diffusers import AutoencoderKLWan
+
+    vae = AutoencoderKLWan.from_pretrained(args.ckpt, torch_dtype=torch.bfloat16).cuda().eval()
+    for kind in ("decode", "encode"):
+        for i, (h, w) in enumerate(_sizes(args.sizes)):
+            x = torch.from_numpy(_inputs(kind, h, w, args.frames)).cuda().to(torch.bfloat16)
+            fn = (lambda: vae.decode(x).sample) if kind == "decode" else (lambda: vae.encode(x).latent_dist.mode())
+            times = []
+            torch.cuda.reset_peak_memory_stats()
+            with torch.no_grad():
+                for r in range(args.reps + 1):
+                    torch.cuda.synchronize()
+                    t0 = time.perf_counter()
+                    out = fn()
+                    torch.cuda.synchronize()
+                    times.append(time.perf_counter() - t0)
+            peak = torch.cuda.max_memory_allocated()
+            if i == 0:
+                sl = out[:, :, :5].float().cpu().numpy() if kind == "decode" else out.float().cpu().numpy()
+                np.save(os.path.join(args.ckpt, f"torch_{kind}.npy"), sl)
+            del out
+            torch.cuda.empty_cache()
+            _emit("diffusers", kind, h, w, times[1:], peak)
+
+
+def worker_jax(args):
+    import jax
+    import jax.numpy as jnp
+
+    # A persistent compilation cache filled by the "prime" process: the measuring processes load the
+    # executables instead of compiling, so their peak memory is the decode's, not the conv autotuner's.
+    jax.config.update("jax_compilation_cache_dir", os.path.join(args.ckpt, "jax_cache"))
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+    from wan_tpu.models.vae_loading import load_vae
+
+    vae = load_vae(args.ckpt, dtype=jnp.bfloat16)
+    dev = jax.devices()[0]
+    kind = args.worker.split(":")[1]
+    sizes = _sizes(args.sizes)
+    tiled = [("decode", *sizes[-1], tuple(_sizes(t)[0] for t in args.tiled.split(":")))] if args.tiled else []
+    jobs = {
+        "decode": tiled + [("decode", h, w, None) for h, w in sizes],  # smallest expected peak first
+        "encode": [("encode", h, w, None) for h, w in sizes],
+    }
+    jobs["prime"] = jobs["decode"] + jobs["encode"]
+    last_peak = 0
+    for job, h, w, tiles in jobs[kind]:
+        x = jnp.asarray(_inputs(job, h, w, args.frames), jnp.bfloat16)
+        if job == "encode":
+            fn = lambda: vae.encode(x)  # noqa: E731
+        elif tiles:
+            fn = lambda: vae.decode(x, tiling=True, tile_sample_size=tiles[0], tile_sample_stride=tiles[1])  # noqa: E731
+        else:
+            fn = lambda: vae.decode(x, tiling=False)  # noqa: E731
+        times = []
+        for r in range(1 if kind == "prime" else args.reps + 1):
+            t0 = time.perf_counter()
+            out = fn().block_until_ready()
+            times.append(time.perf_counter() - t0)
+        if kind == "prime":
+            print(f"primed {job} {h}x{w}{' tiled' if tiles else ''}: first call {times[0]:.1f}s", flush=True)
+            continue
+        peak = (dev.memory_stats() or {}).get("peak_bytes_in_use", 0)
+        masked = peak == last_peak  # JAX's peak counter cannot be reset: an earlier, larger peak hides this one
+        last_peak = peak
+        if h * w == sizes[0][0] * sizes[0][1] and not tiles:
+            sl = np.asarray(out[:, :, :5] if job == "decode" else out, np.float32)
+            np.save(os.path.join(args.ckpt, f"jax_{job}.npy"), sl)
+        del out
+        label = "wan_tpu" + (f" tiled {tiles[0][0]}x{tiles[0][1]}" if tiles else "") + (" (peak ≤)" if masked else "")
+        _emit(label, job, h, w, times[1:], peak)
+
+
+def _emit(impl, kind, h, w, times, peak):
+    row = dict(impl=impl, kind=kind, size=f"{h}x{w}", ms=1000 * statistics.median(times), peak_gib=peak / GIB)
+    print("RESULT " + json.dumps(row), flush=True)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--sizes", default="480x832,720x1280")
+    ap.add_argument("--frames", type=int, default=81)
+    ap.add_argument("--reps", type=int, default=2)
+    ap.add_argument("--tiled", default="", help="SIZE:STRIDE in pixels, e.g. 384x704:336x576; adds a tiled JAX decode at the last size")
+    ap.add_argument("--ckpt", default="/tmp/bench_vae_ckpt")
+    ap.add_argument("--timeout", type=int, default=200, help="seconds per subprocess")
+    ap.add_argument("--worker", default="")
+    ap.add_argument("--impls", default="diffusers,wan_tpu", help="which sides to run")
+    args = ap.parse_args()
+    if args.worker == "torch":
+        return worker_torch(args)
+    if args.worker.startswith("jax:"):
+        return worker_jax(args)
+
+    if not os.path.isdir(args.ckpt):
+        make_checkpoint(args.ckpt)
+    rows = []
+    impls = args.impls.split(",")
+    workers = (["jax:prime", "jax:decode", "jax:encode"] if "wan_tpu" in impls else []) + (["torch"] if "diffusers" in impls else [])
+    base = [sys.executable, __file__, "--sizes", args.sizes, "--frames", str(args.frames), "--reps", str(args.reps),
+            "--ckpt", args.ckpt, "--tiled", args.tiled]
+    for worker in workers:
+        t0 = time.time()
+        try:
+            proc = subprocess.run(base + ["--worker", worker], capture_output=True, text=True, timeout=args.timeout)
+            out, err = proc.stdout, proc.stderr
+        except subprocess.TimeoutExpired as e:
+            out, err = (e.stdout or b"").decode() if isinstance(e.stdout, bytes) else (e.stdout or ""), "timeout"
+        got = [json.loads(line[7:]) for line in out.splitlines() if line.startswith("RESULT ")]
+        rows += got
+        print(f"[{worker}] {time.time() - t0:.0f}s, {len(got)} results", flush=True)
+        print("".join(line + "\n" for line in out.splitlines() if line.startswith("primed")), end="", flush=True)
+        if (not got and worker != "jax:prime") or "Error" in err[-2000:]:
+            print(err[-3000:], flush=True)
+    print_table(rows, args)
+
+
+def print_table(rows, args):
+    ref = {(r["kind"], r["size"]): r for r in rows if r["impl"] == "diffusers"}
+    print(f"\nWan 2.1 VAE, bf16, {args.frames} frames, median of {args.reps} after warm-up")
+    print(f"{'work':7} {'size':9} {'impl':26} {'time ms':>9} {'peak GiB':>9} {'time ×':>7} {'mem ×':>7}")
+    order = [f"{h}x{w}" for h, w in _sizes(args.sizes)]
+    for r in sorted(rows, key=lambda r: (r["kind"], order.index(r["size"]), r["impl"] != "diffusers", r["impl"])):
+        base = ref.get((r["kind"], r["size"]))
+        tr = f"{r['ms'] / base['ms']:.2f}" if base else "-"
+        mr = f"{r['peak_gib'] / base['peak_gib']:.2f}" if base and base["peak_gib"] else "-"
+        print(f"{r['kind']:7} {r['size']:9} {r['impl']:26} {r['ms']:9.0f} {r['peak_gib']:9.2f} {tr:>7} {mr:>7}")
+    for kind in ("decode", "encode"):
+        a, b = (os.path.join(args.ckpt, f"{impl}_{kind}.npy") for impl in ("torch", "jax"))
+        if os.path.exists(a) and os.path.exists(b):
+            x, y = np.load(a), np.load(b)
+            if x.shape == y.shape:
+                print(f"{kind} output vs diffusers (bf16, first size): max |Δ| {np.abs(x - y).max():.3g}, "
+                      f"mean |Δ| {np.abs(x - y).mean():.3g}, mean |ref| {np.abs(x).mean():.3g}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,41 @@
+"""Stage 1: prompt (and image) → embeddings, written to a stage file.
+
+    python scripts/stage1_encode.py --model tiny --prompt "a cat walks on the grass" --output stage1.safetensors
+
+Takes the prompt, model and run flags of `python -m wan_tpu.generate`; `--size`, `--frames` and
+`--guidance` must match stage 2 (CFG needs the negative embeddings; I2V/TI2V encode `--image` at
+that size and length), which checks them. `--overwrite` replaces an existing output.
+"""
+
+import sys
+
+from wan_tpu.generate import (CliParser, add_model_args, add_prompt_args, add_run_args, check_stage_output, cli,
+                              encode_stage, load_pipeline, run_settings, stage1_meta)
+from wan_tpu.profiling import StageTimer
+
+
+def run(args):
+    from wan_tpu.stages import save_stage
+
+    check_stage_output(args.output, args.overwrite)
+    timer = StageTimer()
+    pipe = load_pipeline(args)
+    s = run_settings(pipe, args)
+    embeds = encode_stage(pipe, args, s, timer)
+    save_stage(args.output, embeds, stage1_meta(pipe, args, s), overwrite=args.overwrite)
+    print(f"wrote {args.output}")
+    print(timer.table())
+
+
+def parser():
+    p = CliParser(prog="scripts/stage1_encode.py", description="Stage 1: prompt (and image) → embeddings")
+    add_prompt_args(p)
+    add_model_args(p)
+    add_run_args(p)
+    p.add_argument("--output", default="stage1.safetensors", help="stage file to write (default: stage1.safetensors)")
+    p.add_argument("--overwrite", action="store_true", help="replace an existing output")
+    return p
+
+
+if __name__ == "__main__":
+    sys.exit(cli(run, parser()))

@@ -1,0 +1,105 @@
+"""`scripts/bench_e2e.py` at tiny scale on CPU: the random checkpoint it writes is what diffusers and
+transformers load without a missing or unexpected key (the reference for "diffusers layout"), with
+the weight scales it promises; the whole generate path runs through our loaders (on a one-device
+mesh, to stay fast) and writes a playable mp4; meshes needing more devices than exist are reported as skipped."""
+
+import importlib.util
+import os
+import sys
+
+import numpy as np
+import pytest
+from safetensors import safe_open
+
+SCRIPT = os.path.join(os.path.dirname(__file__), os.pardir, "scripts", "bench_e2e.py")
+
+
+def _load_script():
+    spec = importlib.util.spec_from_file_location("bench_e2e", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["bench_e2e"] = module  # dataclasses look their module up by name
+    spec.loader.exec_module(module)
+    return module
+
+
+bench = _load_script()
+
+
+@pytest.fixture(scope="module")
+def workdir(tmp_path_factory):
+    path = tmp_path_factory.mktemp("bench_e2e")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(bench, "SHARD_BYTES", 1 << 13)  # several shards + index files, as at real size
+        bench.ensure_checkpoint(str(path), "tiny")
+    return path
+
+
+def test_checkpoint_loads_in_diffusers_and_transformers(workdir):
+    import diffusers
+    import torch
+    from transformers import UMT5EncoderModel
+
+    ckpt = bench.ensure_checkpoint(str(workdir), "tiny")  # reused, not rewritten
+    assert os.path.isfile(os.path.join(ckpt, "transformer", "diffusion_pytorch_model.safetensors.index.json"))
+    assert os.path.isfile(os.path.join(ckpt, "text_encoder", "model.safetensors.index.json"))
+    dit, info = diffusers.WanTransformer3DModel.from_pretrained(os.path.join(ckpt, "transformer"),
+                                                                output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"]
+    stored = safe_open(os.path.join(ckpt, "transformer", "diffusion_pytorch_model-00001-of-00051.safetensors"), "pt")
+    assert {stored.get_tensor(k).dtype for k in stored.keys()} == {torch.bfloat16}
+    _, info = diffusers.AutoencoderKLWan.from_pretrained(os.path.join(ckpt, "vae"), output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"]
+    umt5, info = UMT5EncoderModel.from_pretrained(os.path.join(ckpt, "text_encoder"), output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"]
+    assert torch.equal(umt5.encoder.embed_tokens.weight, umt5.shared.weight)
+
+    # Scales (tolerance: 5% of the promised std, a few thousand samples each).
+    w = dit.blocks[0].ffn.net[0].proj.weight.float()
+    assert abs(w.std().item() * w.shape[1] ** 0.5 - 1) < 0.05
+    assert torch.all(dit.blocks[0].attn1.norm_q.weight == 1)
+    sst = dit.blocks[1].scale_shift_table.float()
+    assert abs(sst.std().item() * sst.shape[-1] ** 0.5 - 1) < 0.05
+    q = umt5.encoder.block[1].layer[0].SelfAttention.q.weight.float()
+    assert abs(q.std().item() * q.shape[1] ** 0.5 - 1) < 0.05
+    assert not torch.equal(dit.blocks[0].attn1.to_q.weight, dit.blocks[1].attn1.to_q.weight)
+
+
+def test_tiny_generate_end_to_end(workdir, capsys):
+    from wan_tpu.video import read_video
+
+    assert bench.main(["--config", "tiny", "--steps", "2", "--size", "32*32", "--frames", "5", "--mesh", "1,1,1",
+                       "--workdir", str(workdir)]) == 0
+    out = capsys.readouterr().out
+    for stage in ("load text encoder", "text encode", "load transformer", "denoise (2 steps)",
+                  "denoise excl. compile", "s/step", "vae decode", "mp4 write", "total (one generate)", "MFU",
+                  "peak memory"):
+        assert stage in out
+    table = out[out.index("mesh dp,sp,tp"):]
+    for column in ("load", "text enc", "denoise", "excl.compile", "s/step", "vae dec", "mp4", "total", "MFU", "peak GiB"):
+        assert column in table
+    row = table.splitlines()[1].split()
+    assert row[0] == "1,1,1" and len(row) == 12
+    assert float(row[8]) > float(row[3]) > 0  # total > denoise
+    frames, fps = read_video(os.path.join(workdir, "bench_e2e_tiny_1x1x1.mp4"))
+    assert frames.shape == (5, 32, 32, 3) and fps == 16
+    assert np.ptp(frames) > 0
+
+
+def test_meshes_run_in_their_own_processes_and_skip_when_devices_are_missing(workdir, capsys):
+    # With a time limit (or several meshes) each mesh runs in a child process; this one needs more
+    # than the 8 simulated CPU devices.
+    assert bench.main(["--config", "tiny", "--meshes", "2,2,8", "--time-limit", "600", "--workdir", str(workdir)]) == 0
+    table = capsys.readouterr().out.split("mesh dp,sp,tp")[1].splitlines()
+    assert table[1].split()[0] == "2,2,8" and "skipped (needs 32 devices, 8 here)" in table[1]
+
+
+def test_bad_mesh_is_one_line_error(workdir, capsys):
+    assert bench.main(["--config", "tiny", "--mesh", "2,1", "--workdir", str(workdir)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: mesh '2,1' is not dp,sp,tp") and "\n" not in err
+
+
+def test_time_limit_still_prints_the_table(workdir, capsys):
+    assert bench.main(["--config", "tiny", "--meshes", "1,1,1", "--time-limit", "0", "--workdir", str(workdir)]) == 0
+    table = capsys.readouterr().out.split("mesh dp,sp,tp")[1].splitlines()
+    assert table[1].split()[0] == "1,1,1" and "not run (--time-limit 0 s reached)" in table[1]

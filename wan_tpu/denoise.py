@@ -1,0 +1,185 @@
+"""The denoising loop: one compiled step function, driven from Python.
+
+Each step is one call of a jitted function (DiT forward with classifier-free guidance + one
+scheduler step). Everything that changes between steps is an argument (the step index, the
+guidance scale, the latents, the scheduler state and its tables, the DiT weights), so the function
+is traced and compiled once per run shape (latent size, step count) and per DiT (the two Wan 2.2
+A14B experts compile once each). On accelerators latents and scheduler state are donated, so a
+step updates them in place.
+
+Driving the loop from Python (rather than `lax.fori_loop`) gives a per-step progress bar with s/it
+and a NaN/Inf check without stalling the device: the finite flag of step i is read only after step
+i+1 has been dispatched.
+
+CFG: the conditional and unconditional passes are one DiT call on a batch of 2B (cond first), the
+batch axis being what the mesh's `dp` axis splits; noise = uncond + g·(cond − uncond). With
+g ≤ 1 there is no unconditional pass (diffusers' `do_classifier_free_guidance = g > 1`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec
+
+from wan_tpu.models.transformer import forward
+from wan_tpu.profiling import scope
+
+
+class NonFiniteLatentsError(RuntimeError):
+    """The latents became NaN or Inf during denoising."""
+
+
+class Conditioning(NamedTuple):
+    """Everything the DiT attends to or is conditioned on besides the noisy latents.
+
+    `prompt_embeds` / `negative_prompt_embeds`: `(B, L, text_dim)`; the negative one only with CFG.
+    `image_embeds`: CLIP tokens `(B, 257, 1280)` for Wan 2.1 I2V.
+    `condition`: I2V channels concatenated to the latents, `(B, 4 + z, F, h, w)`.
+    `first_frame`, `first_frame_mask`: TI2V (`expand_timesteps`) image latent `(B, z, 1, h, w)` and
+    mask `(1, 1, F, h, w)` (0 = conditioned); with `expand_timesteps` the mask is always given.
+    """
+
+    prompt_embeds: jax.Array
+    negative_prompt_embeds: jax.Array | None = None
+    image_embeds: jax.Array | None = None
+    condition: jax.Array | None = None
+    first_frame: jax.Array | None = None
+    first_frame_mask: jax.Array | None = None
+
+
+def expert_switch_index(timesteps: np.ndarray, boundary_ratio: float | None, num_train_timesteps: int = 1000) -> int:
+    """Number of leading steps run by the high-noise expert: those with t >= boundary_ratio × 1000."""
+    if boundary_ratio is None:
+        return len(timesteps)
+    return int(np.sum(np.asarray(timesteps) >= boundary_ratio * num_train_timesteps))
+
+
+def model_input(latents, cond: Conditioning):
+    """The DiT input for the current latents (I2V channel concat / TI2V first-frame replacement)."""
+    if cond.condition is not None:
+        return jnp.concatenate([latents, cond.condition.astype(latents.dtype)], axis=1)
+    if cond.first_frame is not None:
+        mask = cond.first_frame_mask
+        return (1 - mask) * cond.first_frame + mask * latents
+    return latents
+
+
+def _shard_batch(x, mesh):
+    if mesh is None:
+        return x
+    # Without CFG the batch may be smaller than dp; then the batch is replicated over dp.
+    spec = PartitionSpec("dp") if x.shape[0] % mesh.shape["dp"] == 0 else PartitionSpec()
+    return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec))
+
+
+def _step(sched_cls, graphdef, patch_size, mesh, params, sched_fields, sched_state, latents, i, cond, guidance):
+    sched = sched_cls(**sched_fields)
+    b = latents.shape[0]
+    x = model_input(latents, cond).astype(cond.prompt_embeds.dtype)
+    t = sched.timesteps[i]
+    context, image = cond.prompt_embeds, cond.image_embeds
+    cfg = cond.negative_prompt_embeds is not None
+    if cfg:
+        x = jnp.concatenate([x, x])
+        context = jnp.concatenate([context, cond.negative_prompt_embeds])
+        image = None if image is None else jnp.concatenate([image, image])
+    x = _shard_batch(x, mesh)
+    if cond.first_frame_mask is not None:
+        # One timestep per patch token, 0 on the conditioned first frame.
+        _, ph, pw = patch_size
+        per_token = (cond.first_frame_mask[0, 0, :, ::ph, ::pw] * t).reshape(1, -1)
+        timestep = jnp.broadcast_to(per_token, (x.shape[0], per_token.shape[1]))
+    else:
+        timestep = jnp.full((x.shape[0],), t, jnp.float32)
+    with jax.named_scope("dit_forward"):
+        noise = forward(graphdef, params, x, timestep, context, image).astype(jnp.float32)
+    if cfg:
+        noise_cond, noise_uncond = noise[:b], noise[b:]
+        noise = noise_uncond + guidance * (noise_cond - noise_uncond)
+    with jax.named_scope("scheduler_step"):
+        latents, sched_state = sched.step(sched_state, noise, latents, i)
+    return latents, sched_state, jnp.all(jnp.isfinite(latents))
+
+
+_STATIC = (0, 1, 2, 3)
+_step_jit = jax.jit(_step, static_argnums=_STATIC)
+# CPU cannot reuse donated buffers (and warns about it), so only accelerators donate.
+_step_jit_donated = jax.jit(_step, static_argnums=_STATIC, donate_argnums=(6, 7))
+
+
+def denoise(
+    transformers,
+    latents,
+    cond: Conditioning,
+    scheduler,
+    guidance_scales,
+    boundary_ratio: float | None = None,
+    mesh=None,
+    progress: bool = True,
+    step_seconds: list | None = None,
+) -> jax.Array:
+    """Run the whole schedule from the initial noise `latents` (B, z, F, h, w); returns the final latents.
+
+    `transformers`: the DiT, or the (high-noise, low-noise) experts of Wan 2.2 A14B with their
+    `guidance_scales` and `boundary_ratio`. `step_seconds`, if given, receives each step's wall time
+    (the first includes compilation).
+    """
+    from tqdm.auto import tqdm
+
+    timesteps = np.asarray(scheduler.timesteps)
+    n = len(timesteps)
+    switch = expert_switch_index(timesteps, boundary_ratio)
+    if switch < n and len(transformers) < 2:
+        raise ValueError(f"boundary_ratio={boundary_ratio} needs a low-noise transformer_2 for steps {switch}..{n - 1}")
+    experts = [nnx.split(t) for t in transformers]
+    dtype = transformers[0].dtype
+    cond = cond._replace(
+        prompt_embeds=cond.prompt_embeds.astype(dtype),
+        negative_prompt_embeds=None if cond.negative_prompt_embeds is None else cond.negative_prompt_embeds.astype(dtype),
+        image_embeds=None if cond.image_embeds is None else cond.image_embeds.astype(dtype),
+    )
+    fields = {f.name: jnp.asarray(getattr(scheduler, f.name)) for f in dataclasses.fields(scheduler)}
+    # A private copy: the step donates its latents buffer, and the caller may still hold this one.
+    latents = jnp.array(latents, dtype=jnp.float32, copy=True)
+    # Copies, so that no two donated state leaves share a buffer.
+    state = jax.tree.map(lambda a: jnp.array(a, copy=True), scheduler.init_state(latents))
+    step_fn = _step_jit if jax.default_backend() == "cpu" else _step_jit_donated
+    pending = None
+    last = time.perf_counter()
+    with tqdm(total=n, unit="step", desc="denoise", disable=not progress) as bar:
+
+        def finish(index, finite):
+            nonlocal last
+            if not bool(finite):
+                raise NonFiniteLatentsError(
+                    f"latents became NaN/Inf at step {index} (t={timesteps[index]:.0f}); the weights or the dtype "
+                    "overflow: check the checkpoint, or run in float32 (--dtype float32)"
+                )
+            now = time.perf_counter()
+            if step_seconds is not None:
+                step_seconds.append(now - last)
+            last = now
+            bar.update()
+
+        for i in range(n):
+            e = 0 if i < switch else 1
+            graphdef, params = experts[e]
+            with scope(f"step_{i}"):
+                latents, state, finite = step_fn(
+                    type(scheduler), graphdef, transformers[e].config.patch_size, mesh, params, fields, state,
+                    latents, jnp.int32(i), cond, jnp.float32(guidance_scales[e]),
+                )
+            if pending is not None:
+                finish(*pending)
+            pending = (i, finite)
+        finish(*pending)
+    if cond.first_frame is not None:
+        latents = model_input(latents, cond)
+    return latents

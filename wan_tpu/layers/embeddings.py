@@ -1,0 +1,62 @@
+"""Timestep and conditioning embeddings of the Wan DiT (diffusers' Timesteps, TimestepEmbedding,
+PixArtAlphaTextProjection)."""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+
+def timestep_embedding(t, dim: int, flip_sin_to_cos: bool = True, downscale_freq_shift: float = 0.0,
+                       max_period: float = 10000.0):
+    """Sinusoidal embedding of timesteps t (any shape) → t.shape + (dim,), float32."""
+    half = dim // 2
+    exponent = -math.log(max_period) * jnp.arange(half, dtype=jnp.float32) / (half - downscale_freq_shift)
+    args = t.astype(jnp.float32)[..., None] * jnp.exp(exponent)
+    sin, cos = jnp.sin(args), jnp.cos(args)
+    emb = jnp.concatenate([cos, sin] if flip_sin_to_cos else [sin, cos], axis=-1)
+    if dim % 2:
+        emb = jnp.pad(emb, [(0, 0)] * (emb.ndim - 1) + [(0, 1)])
+    return emb
+
+
+def linear(din: int, dout: int, dtype, rngs: nnx.Rngs) -> nnx.Linear:
+    """A biased linear layer whose parameters and matmul run in `dtype`."""
+    return nnx.Linear(din, dout, dtype=dtype, param_dtype=dtype, rngs=rngs)
+
+
+class TimestepEmbedding(nnx.Module):
+    """linear_1 → SiLU → linear_2."""
+
+    def __init__(self, in_channels: int, dim: int, *, dtype, rngs: nnx.Rngs):
+        self.linear_1 = linear(in_channels, dim, dtype, rngs)
+        self.linear_2 = linear(dim, dim, dtype, rngs)
+
+    def __call__(self, x):
+        return self.linear_2(jax.nn.silu(self.linear_1(x)))
+
+
+class TextProjection(nnx.Module):
+    """diffusers' PixArtAlphaTextProjection with GELU(tanh): linear_1 → GELU → linear_2."""
+
+    def __init__(self, in_features: int, dim: int, *, dtype, rngs: nnx.Rngs):
+        self.linear_1 = linear(in_features, dim, dtype, rngs)
+        self.linear_2 = linear(dim, dim, dtype, rngs)
+
+    def __call__(self, x):
+        return self.linear_2(jax.nn.gelu(self.linear_1(x), approximate=True))
+
+
+class FeedForward(nnx.Module):
+    """proj_in → GELU → proj_out (diffusers' FeedForward `net.0.proj` / `net.2`)."""
+
+    def __init__(self, dim: int, inner_dim: int, dim_out: int, *, approximate: bool, dtype, rngs: nnx.Rngs):
+        self.approximate = approximate
+        self.proj_in = linear(dim, inner_dim, dtype, rngs)
+        self.proj_out = linear(inner_dim, dim_out, dtype, rngs)
+
+    def __call__(self, x):
+        return self.proj_out(jax.nn.gelu(self.proj_in(x), approximate=self.approximate))

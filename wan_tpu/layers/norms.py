@@ -1,0 +1,58 @@
+"""Normalization layers of the Wan DiT, computed in float32 whatever the activation dtype.
+
+Parameter names follow diffusers (`weight`, `bias`) so checkpoint names map one to one.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+
+def layer_norm(x, eps: float, weight=None, bias=None):
+    """LayerNorm over the last axis in float32, returned in float32 (callers cast where diffusers does)."""
+    x = x.astype(jnp.float32)
+    mean = jnp.mean(x, axis=-1, keepdims=True)
+    centered = x - mean
+    var = jnp.mean(jnp.square(centered), axis=-1, keepdims=True)
+    y = centered * jax.lax.rsqrt(var + eps)
+    if weight is not None:
+        y = y * weight.astype(jnp.float32)
+    if bias is not None:
+        y = y + bias.astype(jnp.float32)
+    return y
+
+
+class FP32LayerNorm(nnx.Module):
+    """diffusers' FP32LayerNorm: float32 statistics and (optional) float32 affine, output in input dtype."""
+
+    def __init__(self, dim: int, eps: float, elementwise_affine: bool = True):
+        self.eps = eps
+        if elementwise_affine:
+            self.weight = nnx.Param(jnp.ones((dim,), jnp.float32))
+            self.bias = nnx.Param(jnp.zeros((dim,), jnp.float32))
+        else:
+            self.weight = self.bias = None
+
+    def __call__(self, x):
+        w = None if self.weight is None else self.weight[...]
+        b = None if self.bias is None else self.bias[...]
+        return layer_norm(x, self.eps, w, b).astype(x.dtype)
+
+
+class RMSNorm(nnx.Module):
+    """RMSNorm with a learned scale (`torch.nn.RMSNorm`); statistics in float32, output in input dtype.
+
+    On the DiT's q/k it normalizes across all heads at once (`rms_norm_across_heads`), so it runs on
+    the (…, heads·head_dim) projection before the head split.
+    """
+
+    def __init__(self, dim: int, eps: float, *, dtype=jnp.float32):
+        self.eps = eps
+        self.weight = nnx.Param(jnp.ones((dim,), dtype))
+
+    def __call__(self, x):
+        xf = x.astype(jnp.float32)
+        y = xf * jax.lax.rsqrt(jnp.mean(jnp.square(xf), axis=-1, keepdims=True) + self.eps)
+        return (y * self.weight[...].astype(jnp.float32)).astype(x.dtype)

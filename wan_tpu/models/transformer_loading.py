@@ -1,0 +1,137 @@
+"""`load_transformer`: a diffusers-format `transformer/` folder → `WanTransformer`.
+
+Every parameter of the (abstractly built) module is filled from the checkpoint: diffusers names are
+mapped to ours (`to_out.0` → `to_out`, `ffn.net.0.proj` → `ffn.proj_in`, `ffn.net.2` → `ffn.proj_out`),
+linear weights are transposed to (in, out), the patch-embedding Conv3d becomes a matmul kernel, and
+per-layer tensors `blocks.{i}.…` are stacked on the leading layer axis. All names and shapes are
+checked against config.json before any data is read. Tensors stream one parameter at a time from
+memory-mapped files, so the host holds at most one (stacked) parameter besides the mapping.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from wan_tpu.checkpoint import TensorSource, open_checkpoint
+from wan_tpu.configs.models import WanTransformerConfig, config_from_json
+from wan_tpu.errors import WanInputError
+from wan_tpu.models.transformer import WanTransformer
+
+# Checkpoint tensors diffusers itself ignores (`_keys_to_ignore_on_load_unexpected`).
+_IGNORED_SEGMENTS = ("norm_added_q",)
+
+
+def _diffusers_name(our_path: tuple[str, ...]) -> str:
+    """Our parameter path (without the leaf) → diffusers module path."""
+    out = []
+    for i, seg in enumerate(our_path):
+        parent = our_path[i - 1] if i else ""
+        if seg == "to_out":
+            out.append("to_out.0")
+        elif parent in ("ffn", "ff") and seg == "proj_in":
+            out.append("net.0.proj")
+        elif parent in ("ffn", "ff") and seg == "proj_out":
+            out.append("net.2")
+        else:
+            out.append(seg)
+    return ".".join(out)
+
+
+class _Source:
+    """How one of our parameters is read: checkpoint names (one per layer if stacked) and a layout fix."""
+
+    def __init__(self, path: tuple[str, ...], target: jax.ShapeDtypeStruct, cfg: WanTransformerConfig):
+        *module, leaf = path
+        self.path = ".".join(path)
+        self.stacked = bool(module) and module[0] == "blocks"
+        layer_shape = target.shape[1:] if self.stacked else target.shape
+        base = _diffusers_name(tuple(module))
+        self.transform = None
+        if leaf == "kernel" and base == "patch_embedding":
+            # Conv3d (out, in, pt, ph, pw) with stride == kernel is a matmul over flattened (in, pt, ph, pw).
+            self.source_shape = (cfg.inner_dim, cfg.in_channels, *cfg.patch_size)
+            self.transform = lambda a: a.reshape(a.shape[0], -1).T
+        elif leaf == "kernel":
+            self.source_shape = layer_shape[::-1]
+            self.transform = lambda a: a.T
+        else:
+            self.source_shape = layer_shape
+        name = f"{base}.weight" if leaf == "kernel" else f"{base}.{leaf}" if base else leaf
+        if self.stacked:
+            rest = name[len("blocks."):]
+            self.names = [f"blocks.{i}.{rest}" for i in range(cfg.num_layers)]
+        else:
+            self.names = [name]
+
+    def check(self, tensors: TensorSource, folder: str):
+        for n in self.names:
+            if n not in tensors:
+                raise WanInputError(
+                    f"{folder}: tensor {n!r} (shape {self.source_shape}) is missing; the weights do not match "
+                    f"config.json — re-download or re-save the transformer"
+                )
+            if tuple(tensors.shape(n)) != tuple(self.source_shape):
+                raise WanInputError(
+                    f"{folder}: tensor {n!r} has shape {tuple(tensors.shape(n))}, but config.json implies "
+                    f"{self.source_shape}; the weights do not match config.json"
+                )
+
+    def read(self, tensors: TensorSource, dtype) -> np.ndarray:
+        def one(n):
+            a = np.asarray(tensors[n])
+            return (self.transform(a) if self.transform else a).astype(dtype, copy=False)
+
+        if not self.stacked:
+            return np.ascontiguousarray(one(self.names[0]))
+        first = one(self.names[0])
+        out = np.empty((len(self.names), *first.shape), dtype)
+        out[0] = first
+        for i, n in enumerate(self.names[1:], start=1):
+            out[i] = one(n)
+        return out
+
+
+def load_transformer(path: str, dtype=jnp.float32, mesh=None) -> WanTransformer:
+    """Load a diffusers-format Wan transformer folder (config.json + safetensors) into a WanTransformer.
+
+    Parameters that diffusers keeps in float32 stay float32; the rest are cast to `dtype`. With a
+    `mesh`, each parameter is placed sharded as it is read (`wan_tpu.sharding.place_param`) and the
+    model's hooks are set for the mesh (`wan_tpu.sharding.shard_transformer`).
+    """
+    config, tensors = open_checkpoint(path, "transformer")
+    cfg = config_from_json(config)
+    abstract = nnx.eval_shape(lambda: WanTransformer(cfg, dtype=dtype, rngs=nnx.Rngs(0)))
+    graphdef, state = nnx.split(abstract)
+    flat = nnx.to_flat_state(state)
+
+    sources = [_Source(tuple(str(p) for p in key), var.get_value(), cfg) for key, var in flat]
+    for s in sources:
+        s.check(tensors, path)
+    expected = {n for s in sources for n in s.names}
+    for name in tensors:
+        if name not in expected and not any(seg in name.split(".") for seg in _IGNORED_SEGMENTS):
+            raise WanInputError(
+                f"{path}: unexpected tensor {name!r} (shape {tuple(tensors.shape(name))}) is not a parameter of the "
+                f"transformer that config.json describes; check that config.json belongs to these weights"
+            )
+
+    if mesh is not None:
+        from wan_tpu.sharding import place_param
+
+    for s, (key, var) in zip(sources, flat):
+        host = s.read(tensors, np.dtype(var.get_value().dtype))
+        if mesh is None:
+            var.set_value(jax.device_put(host))
+        else:
+            var.set_value(place_param(mesh, "dit", s.path, host, num_heads=cfg.num_attention_heads))
+        del host
+    dit = nnx.merge(graphdef, nnx.from_flat_state(flat))
+
+    if mesh is not None:
+        from wan_tpu.sharding import shard_transformer
+
+        shard_transformer(dit, mesh)
+    return dit

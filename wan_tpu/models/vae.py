@@ -1,0 +1,297 @@
+"""`WanVAE`: the Wan 2.1 / 2.2 video VAE in Flax NNX, computing what diffusers' `AutoencoderKLWan` does.
+
+Public I/O is diffusers': `encode(video (B, 3, T, H, W) in [-1, 1]) -> posterior mean (B, z, F, h, w)`
+(== `latent_dist.mode()`), `decode(z) -> video (B, 3, T, H, W)` clamped to [-1, 1] (== `.sample`).
+
+The causal time loop is diffusers' (encode: the first frame alone, then chunks of 4 frames; decode:
+one latent frame at a time), but each kind of chunk is one jitted function traced once per spatial
+shape, whatever the number of frames: the feature caches are its carried, donated arguments. Inside
+a chunk, the layers that never mix frames (full-resolution ones) run frame by frame in a `lax.scan`,
+so the largest activations hold one frame, not four. With a mesh, activations are split along width
+over all its devices (weights replicated; XLA exchanges the conv halos). On a small device `decode`
+can tile space instead (overlapping latent tiles, linear blend), chosen from free device memory.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax import lax
+from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
+
+from wan_tpu.configs.vae import WanVAEConfig
+from wan_tpu.errors import WanInputError
+from wan_tpu.models.vae_blocks import CausalConv3d, ChunkState, Decoder3d, Encoder3d
+
+
+class WanVAE(nnx.Module):
+    def __init__(self, config: WanVAEConfig, *, dtype=jnp.float32, rngs: nnx.Rngs):
+        self.config = config
+        self.dtype = dtype
+        self.mesh = None
+        z = config.z_dim
+        self.encoder = Encoder3d(config, dtype=dtype, rngs=rngs)
+        self.quant_conv = CausalConv3d(2 * z, 2 * z, 1, dtype=dtype, rngs=rngs)
+        self.post_quant_conv = CausalConv3d(z, z, 1, dtype=dtype, rngs=rngs)
+        self.decoder = Decoder3d(config, dtype=dtype, rngs=rngs)
+
+    # ---- public API ----
+    def encode(self, video, mesh: Mesh | None = None):
+        """Video (B, C, T, H, W) in [-1, 1], T = 4n+1 → posterior mean (B, z_dim, n+1, H/s, W/s)."""
+        cfg = self.config
+        video = jnp.asarray(video)
+        if video.ndim != 5 or video.shape[1] != cfg.video_channels:
+            raise WanInputError(f"encode expects video (B, {cfg.video_channels}, T, H, W), got shape {tuple(video.shape)}")
+        t, h, w = video.shape[2:]
+        if (t - 1) % 4:
+            raise WanInputError(f"encode needs 4n+1 frames, got {t}; pass e.g. {4 * ((t - 1) // 4) + 1} or {4 * ((t - 1) // 4) + 5}")
+        s = cfg.scale_factor_spatial
+        if h % s or w % s:
+            raise WanInputError(f"encode needs height and width divisible by {s}, got {h}x{w}; resize or crop the video")
+        graphdef, state = nnx.split(self)
+        wmesh = _width_mesh(mesh or self.mesh)
+        video = _place(video.astype(self.dtype), wmesh)
+        caches, mu = _encode_chunk(graphdef, state, video[:, :, :1], None, wmesh)
+        means = [mu]
+        for i in range((t - 1) // 4):
+            caches, mu = _encode_chunk(graphdef, state, video[:, :, 1 + 4 * i : 5 + 4 * i], caches, wmesh)
+            means.append(mu)
+        return jnp.concatenate(means, axis=2)
+
+    def decode(self, z, *, tiling: bool | None = None, tile_sample_size=(256, 256), tile_sample_stride=(192, 192),
+               mesh: Mesh | None = None):
+        """Latents (B, z_dim, F, h, w) → video (B, C, 4(F-1)+1, h·s, w·s) in [-1, 1].
+
+        `tiling=None` tiles only when the untiled decode would not fit in free device memory;
+        tiles are `tile_sample_size` pixels (height, width), at most `tile_sample_stride` apart.
+        """
+        cfg = self.config
+        z = jnp.asarray(z)
+        if z.ndim != 5 or z.shape[1] != cfg.z_dim:
+            raise WanInputError(f"decode expects latents (B, {cfg.z_dim}, F, h, w), got shape {tuple(z.shape)}")
+        wmesh = _width_mesh(mesh or self.mesh)
+        z = _place(z.astype(self.dtype), wmesh)
+        if tiling is None:
+            tiling = wmesh is None and self._needs_tiling(z)
+        if tiling:
+            return self._tiled_decode(z, tile_sample_size, tile_sample_stride)
+        return self._decode(z, wmesh)
+
+    def normalize_latents(self, z):
+        """diffusers WanPipeline's encode-side scaling: (z - mean) * (1 / std)."""
+        mean, inv_std = self._latent_stats(z)
+        return (z - mean) * inv_std
+
+    def denormalize_latents(self, z):
+        """diffusers WanPipeline's scaling before `vae.decode`: z / (1 / std) + mean."""
+        mean, inv_std = self._latent_stats(z)
+        return z / inv_std + mean
+
+    # ---- internals ----
+    def _latent_stats(self, z):
+        shape = (1, self.config.z_dim, 1, 1, 1)
+        mean = jnp.asarray(self.config.latents_mean, jnp.float32).reshape(shape).astype(z.dtype)
+        inv_std = (1.0 / jnp.asarray(self.config.latents_std, jnp.float32)).reshape(shape).astype(z.dtype)
+        return mean, inv_std
+
+    def _decode(self, z, wmesh, raw=False):
+        graphdef, state = nnx.split(self)
+        caches, first = _decode_chunk(graphdef, state, z[:, :, :1], None, wmesh, raw)
+        b, c, _, h, w = first.shape
+        frames = 1 + 4 * (z.shape[2] - 1)
+        out = _write_frames(_zeros((b, c, frames, h, w), first.dtype, wmesh), first, 0)
+        for i in range(1, z.shape[2]):
+            caches, chunk = _decode_chunk(graphdef, state, z[:, :, i : i + 1], caches, wmesh, raw)
+            out = _write_frames(out, chunk, 1 + 4 * (i - 1))
+        return out
+
+    def _decode_bytes(self, z) -> int:
+        """Device bytes an untiled decode of `z` needs: carried caches, output, full-resolution activations."""
+        graphdef, state = nnx.split(self)
+        caches, first = jax.eval_shape(partial(_decode_chunk, graphdef), state, z[:, :, :1], None, None, False)
+        cache_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(caches))
+        frame = first.size // first.shape[1] * self.config.decoder_dim * first.dtype.itemsize
+        return cache_bytes + first.size * (1 + 4 * (z.shape[2] - 1)) * first.dtype.itemsize + 8 * frame
+
+    def _needs_tiling(self, z) -> bool:
+        stats = jax.devices()[0].memory_stats() or {}
+        if "bytes_limit" not in stats:
+            return False
+        free = stats["bytes_limit"] - stats.get("bytes_in_use", 0)
+        return self._decode_bytes(z) > 0.9 * free
+
+    def _tiled_decode(self, z, tile_sample_size, tile_sample_stride):
+        """diffusers' `tiled_decode`: tiles start every `stride` latents, each decoded over all frames, then
+        blended into its upper and left neighbours (linear ramps over the overlap) and cropped to the stride.
+        Only two rows of tiles are alive at a time."""
+        s, p = self.config.scale_factor_spatial, self.config.patch_size or 1
+        _, _, _, h, w = z.shape
+        lat_size = [n // s for n in tile_sample_size]
+        lat_stride = [n // s for n in tile_sample_stride]
+        if min(lat_size) < 1 or min(lat_stride) < 1 or any(a < b for a, b in zip(tile_sample_size, tile_sample_stride)):
+            raise WanInputError(
+                f"tile_sample_size {tuple(tile_sample_size)} and tile_sample_stride {tuple(tile_sample_stride)} must be "
+                f"at least {s} pixels, stride ≤ size; pass e.g. (256, 256) and (192, 192)"
+            )
+        out_stride = [n // p for n in tile_sample_stride]
+        blend = [(a - b) // p for a, b in zip(tile_sample_size, tile_sample_stride)]
+        rows, prev = [], None
+        for i in range(0, h, lat_stride[0]):
+            row = []
+            for j in range(0, w, lat_stride[1]):
+                tile = self._decode(z[:, :, :, i : i + lat_size[0], j : j + lat_size[1]], None, raw=True)
+                if prev is not None:
+                    tile = _blend(prev[len(row)], tile, blend[0], axis=3)
+                if row:
+                    tile = _blend(row[-1], tile, blend[1], axis=4)
+                row.append(tile)
+            if prev is not None:
+                rows.append(jnp.concatenate([t[:, :, :, : out_stride[0], : out_stride[1]] for t in prev], axis=4))
+            prev = row
+        rows.append(jnp.concatenate([t[:, :, :, : out_stride[0], : out_stride[1]] for t in prev], axis=4))
+        video = jnp.concatenate(rows, axis=3)[:, :, :, : h * s // p, : w * s // p]
+        return _finish_tiled(video, p)
+
+
+def frames_to_uint8(video):
+    """(B, 3, T, H, W) in [-1, 1] → (B, T, H, W, 3) uint8, rounded like diffusers' video postprocess."""
+    return _to_uint8(jnp.asarray(video))
+
+
+@jax.jit
+def _to_uint8(video):
+    x = jnp.clip(video.astype(jnp.float32) / 2 + 0.5, 0.0, 1.0)
+    return jnp.round(x * 255).astype(jnp.uint8).transpose(0, 2, 3, 4, 1)
+
+
+# ---- compiled chunk functions (traced once per spatial shape) ----
+def _width_mesh(mesh: Mesh | None) -> Mesh | None:
+    """All devices of `mesh` on one automatic axis, the one activations are split on (width)."""
+    if mesh is None or mesh.devices.size == 1:
+        return None
+    return Mesh(np.asarray(mesh.devices).reshape(-1), ("w",), axis_types=(AxisType.Auto,))
+
+
+def _width_spec(shape, wmesh):
+    if wmesh is None or shape[-2] % wmesh.devices.size:
+        return None
+    return NamedSharding(wmesh, PartitionSpec(*[None] * (len(shape) - 2), "w", None))
+
+
+def _constrain(wmesh):
+    if wmesh is None:
+        return None
+
+    def constrain(x):
+        spec = _width_spec(x.shape, wmesh)
+        return x if spec is None else lax.with_sharding_constraint(x, spec)
+
+    return constrain
+
+
+def _place(x, wmesh):
+    """Inputs: width-split (channels-first layouts put width last, hence the transpose-free spec)."""
+    if wmesh is None:
+        return x
+    spec = NamedSharding(wmesh, PartitionSpec(*[None] * (x.ndim - 1), "w")) if x.shape[-1] % wmesh.devices.size == 0 else None
+    return jax.device_put(x, spec or NamedSharding(wmesh, PartitionSpec()))
+
+
+def _zeros(shape, dtype, wmesh):
+    return _place(jnp.zeros(shape, dtype), wmesh)
+
+
+def patchify(x, p):
+    """diffusers' patchify in channels-last: (B, T, H, W, C) → (B, T, H/p, W/p, C·p·p), channel c·p²+pw·p+ph."""
+    if p is None or p == 1:
+        return x
+    b, t, h, w, c = x.shape
+    x = x.reshape(b, t, h // p, p, w // p, p, c).transpose(0, 1, 2, 4, 6, 5, 3)
+    return x.reshape(b, t, h // p, w // p, c * p * p)
+
+
+def unpatchify(x, p):
+    if p is None or p == 1:
+        return x
+    b, t, h, w, cp = x.shape
+    x = x.reshape(b, t, h, w, cp // (p * p), p, p).transpose(0, 1, 2, 6, 3, 5, 4)
+    return x.reshape(b, t, h * p, w * p, cp // (p * p))
+
+
+def _frame_by_frame(fn, x, caches, constrain):
+    """Run `fn` over axis 1 of x one frame at a time, threading its causal caches."""
+
+    def body(c, xf):
+        st = ChunkState(c, constrain)
+        y = fn(xf[:, None], st)
+        return st.out, y[:, 0]
+
+    caches, ys = lax.scan(body, caches, jnp.moveaxis(x, 1, 0))
+    return caches, jnp.moveaxis(ys, 0, 1)
+
+
+@partial(jax.jit, static_argnums=(0, 4), donate_argnums=(3,))
+def _encode_chunk(graphdef, state, video, caches, wmesh):
+    """One encoder chunk (the first frame when `caches` is None, else 4 frames) → (caches, mean)."""
+    model: WanVAE = nnx.merge(graphdef, state)
+    constrain = _constrain(wmesh)
+    x = patchify(video.transpose(0, 2, 3, 4, 1), model.config.patch_size)
+    if caches is None:
+        frame_st, chunk_st = ChunkState(None, constrain), ChunkState(None, constrain)
+        x = model.encoder.per_frame(x, frame_st)
+        frame_caches = frame_st.out
+    else:
+        frame_caches, x = _frame_by_frame(model.encoder.per_frame, x, caches[0], constrain)
+        chunk_st = ChunkState(caches[1], constrain)
+    x = model.encoder.rest(x, chunk_st)
+    mu = model.quant_conv(x, chunk_st)[..., : model.config.z_dim]
+    return (frame_caches, chunk_st.out), mu.transpose(0, 4, 1, 2, 3)
+
+
+@partial(jax.jit, static_argnums=(0, 4, 5), donate_argnums=(3,))
+def _decode_chunk(graphdef, state, z, caches, wmesh, raw=False):
+    """One latent frame → (caches, video frames (B, C, 1 or 4, H, W) clamped to [-1, 1]).
+
+    `raw`: the decoder's output as is (still patchified, not clamped), for tiled decoding."""
+    model: WanVAE = nnx.merge(graphdef, state)
+    constrain = _constrain(wmesh)
+    chunk_st = ChunkState(None if caches is None else caches[0], constrain)
+    x = model.post_quant_conv(z.transpose(0, 2, 3, 4, 1), chunk_st)
+    x = model.decoder.per_chunk(x, chunk_st)
+    if caches is None:
+        frame_st = ChunkState(None, constrain)
+        x = model.decoder.per_frame(x, frame_st)
+        frame_caches = frame_st.out
+    else:
+        frame_caches, x = _frame_by_frame(model.decoder.per_frame, x, caches[1], constrain)
+    if not raw:
+        x = jnp.clip(unpatchify(x, model.config.patch_size), -1.0, 1.0)
+    return (chunk_st.out, frame_caches), x.transpose(0, 4, 1, 2, 3)
+
+
+@partial(jax.jit, donate_argnums=(0,))
+def _write_frames(out, frames, t0):
+    return lax.dynamic_update_slice_in_dim(out, frames.astype(out.dtype), t0, axis=2)
+
+
+# ---- spatial tiling ----
+@partial(jax.jit, static_argnums=(2, 3))
+def _blend(a, b, extent, axis):
+    """diffusers' blend_v/blend_h: b's first `extent` rows/columns fade in from a's last ones."""
+    extent = min(a.shape[axis], b.shape[axis], extent)
+    if extent == 0:
+        return b
+    ramp = jnp.asarray(np.arange(extent) / extent, jnp.float32).reshape((extent,) + (1,) * (4 - axis))
+    head = lax.slice_in_dim(a, a.shape[axis] - extent, a.shape[axis], axis=axis) * (1 - ramp)
+    head = head + lax.slice_in_dim(b, 0, extent, axis=axis) * ramp
+    return lax.dynamic_update_slice_in_dim(b, head.astype(b.dtype), 0, axis=axis)
+
+
+@partial(jax.jit, static_argnums=(1,))
+def _finish_tiled(video, p):
+    video = unpatchify(video.transpose(0, 2, 3, 4, 1), p).transpose(0, 4, 1, 2, 3)
+    return jnp.clip(video, -1.0, 1.0)

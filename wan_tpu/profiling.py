@@ -1,0 +1,115 @@
+"""Stage timing, named trace scopes and MFU.
+
+Trace hierarchy (what `--profile DIR` shows in Perfetto / TensorBoard):
+  data_preparation (text encode, image encode) → pipeline → denoise/step_i → dit_forward (the
+  transformer's own block scopes inside) → vae_decode → export.
+Host-side regions use `jax.profiler.TraceAnnotation` (visible on the host timeline); code traced
+inside `jit` uses `jax.named_scope`, which names the HLO ops and so the device kernels.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from dataclasses import dataclass, field
+
+import jax
+
+# Peak dense bf16 FLOP/s per device used as the MFU denominator. NVIDIA Hopper: the 8192³ bf16
+# matmul ceiling measured on an H200 (772 TFLOP/s, docs in shared anchors), applied to the H100 too
+# (same SM count and clocks; the spec sheet's 989 TFLOP/s is not reached by any matmul). TPUs: the
+# published dense bf16 peaks.
+PEAK_BF16_FLOPS = {
+    "H200": (772e12, "measured 8192^3 bf16 matmul ceiling on H200"),
+    "H100": (772e12, "measured 8192^3 bf16 matmul ceiling on H200 (same SMs/clocks)"),
+    "TPU v6 lite": (918e12, "TPU v6e spec"),
+    "TPU v5 lite": (197e12, "TPU v5e spec"),
+    "TPU v5p": (459e12, "TPU v5p spec"),
+    "TPU v5": (459e12, "TPU v5p spec"),
+    "TPU v4": (275e12, "TPU v4 spec"),
+    "TPU7x": (2307e12, "TPU v7x spec"),
+}
+
+
+def peak_flops(device=None) -> tuple[float | None, str]:
+    """(peak bf16 FLOP/s of one device, where the figure comes from), or (None, reason)."""
+    device = device or jax.devices()[0]
+    kind = getattr(device, "device_kind", "") or ""
+    # Longest key first so "TPU v5 lite" wins over "TPU v5".
+    for key in sorted(PEAK_BF16_FLOPS, key=len, reverse=True):
+        if key.lower() in kind.lower():
+            return PEAK_BF16_FLOPS[key]
+    return None, f"no peak known for device kind {kind!r}"
+
+
+def dit_forward_flops(config, num_tokens: int, text_len: int = 512, image_len: int = 0) -> float:
+    """Model FLOPs of one DiT forward for one batch element (multiply-add = 2 FLOPs).
+
+    Per layer: self q,k,v,o projections, self attention, cross q,o, cross k,v over the text (and the
+    CLIP image tokens for Wan 2.1 I2V), cross attention, the FFN; plus patch embedding and the output
+    projection. Norms, modulation and RoPE are elementwise and left out, as in the usual MFU count.
+    """
+    s, d, f = num_tokens, config.inner_dim, config.ffn_dim
+    kv = text_len + image_len
+    per_layer = 8 * s * d * d + 4 * s * s * d + 4 * s * d * d + 4 * kv * d * d + 4 * s * kv * d + 4 * s * d * f
+    patch = 1
+    for p in config.patch_size:
+        patch *= p
+    embed = 2 * s * config.in_channels * patch * d + 2 * s * d * config.out_channels * patch
+    text = 2 * text_len * (config.text_dim * d + d * d)
+    return float(config.num_layers * per_layer + embed + text)
+
+
+@contextlib.contextmanager
+def trace(log_dir: str | None):
+    """Record a JAX profiler trace into `log_dir` (a no-op when None).
+
+    The Python function tracer is off: it records every Python call (imports, torch module setup)
+    and fills the trace's event budget before the device work starts. The named regions remain.
+    """
+    if log_dir is None:
+        yield
+        return
+    options = jax.profiler.ProfileOptions()
+    options.python_tracer_level = 0
+    with jax.profiler.trace(log_dir, profiler_options=options):
+        yield
+
+
+@contextlib.contextmanager
+def scope(name: str):
+    """A named region on the host timeline of a trace (cheap when no trace is running)."""
+    with jax.profiler.TraceAnnotation(name):
+        yield
+
+
+@dataclass
+class StageTimer:
+    """Wall-clock seconds per named stage, in the order the stages ran."""
+
+    seconds: dict[str, float] = field(default_factory=dict)
+
+    @contextlib.contextmanager
+    def stage(self, name: str):
+        start = time.perf_counter()
+        with scope(name):
+            try:
+                yield
+            finally:
+                self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - start
+
+    def table(self, extra: list[tuple[str, str]] = ()) -> str:
+        rows = [(name, f"{sec:9.2f} s") for name, sec in self.seconds.items()]
+        rows.append(("total", f"{sum(self.seconds.values()):9.2f} s"))
+        rows.extend(extra)
+        width = max(len(r[0]) for r in rows)
+        return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)
+
+
+def mfu(flops_per_step: float, seconds_per_step: float, num_devices: int, device=None) -> tuple[str, str]:
+    """Formatted (MFU, basis) for a measured step time; "n/a" when the device peak is unknown."""
+    peak, basis = peak_flops(device)
+    if peak is None or seconds_per_step <= 0:
+        return "n/a", basis
+    value = flops_per_step / seconds_per_step / (peak * num_devices)
+    return f"{100 * value:.1f}%", f"{peak / 1e12:.0f} TFLOP/s per device x {num_devices} ({basis})"

@@ -1,0 +1,82 @@
+"""mp4 files: frames in, a playable H.264 file out (and back, for checks).
+
+Encoding goes through `imageio` + `imageio-ffmpeg`, which carries its own ffmpeg binary, so nothing
+has to be installed on the host. The file is written under a temporary name beside the target and
+renamed into place, so an interrupted run never leaves a truncated mp4 under the requested name.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import warnings
+
+import numpy as np
+
+from wan_tpu.errors import WanInputError
+
+
+def check_output_path(path: str, overwrite: bool) -> None:
+    """Fail before any work is done when the output cannot be written."""
+    if not path.lower().endswith(".mp4"):
+        raise WanInputError(f"output {path!r} must end in .mp4; pass e.g. --output out.mp4")
+    if os.path.exists(path) and not overwrite:
+        raise WanInputError(f"output {path} already exists; pass --overwrite or choose another --output")
+    parent = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(parent):
+        raise WanInputError(f"folder {parent} of output {path} does not exist; create it or choose another --output")
+
+
+def write_video(path: str, frames: np.ndarray, fps: int, overwrite: bool = False) -> str:
+    """Write uint8 frames `(T, H, W, 3)` as an H.264 mp4 at `fps`; returns the path.
+
+    Height and width must be even (yuv420p chroma subsampling); every Wan size is a multiple of 16.
+    """
+    import imageio.v2 as imageio
+
+    check_output_path(path, overwrite)
+    frames = np.asarray(frames)
+    if frames.dtype != np.uint8 or frames.ndim != 4 or frames.shape[-1] != 3:
+        raise ValueError(f"frames must be uint8 (T, H, W, 3), got {frames.dtype} {frames.shape}")
+    if frames.shape[1] % 2 or frames.shape[2] % 2:
+        raise WanInputError(f"video size {frames.shape[2]}x{frames.shape[1]} must be even for H.264; use a multiple of 16")
+    parent, name = os.path.split(os.path.abspath(path))
+    # The temporary name keeps the .mp4 suffix because ffmpeg picks the container from it.
+    tmp = os.path.join(parent, f".{name}.{os.getpid()}.partial.mp4")
+    try:
+        with _ffmpeg_subprocess():
+            # macro_block_size=1: never let imageio resize the frames behind the caller's back.
+            writer = imageio.get_writer(tmp, fps=fps, codec="libx264", quality=8, macro_block_size=1,
+                                        pixelformat="yuv420p")
+            try:
+                for frame in frames:
+                    writer.append_data(frame)
+            finally:
+                writer.close()
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+    return path
+
+
+def read_video(path: str) -> tuple[np.ndarray, float]:
+    """Frames `(T, H, W, 3)` uint8 and the fps of an mp4 (used by tests to check what was written)."""
+    import imageio.v2 as imageio
+
+    with _ffmpeg_subprocess():
+        reader = imageio.get_reader(path, format="FFMPEG")
+        try:
+            fps = float(reader.get_meta_data()["fps"])
+            frames = np.stack([np.asarray(f) for f in reader])
+        finally:
+            reader.close()
+    return frames, fps
+
+
+@contextlib.contextmanager
+def _ffmpeg_subprocess():
+    # imageio runs ffmpeg with fork+exec; JAX warns about any fork, but exec follows at once.
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=r"os\.fork\(\) was called", category=RuntimeWarning)
+        yield
