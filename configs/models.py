@@ -70,10 +70,12 @@ class WanTransformerConfig:
         object.__setattr__(self, "eps", float(self.eps))
         if (self.image_dim is None) != (self.added_kv_proj_dim is None):
             _bad("added_kv_proj_dim", self.added_kv_proj_dim,
-                 f"set together with image_dim (image_dim={self.image_dim}): both for the CLIP image branch, or both null")
+                 f"set together with image_dim (image_dim={self.image_dim}): both for the CLIP image branch, "
+                 "or both null")
         if self.added_kv_proj_dim is not None and self.added_kv_proj_dim != self.inner_dim:
             _bad("added_kv_proj_dim", self.added_kv_proj_dim,
-                 f"equal to num_attention_heads*attention_head_dim={self.inner_dim} (it projects the embedded image tokens)")
+                 f"equal to num_attention_heads*attention_head_dim={self.inner_dim} "
+                 "(it projects the embedded image tokens)")
         if self.pos_embed_seq_len is not None and self.image_dim is None:
             _bad("pos_embed_seq_len", self.pos_embed_seq_len, "null when image_dim is null")
 

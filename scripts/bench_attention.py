@@ -26,7 +26,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from wan_tpu.attention import attention, reference_attention  # noqa: E402
+from wan_tpu.layers.attention import attention, reference_attention  # noqa: E402
 
 SHAPES = {  # name: (heads, Sq, Skv)
     "self480": (12, 32760, 32760),

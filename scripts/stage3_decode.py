@@ -16,9 +16,9 @@ from wan_tpu.profiling import StageTimer
 
 def run(args):
     from wan_tpu.stages import load_stage
-    from wan_tpu.video import check_output_path
+    from wan_tpu.stages import check_output_path
 
-    check_output_path(args.output, args.overwrite)
+    check_output_path(args.output, args.overwrite, ".mp4")
     timer = StageTimer()
     pipe = load_pipeline(args)
     tensors, meta = load_stage(args.input, expect=stage3_expect(pipe, args))

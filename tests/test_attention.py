@@ -7,8 +7,8 @@ import jax.numpy as jnp
 import pytest
 
 import wan_tpu
-from wan_tpu import attention as attention_lib
-from wan_tpu.attention import attention, reference_attention
+from wan_tpu.layers import attention as attention_lib
+from wan_tpu.layers.attention import attention, reference_attention
 
 from test_splash_exp2 import random_qkv, reference64
 

@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from wan_tpu.attention import attention
+from wan_tpu.layers.attention import attention
 from wan_tpu.kernels.flash_gpu import flash_attention, triton_attention
 
 from test_splash_exp2 import random_qkv, reference64

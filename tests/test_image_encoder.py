@@ -55,7 +55,7 @@ def test_matches_diffusers_encode_image(checkpoint, monkeypatch):
     with torch.no_grad():
         ref = WanImageToVideoPipeline.encode_image(reference, images(), device=torch.device("cpu")).numpy()
 
-    attention_module = importlib.import_module("wan_tpu.attention")
+    attention_module = importlib.import_module("wan_tpu.layers.attention")
     calls = []
     original = attention_module.attention
     monkeypatch.setattr(attention_module, "attention", lambda *a, **k: calls.append(k) or original(*a, **k))

@@ -4,7 +4,7 @@
   (`save_pretrained`), matches diffusers' `WanTransformer3DModel` and our single-device forward:
   relative Frobenius error ≤ 1e-5 (float32), on every mesh shape and fallback (12 heads on 8
   devices, batch 1 on dp=2, a token count no mesh axis divides).
-- The sharded attention hooks match `wan_tpu.attention.reference_attention` to 1e-5.
+- The sharded attention hooks match `wan_tpu.layers.attention.reference_attention` to 1e-5.
 - Weights land with their rule's spec and each device holds 1/8 of every 8-way-sharded weight.
 - The rule tables cover every parameter of every preset's DiT, of transformers' UMT5 encoder and
   CLIP vision model: nothing falls through, and what is replicated is on an explicit allow-list.
@@ -26,9 +26,9 @@ from jax.sharding import AbstractMesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import wan_tpu
-from wan_tpu.attention import reference_attention
 from wan_tpu.configs.models import VARIANTS, WanTransformerConfig
 from wan_tpu.errors import WanInputError
+from wan_tpu.layers.attention import reference_attention
 from wan_tpu.models.transformer import WanTransformer, forward
 from wan_tpu.models.transformer_loading import load_transformer
 from wan_tpu.sharding import (
@@ -41,6 +41,8 @@ from wan_tpu.sharding import (
     place_param,
     shard_transformer,
 )
+
+from test_transformer import randomize_
 
 TOL = 1e-5
 
@@ -59,24 +61,11 @@ def _rel(a, b):
     return float(np.linalg.norm(np.asarray(a, np.float64) - b) / np.linalg.norm(b))
 
 
-def _randomize(model: torch.nn.Module):
-    g = torch.Generator().manual_seed(1)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            noise = torch.randn(p.shape, generator=g)
-            if "norm" in name and name.endswith("weight"):
-                p.copy_(1 + 0.2 * noise)
-            elif p.ndim == 2 or name.endswith("patch_embedding.weight"):
-                p.copy_(noise / p[0].numel() ** 0.5)
-            else:
-                p.copy_(0.2 * noise)
-
-
 @functools.cache
 def _checkpoint(name: str, folder: str):
     torch.manual_seed(0)
     model = WanTransformer3DModel(**{**BASE, **MODELS[name]}).eval()
-    _randomize(model)
+    randomize_(model, seed=1)
     model.save_pretrained(folder)
     return model
 

@@ -23,8 +23,8 @@ MODEL_TOL = 1e-5  # float32, relative (Frobenius) to the reference output
 
 @pytest.fixture
 def attention_calls(monkeypatch):
-    """Counts calls that reach `wan_tpu.attention.attention` (at trace time under jit)."""
-    module = importlib.import_module("wan_tpu.attention")
+    """Counts calls that reach `wan_tpu.layers.attention.attention` (at trace time under jit)."""
+    module = importlib.import_module("wan_tpu.layers.attention")
     original = module.attention
     calls = []
 

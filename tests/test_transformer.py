@@ -153,7 +153,8 @@ def test_stacked_parameters_are_transposed_diffusers_weights(reference):
     for i in range(2):
         np.testing.assert_array_equal(kernel[i], sd[f"blocks.{i}.attn1.to_q.weight"].numpy().T)
     np.testing.assert_array_equal(np.asarray(dit.blocks.ffn.proj_out.bias[1]), sd["blocks.1.ffn.net.2.bias"].numpy())
-    np.testing.assert_array_equal(np.asarray(dit.blocks.attn2.to_out.kernel[0]), sd["blocks.0.attn2.to_out.0.weight"].numpy().T)
+    np.testing.assert_array_equal(np.asarray(dit.blocks.attn2.to_out.kernel[0]),
+                                  sd["blocks.0.attn2.to_out.0.weight"].numpy().T)
 
 
 def test_pure_forward_inside_jit_and_fori_loop(reference):
@@ -214,3 +215,11 @@ def test_bad_inputs_name_the_problem():
         dit(x, t, jnp.zeros((1, 7, 8)))
     with pytest.raises(WanInputError, match="takes no encoder_hidden_states_image"):
         dit(x, t, c, jnp.zeros((1, 5, 20)))
+
+
+def test_models_of_one_config_share_compiled_code():
+    """Two experts of one config (Wan 2.2 A14B) have equal graphdefs, so jit compiles once."""
+    cfg = config_from_json(BASE)
+    a, b = WanTransformer(cfg, rngs=nnx.Rngs(0)), WanTransformer(cfg, rngs=nnx.Rngs(1))
+    assert nnx.graphdef(a) == nnx.graphdef(b)
+    assert nnx.graphdef(a) != nnx.graphdef(WanTransformer(cfg, rngs=nnx.Rngs(0), attention_impl="reference"))

@@ -20,6 +20,7 @@ from wan_tpu.configs.vae import VAE_PRESETS, WanVAEConfig, config_from_json
 from wan_tpu.errors import WanInputError
 from flax import nnx
 
+from wan_tpu.models import vae as vae_module
 from wan_tpu.models.vae import WanVAE, frames_to_uint8
 from wan_tpu.models.vae_loading import load_vae
 
@@ -113,6 +114,24 @@ def test_tiled_decode_matches_diffusers_tiled_decode(pair):
     assert rel_err(tiled, expected) <= PARITY_TOL
 
 
+def test_decode_tiles_by_itself_only_when_memory_is_short(pair, monkeypatch):
+    name, _, vae = pair
+    s = vae.config.scale_factor_spatial
+    z = jnp.ones((1, vae.config.z_dim, 2, *(n // s for n in SIZES[name]))) * 0.1
+    need = vae._decode_bytes(z)
+    tiled = []
+    real = WanVAE._tiled_decode
+    monkeypatch.setattr(WanVAE, "_tiled_decode", lambda self, *a: tiled.append(1) or real(self, *a))
+    monkeypatch.setattr(vae_module, "_free_device_bytes", lambda: 2 * need)
+    vae.decode(z)
+    assert tiled == []
+    monkeypatch.setattr(vae_module, "_free_device_bytes", lambda: need // 2)
+    vae.decode(z)
+    assert tiled == [1]
+    # the estimate covers at least the carried caches and the output
+    assert need > z.size * 4 * s * s * 4
+
+
 def test_width_sharded_decode_equals_unsharded(pair):
     name, _, vae = pair
     if name == "tiny":
@@ -133,6 +152,8 @@ def test_bad_inputs_raise_one_line_errors(pair):
         (vae.encode, jnp.zeros((1, 4, 5, s, s)), "(B, 3, T, H, W)"),
         (vae.encode, jnp.zeros((1, 3, 5, s, s + s // 2)), f"divisible by {s}"),
         (vae.decode, jnp.zeros((1, vae.config.z_dim + 1, 2, 2, 2)), f"(B, {vae.config.z_dim}, F, h, w)"),
+        (lambda z: vae.decode(z, tiling=True, tile_sample_size=(s, s), tile_sample_stride=(2 * s, s)),
+         jnp.zeros((1, vae.config.z_dim, 2, 2, 2)), "stride ≤ size"),
     ]
     for fn, x, words in cases:
         with pytest.raises(WanInputError, match=None) as info:

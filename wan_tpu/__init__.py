@@ -9,7 +9,7 @@ import importlib
 __version__ = "0.1.0"
 
 _EXPORTS = {
-    "attention": "wan_tpu.attention",
+    "attention": "wan_tpu.layers.attention",
     "make_mesh": "wan_tpu.mesh",
     "load_transformer": "wan_tpu.models.transformer_loading",
     "load_vae": "wan_tpu.models.vae_loading",

@@ -19,7 +19,7 @@ import numpy as np
 
 from wan_tpu.errors import WanInputError
 
-_DTYPES = {
+SAFETENSORS_DTYPES = {
     "F64": np.float64,
     "F32": np.float32,
     "F16": np.float16,
@@ -61,7 +61,7 @@ def _read_header(path: str) -> dict[str, _Entry]:
         if name == "__metadata__":
             continue
         try:
-            dtype = np.dtype(_DTYPES[info["dtype"]])
+            dtype = np.dtype(SAFETENSORS_DTYPES[info["dtype"]])
             shape = tuple(int(d) for d in info["shape"])
             begin, end = (start + int(o) for o in info["data_offsets"])
         except (KeyError, TypeError, ValueError):

@@ -111,7 +111,7 @@ def load_pipeline(args):
     if args.attention is not None:
         import jax
 
-        from wan_tpu.attention import runnable_impls
+        from wan_tpu.layers.attention import runnable_impls
 
         choices = runnable_impls(jax.default_backend())
         if args.attention not in choices:
@@ -261,13 +261,9 @@ def _meta_dict(meta) -> dict:
 
 def check_stage_output(path: str, overwrite: bool) -> None:
     """Fail before any work when a stage file cannot be written."""
-    if not path.endswith(".safetensors"):
-        raise WanInputError(f"stage file {path!r} must end in .safetensors; pass e.g. --output stage1.safetensors")
-    if os.path.exists(path) and not overwrite:
-        raise WanInputError(f"{path} already exists; pass --overwrite or choose another --output")
-    folder = os.path.dirname(os.path.abspath(path))
-    if not os.path.isdir(folder):
-        raise WanInputError(f"folder {folder} does not exist; create it or choose another --output")
+    from wan_tpu.stages import check_output_path
+
+    check_output_path(path, overwrite, ".safetensors")
 
 
 def stage_paths(folder: str | None, overwrite: bool) -> tuple[str, str] | None:
@@ -285,9 +281,9 @@ def stage_paths(folder: str | None, overwrite: bool) -> tuple[str, str] | None:
 def generate(args) -> None:
     from wan_tpu.profiling import StageTimer, scope, trace
     from wan_tpu.stages import save_stage
-    from wan_tpu.video import check_output_path
+    from wan_tpu.stages import check_output_path
 
-    check_output_path(args.output, args.overwrite)
+    check_output_path(args.output, args.overwrite, ".mp4")
     stages = stage_paths(args.keep_stages, args.overwrite)
     timer = StageTimer()
     step_seconds: list[float] = []

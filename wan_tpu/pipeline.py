@@ -308,7 +308,7 @@ def set_attention(dit, impl: str | None, mesh):
 
         return shard_transformer(dit, mesh, **({} if impl is None else {"impl": impl}))
     if impl is not None:
-        from wan_tpu import attention as attention_lib
+        from wan_tpu.layers import attention as attention_lib
 
         dit.self_attention = functools.partial(attention_lib.attention, impl=impl)
         dit.cross_attention = functools.partial(attention_lib.attention, impl=impl)

@@ -36,7 +36,7 @@ from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from wan_tpu import attention as attention_lib
+from wan_tpu.layers import attention as attention_lib
 from wan_tpu.configs.sharding import FSDP, RULES
 from wan_tpu.errors import WanInputError
 from wan_tpu.mesh import AXES, mesh_size
@@ -240,7 +240,7 @@ def _pad_seq(x, multiple: int):
 
 
 class ShardedAttention:
-    """A DiT attention hook: `wan_tpu.attention.attention` inside `shard_map` on `mesh`.
+    """A DiT attention hook: `wan_tpu.layers.attention.attention` inside `shard_map` on `mesh`.
 
     `kind="self"` gathers K/V over the query sequence axes (context parallel); `kind="cross"`
     keeps K/V whole on every sequence shard.

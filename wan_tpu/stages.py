@@ -28,11 +28,11 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from wan_tpu.checkpoint import _DTYPES, TensorSource, read_metadata
+from wan_tpu.checkpoint import SAFETENSORS_DTYPES, TensorSource, read_metadata
 from wan_tpu.errors import WanInputError
 
 FORMAT = "wan_tpu.stage/1"
-_DTYPE_NAMES = {np.dtype(t): name for name, t in _DTYPES.items()}
+_DTYPE_NAMES = {np.dtype(t): name for name, t in SAFETENSORS_DTYPES.items()}
 _INT_FIELDS = frozenset({"seed", "frames", "steps"})
 _FLOAT_FIELDS = frozenset({"shift", "guidance", "guidance_2"})
 _LABELS = {"config_hash": "model config", "negative_prompt": "negative prompt"}
@@ -119,6 +119,18 @@ def config_hash(config) -> str:
     payload = dataclasses.asdict(config) if dataclasses.is_dataclass(config) else dict(config)
     text = json.dumps(payload, sort_keys=True, separators=(",", ":"), default=str)
     return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def check_output_path(path: str, overwrite: bool, suffix: str) -> None:
+    """Fail before any work when an output (stage file or mp4) cannot be written: wrong suffix, an
+    existing file without `overwrite`, or a missing folder. Nothing the user made is replaced silently."""
+    if not path.lower().endswith(suffix):
+        raise WanInputError(f"output {path!r} must end in {suffix}; pass e.g. --output out{suffix}")
+    if os.path.lexists(path) and not overwrite:
+        raise WanInputError(f"output {path} already exists; pass --overwrite or choose another --output")
+    parent = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(parent):
+        raise WanInputError(f"folder {parent} of output {path} does not exist; create it or choose another --output")
 
 
 def save_stage(path: str, tensors: Mapping, meta: StageMeta | Mapping, overwrite: bool = False) -> None:

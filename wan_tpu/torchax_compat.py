@@ -29,7 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 import torch
 
-import wan_tpu.attention as attention_module
+import wan_tpu.layers.attention as attention_module
 from wan_tpu.errors import WanInputError
 
 _NAMED_TENSOR_MARKERS = ("dimname", "Dimname", "names")

@@ -14,17 +14,7 @@ import warnings
 import numpy as np
 
 from wan_tpu.errors import WanInputError
-
-
-def check_output_path(path: str, overwrite: bool) -> None:
-    """Fail before any work is done when the output cannot be written."""
-    if not path.lower().endswith(".mp4"):
-        raise WanInputError(f"output {path!r} must end in .mp4; pass e.g. --output out.mp4")
-    if os.path.exists(path) and not overwrite:
-        raise WanInputError(f"output {path} already exists; pass --overwrite or choose another --output")
-    parent = os.path.dirname(os.path.abspath(path))
-    if not os.path.isdir(parent):
-        raise WanInputError(f"folder {parent} of output {path} does not exist; create it or choose another --output")
+from wan_tpu.stages import check_output_path
 
 
 def write_video(path: str, frames: np.ndarray, fps: int, overwrite: bool = False) -> str:
@@ -34,7 +24,7 @@ def write_video(path: str, frames: np.ndarray, fps: int, overwrite: bool = False
     """
     import imageio.v2 as imageio
 
-    check_output_path(path, overwrite)
+    check_output_path(path, overwrite, ".mp4")
     frames = np.asarray(frames)
     if frames.dtype != np.uint8 or frames.ndim != 4 or frames.shape[-1] != 3:
         raise ValueError(f"frames must be uint8 (T, H, W, 3), got {frames.dtype} {frames.shape}")

@@ -31,7 +31,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from wan_tpu import attention as attention_lib
+from wan_tpu.layers import attention as attention_lib
 from wan_tpu.configs.models import WanTransformerConfig
 from wan_tpu.errors import WanInputError
 from wan_tpu.layers.embeddings import FeedForward, TextProjection, TimestepEmbedding, linear, timestep_embedding
@@ -159,8 +159,8 @@ class WanTransformer(nnx.Module):
         self.proj_out = linear(dim, cfg.out_channels * cfg.patch_volume, dtype, rngs)
         self.scale_shift_table = nnx.Param(jax.random.normal(rngs.params(), (1, 2, dim), jnp.float32) / dim**0.5)
 
-        self.self_attention = functools.partial(attention_lib.attention, impl=attention_impl)
-        self.cross_attention = functools.partial(attention_lib.attention, impl=attention_impl)
+        self.self_attention = _default_attention(attention_impl)
+        self.cross_attention = _default_attention(attention_impl)
         self.shard_activation = _identity
 
     def __call__(self, hidden_states, timestep, encoder_hidden_states, encoder_hidden_states_image=None):
@@ -220,6 +220,13 @@ def _identity(x, name):
     return x
 
 
+@functools.cache
+def _default_attention(impl):
+    # One hook object per impl: models of one config then have equal graphdefs and share compiled
+    # code (the two A14B experts compile once).
+    return functools.partial(attention_lib.attention, impl=impl)
+
+
 def forward(graphdef, state, hidden_states, timestep, encoder_hidden_states, encoder_hidden_states_image=None):
     """Pure functional forward: `graphdef, state = nnx.split(dit)`; safe inside jit / fori_loop."""
     return nnx.merge(graphdef, state).apply(hidden_states, timestep, encoder_hidden_states,
@@ -232,7 +239,8 @@ _forward_jit = jax.jit(forward, static_argnums=0)
 def _check_inputs(cfg, x, timestep, context, context_image):
     if x.ndim != 5 or x.shape[1] != cfg.in_channels:
         raise WanInputError(
-            f"hidden_states has shape {tuple(x.shape)}; expected (batch, {cfg.in_channels}, frames, height, width) latents"
+            f"hidden_states has shape {tuple(x.shape)}; "
+            f"expected (batch, {cfg.in_channels}, frames, height, width) latents"
         )
     b, _, f, h, w = x.shape
     for name, n, p in zip(("frames", "height", "width"), (f, h, w), cfg.patch_size):
@@ -254,5 +262,6 @@ def _check_inputs(cfg, x, timestep, context, context_image):
         raise WanInputError(f"this transformer {need} encoder_hidden_states_image (CLIP image tokens)")
     if context_image is not None and (context_image.ndim != 3 or context_image.shape[-1] != cfg.image_dim):
         raise WanInputError(
-            f"encoder_hidden_states_image has shape {tuple(context_image.shape)}; expected (batch, tokens, {cfg.image_dim})"
+            f"encoder_hidden_states_image has shape {tuple(context_image.shape)}; "
+            f"expected (batch, tokens, {cfg.image_dim})"
         )

@@ -6,10 +6,12 @@ Public I/O is diffusers': `encode(video (B, 3, T, H, W) in [-1, 1]) -> posterior
 The causal time loop is diffusers' (encode: the first frame alone, then chunks of 4 frames; decode:
 one latent frame at a time), but each kind of chunk is one jitted function traced once per spatial
 shape, whatever the number of frames: the feature caches are its carried, donated arguments. Inside
-a chunk, the layers that never mix frames (full-resolution ones) run frame by frame in a `lax.scan`,
-so the largest activations hold one frame, not four. With a mesh, activations are split along width
-over all its devices (weights replicated; XLA exchanges the conv halos). On a small device `decode`
-can tile space instead (overlapping latent tiles, linear blend), chosen from free device memory.
+a chunk, the layers that keep the frame count (the full-resolution ones: after the last temporal
+upsample, before the first temporal downsample) run frame by frame in a `lax.scan`, so the largest
+activations hold one frame, not four, and their convs become 2D (see CausalConv3d). With a mesh,
+activations are split along width over all its devices (weights replicated; XLA exchanges the conv
+halos). On one small device `decode` can tile space instead (diffusers' tiled decode: overlapping
+latent tiles, linear blend), chosen from free device memory or forced with `tiling=True`.
 """
 
 from __future__ import annotations
@@ -63,11 +65,14 @@ class WanVAE(nnx.Module):
         return jnp.concatenate(means, axis=2)
 
     def decode(self, z, *, tiling: bool | None = None, tile_sample_size=(256, 256), tile_sample_stride=(192, 192),
-               mesh: Mesh | None = None):
+               mesh: Mesh | None = None, strips: int | None = None):
         """Latents (B, z_dim, F, h, w) → video (B, C, 4(F-1)+1, h·s, w·s) in [-1, 1].
 
         `tiling=None` tiles only when the untiled decode would not fit in free device memory;
         tiles are `tile_sample_size` pixels (height, width), at most `tile_sample_stride` apart.
+        `strips`: the untiled decode runs the layers after the mid block on this many vertical strips
+        one after the other (exact: each strip reads a halo, see `Decoder3d.strip_plan`), so only one
+        strip's caches are alive; None picks 2 where the latent is at least 4 halos wide.
         """
         cfg = self.config
         z = jnp.asarray(z)
@@ -75,11 +80,15 @@ class WanVAE(nnx.Module):
             raise WanInputError(f"decode expects latents (B, {cfg.z_dim}, F, h, w), got shape {tuple(z.shape)}")
         wmesh = _width_mesh(mesh or self.mesh)
         z = _place(z.astype(self.dtype), wmesh)
+        if strips is None:
+            strips = 2 if wmesh is None and z.shape[-1] >= 4 * self.decoder.halos[0] else 1
+        if not 1 <= strips <= z.shape[-1] or (wmesh is not None and strips != 1):
+            raise WanInputError(f"strips must be between 1 and the latent width {z.shape[-1]} (1 with a mesh), got {strips}")
         if tiling is None:
-            tiling = wmesh is None and self._needs_tiling(z)
+            tiling = wmesh is None and self._needs_tiling(z, strips)
         if tiling:
             return self._tiled_decode(z, tile_sample_size, tile_sample_stride)
-        return self._decode(z, wmesh)
+        return self._decode(z, wmesh, strips=strips)
 
     def normalize_latents(self, z):
         """diffusers WanPipeline's encode-side scaling: (z - mean) * (1 / std)."""
@@ -98,31 +107,52 @@ class WanVAE(nnx.Module):
         inv_std = (1.0 / jnp.asarray(self.config.latents_std, jnp.float32)).reshape(shape).astype(z.dtype)
         return mean, inv_std
 
-    def _decode(self, z, wmesh, raw=False):
+    def _decode(self, z, wmesh, raw=False, strips=1):
+        """The mid block's output for every latent frame first (its attention sees whole frames), then
+        the rest of the decoder over all frames, one strip after another."""
         graphdef, state = nnx.split(self)
-        caches, first = _decode_chunk(graphdef, state, z[:, :, :1], None, wmesh, raw)
-        b, c, _, h, w = first.shape
-        frames = 1 + 4 * (z.shape[2] - 1)
-        out = _write_frames(_zeros((b, c, frames, h, w), first.dtype, wmesh), first, 0)
-        for i in range(1, z.shape[2]):
-            caches, chunk = _decode_chunk(graphdef, state, z[:, :, i : i + 1], caches, wmesh, raw)
-            out = _write_frames(out, chunk, 1 + 4 * (i - 1))
+        b, _, f, _, w = z.shape
+        caches, mid = _decode_stem(graphdef, state, z[:, :, :1], None, wmesh)
+        mids = _write(_zeros((b, f, *mid.shape[2:]), mid.dtype, wmesh), mid, (0, 0, 0, 0, 0))
+        for i in range(1, f):
+            caches, mid = _decode_stem(graphdef, state, z[:, :, i : i + 1], caches, wmesh)
+            mids = _write(mids, mid, (0, i, 0, 0, 0))
+        del caches, mid
+        scale = self.config.scale_factor_spatial // ((self.config.patch_size or 1) if raw else 1)
+        out = None
+        for k in range(strips):
+            start, stop = k * w // strips, (k + 1) * w // strips
+            (lo, hi), crops, final = self.decoder.strip_plan(w, start, stop)
+            caches = None
+            for i in range(f):
+                caches, frames = _decode_strip(graphdef, state, mids, jnp.int32(i), caches, wmesh, raw, (lo, hi), crops, final)
+                if out is None:
+                    out = _zeros((b, frames.shape[1], 1 + 4 * (f - 1), frames.shape[3], w * scale), frames.dtype, wmesh)
+                out = _write(out, frames, (0, 0, max(0, 4 * i - 3), 0, start * scale))
         return out
 
-    def _decode_bytes(self, z) -> int:
-        """Device bytes an untiled decode of `z` needs: carried caches, output, full-resolution activations."""
+    def _decode_bytes(self, z, strips=1) -> int:
+        """Device bytes an untiled decode of `z` needs: the mid block's outputs, the widest strip's carried
+        caches, the output, and the step's temporaries, which measured ≈ 25 full-resolution frames of
+        `decoder_dim` channels (H200, 480p and 720p, one strip)."""
         graphdef, state = nnx.split(self)
-        caches, first = jax.eval_shape(partial(_decode_chunk, graphdef), state, z[:, :, :1], None, None, False)
-        cache_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(caches))
-        frame = first.size // first.shape[1] * self.config.decoder_dim * first.dtype.itemsize
-        return cache_bytes + first.size * (1 + 4 * (z.shape[2] - 1)) * first.dtype.itemsize + 8 * frame
+        key = (graphdef, z.shape, z.dtype, strips)
+        if key not in _DECODE_BYTES:
+            b, _, f, h, w = z.shape
+            (lo, hi), crops, final = self.decoder.strip_plan(w, 0, -(-w // strips))
+            mids = jax.ShapeDtypeStruct((b, f, h, w, self.config.decoder_dim * self.config.dim_mult[-1]), z.dtype)
+            caches, first = jax.eval_shape(
+                lambda st, m: _decode_strip(graphdef, st, m, 0, None, None, False, (lo, hi), crops, final), state, mids
+            )
+            cache_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(caches))
+            frame = first.size // first.shape[1] * self.config.decoder_dim * first.dtype.itemsize
+            video = first.size // first.shape[-1] * w * self.config.scale_factor_spatial * (1 + 4 * (f - 1))
+            _DECODE_BYTES[key] = mids.size * mids.dtype.itemsize + cache_bytes + video * first.dtype.itemsize + 25 * frame
+        return _DECODE_BYTES[key]
 
-    def _needs_tiling(self, z) -> bool:
-        stats = jax.devices()[0].memory_stats() or {}
-        if "bytes_limit" not in stats:
-            return False
-        free = stats["bytes_limit"] - stats.get("bytes_in_use", 0)
-        return self._decode_bytes(z) > 0.9 * free
+    def _needs_tiling(self, z, strips=1) -> bool:
+        free = _free_device_bytes()
+        return free is not None and self._decode_bytes(z, strips) > 0.9 * free
 
     def _tiled_decode(self, z, tile_sample_size, tile_sample_stride):
         """diffusers' `tiled_decode`: tiles start every `stride` latents, each decoded over all frames, then
@@ -155,6 +185,17 @@ class WanVAE(nnx.Module):
         rows.append(jnp.concatenate([t[:, :, :, : out_stride[0], : out_stride[1]] for t in prev], axis=4))
         video = jnp.concatenate(rows, axis=3)[:, :, :, : h * s // p, : w * s // p]
         return _finish_tiled(video, p)
+
+
+_DECODE_BYTES: dict = {}  # (graphdef, latent shape, dtype) → estimate; tracing the decoder takes seconds
+
+
+def _free_device_bytes() -> int | None:
+    """Free memory on the first device, None where the backend does not report it (CPU)."""
+    stats = jax.devices()[0].memory_stats() or {}
+    if "bytes_limit" not in stats:
+        return None
+    return stats["bytes_limit"] - stats.get("bytes_in_use", 0)
 
 
 def frames_to_uint8(video):
@@ -252,30 +293,41 @@ def _encode_chunk(graphdef, state, video, caches, wmesh):
     return (frame_caches, chunk_st.out), mu.transpose(0, 4, 1, 2, 3)
 
 
-@partial(jax.jit, static_argnums=(0, 4, 5), donate_argnums=(3,))
-def _decode_chunk(graphdef, state, z, caches, wmesh, raw=False):
-    """One latent frame → (caches, video frames (B, C, 1 or 4, H, W) clamped to [-1, 1]).
+@partial(jax.jit, static_argnums=(0, 4), donate_argnums=(3,))
+def _decode_stem(graphdef, state, z, caches, wmesh):
+    """One latent frame → (caches, the mid block's output (B, 1, h, w, C))."""
+    model: WanVAE = nnx.merge(graphdef, state)
+    st = ChunkState(caches, _constrain(wmesh))
+    x = model.post_quant_conv(z.transpose(0, 2, 3, 4, 1), st)
+    return st.out, model.decoder.stem(x, st)
+
+
+@partial(jax.jit, static_argnums=(0, 5, 6, 7, 8, 9), donate_argnums=(4,))
+def _decode_strip(graphdef, state, mids, i, caches, wmesh, raw, columns, crops, final):
+    """Latent frame `i` of `mids` (the mid block's outputs), latent `columns` → (caches, video frames
+    (B, C, 1 or 4, H, strip width) clamped to [-1, 1]); `crops`/`final` from `Decoder3d.strip_plan`.
 
     `raw`: the decoder's output as is (still patchified, not clamped), for tiled decoding."""
     model: WanVAE = nnx.merge(graphdef, state)
     constrain = _constrain(wmesh)
+    x = lax.dynamic_slice_in_dim(mids, i, 1, axis=1)[:, :, :, columns[0] : columns[1]]
     chunk_st = ChunkState(None if caches is None else caches[0], constrain)
-    x = model.post_quant_conv(z.transpose(0, 2, 3, 4, 1), chunk_st)
-    x = model.decoder.per_chunk(x, chunk_st)
+    x = model.decoder.per_chunk(x, chunk_st, crops)
+    per_frame = partial(model.decoder.per_frame, crops=crops, final=final)
     if caches is None:
         frame_st = ChunkState(None, constrain)
-        x = model.decoder.per_frame(x, frame_st)
+        x = per_frame(x, frame_st)
         frame_caches = frame_st.out
     else:
-        frame_caches, x = _frame_by_frame(model.decoder.per_frame, x, caches[1], constrain)
+        frame_caches, x = _frame_by_frame(per_frame, x, caches[1], constrain)
     if not raw:
         x = jnp.clip(unpatchify(x, model.config.patch_size), -1.0, 1.0)
     return (chunk_st.out, frame_caches), x.transpose(0, 4, 1, 2, 3)
 
 
 @partial(jax.jit, donate_argnums=(0,))
-def _write_frames(out, frames, t0):
-    return lax.dynamic_update_slice_in_dim(out, frames.astype(out.dtype), t0, axis=2)
+def _write(out, x, start):
+    return lax.dynamic_update_slice(out, x.astype(out.dtype), start)
 
 
 # ---- spatial tiling ----

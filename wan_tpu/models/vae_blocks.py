@@ -120,6 +120,25 @@ class Conv2d(nnx.Module):
         )
         return st.constrain(y.reshape(b, t, *y.shape[1:]) + self.bias[...])
 
+    def after_nearest_upsample(self, x, st: ChunkState):
+        """The conv of x upsampled ×2 (nearest), without materialising the upsampled input.
+
+        Output pixel (2i+a, 2j+b) only reads input rows i-1..i (a=0) or i..i+1 (a=1), taps that see the
+        same input pixel summed: each of the 4 phases is a 2x2 conv on x, 4/9 of the multiply-adds."""
+        b, t, h, w, c = x.shape
+        x = x.reshape(b * t, h, w, c)
+        k = self.kernel[...].astype(jnp.float32)
+        rows = [(jnp.stack([k[0], k[1] + k[2]]), (1, 0)), (jnp.stack([k[0] + k[1], k[2]]), (0, 1))]
+        phases = []
+        for kr, pad_h in rows:
+            cols = [(jnp.stack([kr[:, 0], kr[:, 1] + kr[:, 2]], 1), (1, 0)), (jnp.stack([kr[:, 0] + kr[:, 1], kr[:, 2]], 1), (0, 1))]
+            phases.append(jnp.stack([
+                lax.conv_general_dilated(x, kc.astype(x.dtype), (1, 1), (pad_h, pad_w), dimension_numbers=("NHWC", "HWIO", "NHWC"))
+                for kc, pad_w in cols
+            ], axis=3))
+        y = jnp.stack(phases, axis=2).reshape(b, t, 2 * h, 2 * w, -1)
+        return st.constrain(y + self.bias[...])
+
 
 class RMSNorm(nnx.Module):
     """diffusers' WanRMS_norm: L2-normalise over channels (eps 1e-12) times sqrt(C)·gamma, in float32."""
@@ -166,7 +185,7 @@ class Resample(nnx.Module):
                 x = self.time_conv(x, st).reshape(b, t, h, w, 2, c)
                 x = x.transpose(0, 1, 4, 2, 3, 5).reshape(b, 2 * t, h, w, c)
         if self.mode.startswith("upsample"):
-            x = jnp.repeat(jnp.repeat(x, 2, axis=2), 2, axis=3)
+            return self.resample.after_nearest_upsample(x, st)
         x = self.resample(x, st)
         if self.mode == "downsample3d":
             prev = st.take()
@@ -316,7 +335,7 @@ class UpBlock(nnx.Module):
 
 
 class Encoder3d(nnx.Module):
-    """diffusers' WanEncoder3d. `down_blocks[:split]` never mix frames, so a chunk can run them frame by frame."""
+    """diffusers' WanEncoder3d. `down_blocks[:split]` keep the frame count, so a chunk can run them frame by frame."""
 
     def __init__(self, cfg, *, dtype, rngs):
         dims = [cfg.base_dim * u for u in (1, *cfg.dim_mult)]
@@ -356,7 +375,13 @@ class Encoder3d(nnx.Module):
 
 
 class Decoder3d(nnx.Module):
-    """diffusers' WanDecoder3d. `up_blocks[split:]` and the head never mix frames (run frame by frame)."""
+    """diffusers' WanDecoder3d. `up_blocks[split:]` and the head keep the frame count (run frame by frame).
+
+    After the mid block (whose attention sees the whole frame) every layer is local in space, so the
+    rest can run on a vertical strip of the frame exactly: each up block's input is cropped to the
+    strip plus a halo that covers what the remaining 3x3 convs read, and SAME padding at a cut only
+    damages the halo (see `strip_plan`).
+    """
 
     def __init__(self, cfg, *, dtype, rngs):
         dim = cfg.decoder_dim
@@ -376,14 +401,46 @@ class Decoder3d(nnx.Module):
         self.norm_out = RMSNorm(dims[-1], dtype=dtype)
         self.conv_out = CausalConv3d(dims[-1], cfg.out_channels, 3, padding=1, dtype=dtype, rngs=rngs)
         self.conv_out.carry_partial_sums = True  # it only ever sees one frame at a time (per_frame)
+        # Halo (pixels at that block's input) the layers from each up block on read beyond an output column.
+        halo, halos = 1, []  # conv_out's 3x3
+        for block in reversed(blocks):
+            if block.upsampler is not None:
+                halo = -(-(halo + 1) // 2)  # the 3x3 conv after the ×2 upsample, back to input pixels
+            halos.append(halo + 2 * len(block.resnets))
+            halo = halos[-1]
+        self.halos = tuple(reversed(halos))
 
-    def per_chunk(self, x, st: ChunkState):
-        x = self.mid_block(self.conv_in(x, st), st)
-        for block in self.up_blocks[: self.split]:
-            x = block(x, st)
+    def strip_plan(self, width, start, stop):
+        """Latent columns [start, stop) of a `width`-wide latent → (input columns, per-block crops, final crop).
+
+        The strip's input is its columns plus `halos[0]`, clipped to the frame; each up block crops its
+        input to the strip's columns plus its own halo at its resolution (offsets into what it receives),
+        and the head's output is cropped to exactly the strip."""
+        lo, hi, scale, crops = None, None, 1, []
+        for block, halo in zip(self.up_blocks, self.halos):
+            new_lo, new_hi = max(0, scale * start - halo), min(scale * width, scale * stop + halo)
+            crops.append(None if lo is None else (new_lo - lo, new_hi - lo))
+            lo, hi = new_lo, new_hi
+            if block.upsampler is not None:
+                lo, hi, scale = 2 * lo, 2 * hi, 2 * scale
+        crops[0] = None
+        final = (scale * start - lo, scale * stop - lo)
+        return (max(0, start - self.halos[0]), min(width, stop + self.halos[0])), tuple(crops), final
+
+    def stem(self, x, st: ChunkState):
+        return self.mid_block(self.conv_in(x, st), st)
+
+    def per_chunk(self, x, st: ChunkState, crops):
+        for block, crop in zip(self.up_blocks[: self.split], crops):
+            x = block(_crop(x, crop), st)
         return x
 
-    def per_frame(self, x, st: ChunkState):
-        for block in self.up_blocks[self.split :]:
-            x = block(x, st)
-        return self.conv_out(_norm_silu(self.norm_out, x), st)
+    def per_frame(self, x, st: ChunkState, crops, final):
+        for block, crop in zip(self.up_blocks[self.split :], crops[self.split :]):
+            x = block(_crop(x, crop), st)
+        return _crop(self.conv_out(_norm_silu(self.norm_out, x), st), final)
+
+
+def _crop(x, columns):
+    """Columns [start, stop) of a (B, T, H, W, C) activation; None keeps all."""
+    return x if columns is None else x[:, :, :, columns[0] : columns[1]]

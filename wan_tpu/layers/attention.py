@@ -1,4 +1,4 @@
-"""`wan_tpu.attention`: one entry point for every attention kernel, layout (B, S, H, D).
+"""`wan_tpu.attention` (defined here): one entry point for every attention kernel, layout (B, S, H, D).
 
 Softmax scale is 1/sqrt(D), non-causal, any Sq, Skv ≥ 1. Kernels:
 
@@ -29,8 +29,6 @@ from __future__ import annotations
 
 import math
 import os
-import sys
-import types
 
 import jax
 import jax.numpy as jnp
@@ -127,14 +125,3 @@ def attention(q, k, v, impl=None, interpret=False, block_sizes=None):
         )
     fn, _ = _IMPLS[impl]
     return fn(q, k, v, block_sizes, interpret)
-
-
-class _CallableModule(types.ModuleType):
-    """`wan_tpu.attention` is both this module and the public function: importing the submodule
-    binds the package attribute to the module, so the module must be callable as the function."""
-
-    def __call__(self, q, k, v, impl=None, interpret=False, block_sizes=None):
-        return attention(q, k, v, impl=impl, interpret=interpret, block_sizes=block_sizes)
-
-
-sys.modules[__name__].__class__ = _CallableModule
