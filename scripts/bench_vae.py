@@ -1,8 +1,10 @@
 """Wan 2.1 VAE decode/encode: wan_tpu (JAX) vs diffusers' AutoencoderKLWan (torch), same random weights, bf16.
 
-    python scripts/bench_vae.py --tiled 384x704:336x576   # 480x832 and 720x1280, 81 frames, on the GPU
+    python scripts/bench_vae.py --strips 3   # 480x832 and 720x1280, 81 frames, on the GPU; adds 3-strip rows
+    python scripts/bench_vae.py --tiled 384x704:336x576   # adds a tiled decode at the last size
     python scripts/bench_vae.py --impls wan_tpu --sizes 480x832 --reps 3
 
+Rows "wan_tpu" are `decode(z)`'s default path (at these sizes: 2 exact strips, see WanVAE.decode).
 Every side runs in subprocesses so peak-memory counters do not mix. JAX's peak counter cannot be
 reset and would also count the conv autotuner's scratch, so a "prime" process compiles everything
 into a persistent compilation cache first; the measuring processes load the executables and run
@@ -59,7 +61,7 @@ def worker_torch(args):
 
     vae = AutoencoderKLWan.from_pretrained(args.ckpt, torch_dtype=torch.bfloat16).cuda().eval()
     for kind in ("decode", "encode"):
-        for i, (h, w) in enumerate(_sizes(args.sizes)):
+        for i, (h, w) in enumerate(_sizes(args.sizes if kind == "decode" else args.encode_sizes or args.sizes)):
             x = torch.from_numpy(_inputs(kind, h, w, args.frames)).cuda().to(torch.bfloat16)
             fn = (lambda: vae.decode(x).sample) if kind == "decode" else (lambda: vae.encode(x).latent_dist.mode())
             times = []
@@ -95,18 +97,21 @@ def worker_jax(args):
     kind = args.worker.split(":")[1]
     sizes = _sizes(args.sizes)
     tiled = [("decode", *sizes[-1], tuple(_sizes(t)[0] for t in args.tiled.split(":")))] if args.tiled else []
-    jobs = {
-        "decode": tiled + [("decode", h, w, None) for h, w in sizes],  # smallest expected peak first
-        "encode": [("encode", h, w, None) for h, w in sizes],
+    strips = [int(n) for n in args.strips.split(",") if n]
+    jobs = {  # smallest expected peak first: more strips, then the default, size by size
+        "decode": tiled + [("decode", h, w, n) for h, w in sizes for n in sorted(strips, reverse=True) + [None]],
+        "encode": [("encode", h, w, None) for h, w in _sizes(args.encode_sizes or args.sizes)],
     }
     jobs["prime"] = jobs["decode"] + jobs["encode"]
     last_peak = 0
-    for job, h, w, tiles in jobs[kind]:
+    for job, h, w, variant in jobs[kind]:
         x = jnp.asarray(_inputs(job, h, w, args.frames), jnp.bfloat16)
         if job == "encode":
             fn = lambda: vae.encode(x)  # noqa: E731
-        elif tiles:
-            fn = lambda: vae.decode(x, tiling=True, tile_sample_size=tiles[0], tile_sample_stride=tiles[1])  # noqa: E731
+        elif isinstance(variant, int):
+            fn = lambda: vae.decode(x, tiling=False, strips=variant)  # noqa: E731
+        elif variant:
+            fn = lambda: vae.decode(x, tiling=True, tile_sample_size=variant[0], tile_sample_stride=variant[1])  # noqa: E731
         else:
             fn = lambda: vae.decode(x, tiling=False)  # noqa: E731
         times = []
@@ -115,16 +120,17 @@ def worker_jax(args):
             out = fn().block_until_ready()
             times.append(time.perf_counter() - t0)
         if kind == "prime":
-            print(f"primed {job} {h}x{w}{' tiled' if tiles else ''}: first call {times[0]:.1f}s", flush=True)
+            print(f"primed {job} {h}x{w} {variant or ''}: first call {times[0]:.1f}s", flush=True)
             continue
         peak = (dev.memory_stats() or {}).get("peak_bytes_in_use", 0)
         masked = peak == last_peak  # JAX's peak counter cannot be reset: an earlier, larger peak hides this one
         last_peak = peak
-        if h * w == sizes[0][0] * sizes[0][1] and not tiles:
+        if h * w == sizes[0][0] * sizes[0][1] and not variant:
             sl = np.asarray(out[:, :, :5] if job == "decode" else out, np.float32)
             np.save(os.path.join(args.ckpt, f"jax_{job}.npy"), sl)
         del out
-        label = "wan_tpu" + (f" tiled {tiles[0][0]}x{tiles[0][1]}" if tiles else "") + (" (peak ≤)" if masked else "")
+        label = "wan_tpu" + (f" strips {variant}" if isinstance(variant, int) else f" tiled {variant[0][0]}x{variant[0][1]}" if variant else "")
+        label += " (peak ≤)" if masked else ""
         _emit(label, job, h, w, times[1:], peak)
 
 
@@ -136,9 +142,11 @@ def _emit(impl, kind, h, w, times, peak):
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--sizes", default="480x832,720x1280")
+    ap.add_argument("--encode-sizes", default="", help="sizes to encode (default: --sizes)")
     ap.add_argument("--frames", type=int, default=81)
     ap.add_argument("--reps", type=int, default=2)
     ap.add_argument("--tiled", default="", help="SIZE:STRIDE in pixels, e.g. 384x704:336x576; adds a tiled JAX decode at the last size")
+    ap.add_argument("--strips", default="", help="comma-separated strip counts to time besides decode's default")
     ap.add_argument("--ckpt", default="/tmp/bench_vae_ckpt")
     ap.add_argument("--timeout", type=int, default=200, help="seconds per subprocess")
     ap.add_argument("--worker", default="")
@@ -153,9 +161,9 @@ def main():
         make_checkpoint(args.ckpt)
     rows = []
     impls = args.impls.split(",")
-    workers = (["jax:prime", "jax:decode", "jax:encode"] if "wan_tpu" in impls else []) + (["torch"] if "diffusers" in impls else [])
+    workers = (["torch"] if "diffusers" in impls else []) + (["jax:prime", "jax:decode", "jax:encode"] if "wan_tpu" in impls else [])
     base = [sys.executable, __file__, "--sizes", args.sizes, "--frames", str(args.frames), "--reps", str(args.reps),
-            "--ckpt", args.ckpt, "--tiled", args.tiled]
+            "--ckpt", args.ckpt, "--tiled", args.tiled, "--strips", args.strips, "--encode-sizes", args.encode_sizes]
     for worker in workers:
         t0 = time.time()
         try:

@@ -115,7 +115,7 @@ def tiny(dtype=jnp.bfloat16, mesh=None, attention_impl=None, vae_dtype=jnp.float
 
         model = tiny_umt5(variant.transformer.text_dim, seed).to(torchax_compat.torch_dtype(dtype))
         with torch.no_grad():
-            state = torchax_compat.module_state(model)
+            state = torchax_compat.module_state(model, mesh=mesh, family="umt5")
         return UMT5TextEncoder(model, tiny_tokenizer(), state)
 
     loaders = {"transformer": transformer, "vae": vae, "text_encoder": text_encoder}

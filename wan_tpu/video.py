@@ -35,9 +35,10 @@ def write_video(path: str, frames: np.ndarray, fps: int, overwrite: bool = False
     tmp = os.path.join(parent, f".{name}.{os.getpid()}.partial.mp4")
     try:
         with _ffmpeg_subprocess():
-            # macro_block_size=1: never let imageio resize the frames behind the caller's back.
-            writer = imageio.get_writer(tmp, fps=fps, codec="libx264", quality=8, macro_block_size=1,
-                                        pixelformat="yuv420p")
+            # format="FFMPEG": without imageio-ffmpeg imageio would silently pick another plugin (tiff)
+            # for this name; macro_block_size=1: never let imageio resize the frames behind our back.
+            writer = imageio.get_writer(tmp, format="FFMPEG", fps=fps, codec="libx264", quality=8,
+                                        macro_block_size=1, pixelformat="yuv420p")
             try:
                 for frame in frames:
                     writer.append_data(frame)

@@ -125,7 +125,7 @@ class WanVAE(nnx.Module):
             (lo, hi), crops, final = self.decoder.strip_plan(w, start, stop)
             caches = None
             for i in range(f):
-                caches, frames = _decode_strip(graphdef, state, mids, jnp.int32(i), caches, wmesh, raw, (lo, hi), crops, final)
+                caches, frames = _decode_strip(graphdef, state, mids[:, i : i + 1, :, lo:hi], caches, wmesh, raw, crops, final)
                 if out is None:
                     out = _zeros((b, frames.shape[1], 1 + 4 * (f - 1), frames.shape[3], w * scale), frames.dtype, wmesh)
                 out = _write(out, frames, (0, 0, max(0, 4 * i - 3), 0, start * scale))
@@ -141,9 +141,8 @@ class WanVAE(nnx.Module):
             b, _, f, h, w = z.shape
             (lo, hi), crops, final = self.decoder.strip_plan(w, 0, -(-w // strips))
             mids = jax.ShapeDtypeStruct((b, f, h, w, self.config.decoder_dim * self.config.dim_mult[-1]), z.dtype)
-            caches, first = jax.eval_shape(
-                lambda st, m: _decode_strip(graphdef, st, m, 0, None, None, False, (lo, hi), crops, final), state, mids
-            )
+            strip = jax.ShapeDtypeStruct((b, 1, h, hi - lo, mids.shape[-1]), z.dtype)
+            caches, first = jax.eval_shape(lambda st, m: _decode_strip(graphdef, st, m, None, None, False, crops, final), state, strip)
             cache_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(caches))
             frame = first.size // first.shape[1] * self.config.decoder_dim * first.dtype.itemsize
             video = first.size // first.shape[-1] * w * self.config.scale_factor_spatial * (1 + 4 * (f - 1))
@@ -264,15 +263,40 @@ def unpatchify(x, p):
 
 
 def _frame_by_frame(fn, x, caches, constrain):
-    """Run `fn` over axis 1 of x one frame at a time, threading its causal caches."""
+    """Run `fn` over axis 1 of x one frame at a time, threading its causal caches; each call may return
+    several frames (a temporal upsample), concatenated in order."""
 
     def body(c, xf):
         st = ChunkState(c, constrain)
         y = fn(xf[:, None], st)
-        return st.out, y[:, 0]
+        return st.out, y
 
     caches, ys = lax.scan(body, caches, jnp.moveaxis(x, 1, 0))
-    return caches, jnp.moveaxis(ys, 0, 1)
+    ys = jnp.moveaxis(ys, 0, 1)
+    return caches, ys.reshape(ys.shape[0], -1, *ys.shape[3:])
+
+
+def _nested(levels, constrain):
+    """levels[0], then the remaining levels frame by frame over each of its output frames, so the larger
+    activations of the later levels hold one frame and their convs are 2D. The inner loop's caches are
+    one entry of the outer step's cache list."""
+    if len(levels) == 1:
+        return levels[0]
+    inner = _nested(levels[1:], constrain)
+
+    def fn(x, st: ChunkState):
+        x = levels[0](x, st)
+        caches = st.take()
+        if caches is None:  # the first chunk: one frame at every level
+            sub = ChunkState(None, constrain)
+            x = inner(x, sub)
+            st.put(sub.out)
+            return x
+        caches, x = _frame_by_frame(inner, x, caches, constrain)
+        st.put(caches)
+        return x
+
+    return fn
 
 
 @partial(jax.jit, static_argnums=(0, 4), donate_argnums=(3,))
@@ -302,27 +326,19 @@ def _decode_stem(graphdef, state, z, caches, wmesh):
     return st.out, model.decoder.stem(x, st)
 
 
-@partial(jax.jit, static_argnums=(0, 5, 6, 7, 8, 9), donate_argnums=(4,))
-def _decode_strip(graphdef, state, mids, i, caches, wmesh, raw, columns, crops, final):
-    """Latent frame `i` of `mids` (the mid block's outputs), latent `columns` → (caches, video frames
+@partial(jax.jit, static_argnums=(0, 4, 5, 6, 7), donate_argnums=(3,))
+def _decode_strip(graphdef, state, mid, caches, wmesh, raw, crops, final):
+    """The mid block's output for one latent frame, a strip's input columns → (caches, video frames
     (B, C, 1 or 4, H, strip width) clamped to [-1, 1]); `crops`/`final` from `Decoder3d.strip_plan`.
 
     `raw`: the decoder's output as is (still patchified, not clamped), for tiled decoding."""
     model: WanVAE = nnx.merge(graphdef, state)
     constrain = _constrain(wmesh)
-    x = lax.dynamic_slice_in_dim(mids, i, 1, axis=1)[:, :, :, columns[0] : columns[1]]
-    chunk_st = ChunkState(None if caches is None else caches[0], constrain)
-    x = model.decoder.per_chunk(x, chunk_st, crops)
-    per_frame = partial(model.decoder.per_frame, crops=crops, final=final)
-    if caches is None:
-        frame_st = ChunkState(None, constrain)
-        x = per_frame(x, frame_st)
-        frame_caches = frame_st.out
-    else:
-        frame_caches, x = _frame_by_frame(per_frame, x, caches[1], constrain)
+    st = ChunkState(caches, constrain)
+    x = _nested(model.decoder.levels(crops, final), constrain)(mid, st)
     if not raw:
         x = jnp.clip(unpatchify(x, model.config.patch_size), -1.0, 1.0)
-    return (chunk_st.out, frame_caches), x.transpose(0, 4, 1, 2, 3)
+    return st.out, x.transpose(0, 4, 1, 2, 3)
 
 
 @partial(jax.jit, donate_argnums=(0,))

@@ -375,7 +375,7 @@ class Encoder3d(nnx.Module):
 
 
 class Decoder3d(nnx.Module):
-    """diffusers' WanDecoder3d. `up_blocks[split:]` and the head keep the frame count (run frame by frame).
+    """diffusers' WanDecoder3d, as `stem` (up to the mid block) and `levels` (up blocks and head).
 
     After the mid block (whose attention sees the whole frame) every layer is local in space, so the
     rest can run on a vertical strip of the frame exactly: each up block's input is cropped to the
@@ -397,10 +397,9 @@ class Decoder3d(nnx.Module):
             mode = None if i == len(mult) - 1 else ("upsample3d" if up_t[i] else "upsample2d")
             blocks.append(UpBlock(in_dim, out_dim, cfg.num_res_blocks, mode, cfg.is_residual, dtype=dtype, rngs=rngs))
         self.up_blocks = nnx.List(blocks)
-        self.split = 1 + max((i for i, b in enumerate(blocks) if b.temporal), default=-1)
         self.norm_out = RMSNorm(dims[-1], dtype=dtype)
         self.conv_out = CausalConv3d(dims[-1], cfg.out_channels, 3, padding=1, dtype=dtype, rngs=rngs)
-        self.conv_out.carry_partial_sums = True  # it only ever sees one frame at a time (per_frame)
+        self.conv_out.carry_partial_sums = True  # it only ever sees one frame at a time (the last level)
         # Halo (pixels at that block's input) the layers from each up block on read beyond an output column.
         halo, halos = 1, []  # conv_out's 3x3
         for block in reversed(blocks):
@@ -430,15 +429,20 @@ class Decoder3d(nnx.Module):
     def stem(self, x, st: ChunkState):
         return self.mid_block(self.conv_in(x, st), st)
 
-    def per_chunk(self, x, st: ChunkState, crops):
-        for block, crop in zip(self.up_blocks[: self.split], crops):
-            x = block(_crop(x, crop), st)
-        return x
+    def levels(self, crops, final):
+        """The up blocks and head as functions of one frame, split after each temporal upsample: level k+1
+        runs on each frame level k outputs (see vae._nested). Level 0 takes the mid block's output."""
+        bounds = [0] + [i + 1 for i, b in enumerate(self.up_blocks) if b.temporal] + [len(self.up_blocks)]
 
-    def per_frame(self, x, st: ChunkState, crops, final):
-        for block, crop in zip(self.up_blocks[self.split :], crops[self.split :]):
-            x = block(_crop(x, crop), st)
-        return _crop(self.conv_out(_norm_silu(self.norm_out, x), st), final)
+        def level(lo, hi, head):
+            def fn(x, st: ChunkState):
+                for block, crop in zip(self.up_blocks[lo:hi], crops[lo:hi]):
+                    x = block(_crop(x, crop), st)
+                return _crop(self.conv_out(_norm_silu(self.norm_out, x), st), final) if head else x
+
+            return fn
+
+        return [level(lo, hi, hi == len(self.up_blocks)) for lo, hi in zip(bounds[:-1], bounds[1:]) if lo < hi]
 
 
 def _crop(x, columns):
