@@ -3,6 +3,7 @@
     python scripts/bench_vae.py --strips 3   # 480x832 and 720x1280, 81 frames, on the GPU; adds 3-strip rows
     python scripts/bench_vae.py --tiled 384x704:336x576   # adds a tiled decode at the last size
     python scripts/bench_vae.py --impls wan_tpu --sizes 480x832 --reps 3
+    python scripts/bench_vae.py --memory-analysis --strips 3   # compile only: XLA's temp bytes per step
 
 Rows "wan_tpu" are `decode(z)`'s default path (at these sizes: 2 exact strips, see WanVAE.decode).
 Every side runs in subprocesses so peak-memory counters do not mix. JAX's peak counter cannot be
@@ -129,9 +130,45 @@ def worker_jax(args):
             sl = np.asarray(out[:, :, :5] if job == "decode" else out, np.float32)
             np.save(os.path.join(args.ckpt, f"jax_{job}.npy"), sl)
         del out
-        label = "wan_tpu" + (f" strips {variant}" if isinstance(variant, int) else f" tiled {variant[0][0]}x{variant[0][1]}" if variant else "")
+        if isinstance(variant, int):
+            label = f"wan_tpu strips {variant}"
+        else:
+            label = "wan_tpu" + (f" tiled {variant[0][0]}x{variant[0][1]}" if variant else "")
         label += " (peak ≤)" if masked else ""
         _emit(label, job, h, w, times[1:], peak)
+
+
+def memory_analysis(args):
+    """Compile (without running, abstract weights) decode's steps at each size and print XLA's accounting:
+    temporaries, and the largest cuDNN conv workspace among them (the u8[...] output of a conv custom
+    call; XLA lets its autotuner pick algorithms needing up to 4 GiB). On the CPU the second is 0."""
+    import re
+
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from wan_tpu.configs.vae import VAE_PRESETS
+    from wan_tpu.models import vae as V
+
+    model = nnx.eval_shape(lambda: V.WanVAE(VAE_PRESETS["wan2.1"], dtype=jnp.bfloat16, rngs=nnx.Rngs(0)))
+    g, state = nnx.split(model)
+    for h, w in _sizes(args.sizes):
+        z = jax.ShapeDtypeStruct((1, 16, 1, h // 8, w // 8), jnp.bfloat16)
+        caches, mid = jax.eval_shape(lambda st, x: V._decode_stem(g, st, x, None, None), state, z)
+        steps = {"stem": V._decode_stem.lower(g, state, z, caches, None)}
+        for strips in sorted({1, 2, *(int(n) for n in args.strips.split(",") if n)}):
+            cols, crops, final = model.decoder.strip_plan(w // 8, 0, -(-(w // 8) // strips))
+            mid = jax.ShapeDtypeStruct((1, 1, h // 8, cols[1] - cols[0], mid.shape[-1]), jnp.bfloat16)
+            caches, _ = jax.eval_shape(lambda st, m: V._decode_strip(g, st, m, None, None, False, crops, final), state, mid)
+            steps[f"strip 1/{strips}"] = V._decode_strip.lower(g, state, mid, caches, None, False, crops, final)
+        for name, lowered in steps.items():
+            compiled = lowered.compile()
+            m = compiled.memory_analysis()
+            scratch = [int(n) for line in compiled.as_text().splitlines() if "cudnn$conv" in line
+                       for n in re.findall(r"u8\[(\d+)\]", line.split("custom-call(")[0])]
+            print(f"{h}x{w} {name:12} args {m.argument_size_in_bytes / GIB:6.2f} GiB  temp {m.temp_size_in_bytes / GIB:6.2f} GiB  "
+                  f"largest conv workspace {max(scratch, default=0) / GIB:5.2f} GiB ({len(scratch)} convs)", flush=True)
 
 
 def _emit(impl, kind, h, w, times, peak):
@@ -151,7 +188,10 @@ def main():
     ap.add_argument("--timeout", type=int, default=200, help="seconds per subprocess")
     ap.add_argument("--worker", default="")
     ap.add_argument("--impls", default="diffusers,wan_tpu", help="which sides to run")
+    ap.add_argument("--memory-analysis", action="store_true", help="only compile decode's steps and print XLA's memory accounting")
     args = ap.parse_args()
+    if args.memory_analysis:
+        return memory_analysis(args)
     if args.worker == "torch":
         return worker_torch(args)
     if args.worker.startswith("jax:"):

@@ -36,9 +36,9 @@ from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from wan_tpu.layers import attention as attention_lib
 from wan_tpu.configs.sharding import FSDP, RULES
 from wan_tpu.errors import WanInputError
+from wan_tpu.layers import attention as attention_lib
 from wan_tpu.mesh import AXES, mesh_size
 
 

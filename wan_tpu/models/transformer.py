@@ -31,9 +31,9 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from wan_tpu.layers import attention as attention_lib
 from wan_tpu.configs.models import WanTransformerConfig
 from wan_tpu.errors import WanInputError
+from wan_tpu.layers import attention as attention_lib
 from wan_tpu.layers.embeddings import FeedForward, TextProjection, TimestepEmbedding, linear, timestep_embedding
 from wan_tpu.layers.norms import FP32LayerNorm, RMSNorm, layer_norm
 from wan_tpu.layers.rope import apply_rope, rope_tables

@@ -6,12 +6,16 @@ Public I/O is diffusers': `encode(video (B, 3, T, H, W) in [-1, 1]) -> posterior
 The causal time loop is diffusers' (encode: the first frame alone, then chunks of 4 frames; decode:
 one latent frame at a time), but each kind of chunk is one jitted function traced once per spatial
 shape, whatever the number of frames: the feature caches are its carried, donated arguments. Inside
-a chunk, the layers that keep the frame count (the full-resolution ones: after the last temporal
-upsample, before the first temporal downsample) run frame by frame in a `lax.scan`, so the largest
-activations hold one frame, not four, and their convs become 2D (see CausalConv3d). With a mesh,
-activations are split along width over all its devices (weights replicated; XLA exchanges the conv
-halos). On one small device `decode` can tile space instead (diffusers' tiled decode: overlapping
-latent tiles, linear blend), chosen from free device memory or forced with `tiling=True`.
+a chunk, the layers run one frame at a time where they can (`lax.scan`): the encoder's layers before
+its first temporal downsample, and the decoder's after each temporal upsample, level by level (see
+`_nested`), so the largest activations hold one frame and their convs are 2D (see CausalConv3d).
+Decode runs in two passes: the mid block's output for every latent frame (its attention sees whole
+frames), then the rest over all frames one vertical strip at a time, exactly (halos, see
+`Decoder3d.strip_plan`), so only one strip's caches (2 frames per causal conv) are alive: that halves
+the peak at 2 strips. With a mesh, activations are split along width over all its devices (weights
+replicated; XLA exchanges the conv halos). On one small device `decode` can tile space instead
+(diffusers' tiled decode: overlapping latent tiles, linear blend, approximate), chosen from free device
+memory or forced with `tiling=True`.
 """
 
 from __future__ import annotations
@@ -125,7 +129,7 @@ class WanVAE(nnx.Module):
             (lo, hi), crops, final = self.decoder.strip_plan(w, start, stop)
             caches = None
             for i in range(f):
-                caches, frames = _decode_strip(graphdef, state, mids[:, i : i + 1, :, lo:hi], caches, wmesh, raw, crops, final)
+                caches, frames = _decode_strip(graphdef, state, _frame_columns(mids, i, lo, hi), caches, wmesh, raw, crops, final)
                 if out is None:
                     out = _zeros((b, frames.shape[1], 1 + 4 * (f - 1), frames.shape[3], w * scale), frames.dtype, wmesh)
                 out = _write(out, frames, (0, 0, max(0, 4 * i - 3), 0, start * scale))
@@ -133,8 +137,9 @@ class WanVAE(nnx.Module):
 
     def _decode_bytes(self, z, strips=1) -> int:
         """Device bytes an untiled decode of `z` needs: the mid block's outputs, the widest strip's carried
-        caches, the output, and the step's temporaries, which measured ≈ 25 full-resolution frames of
-        `decoder_dim` channels (H200, 480p and 720p, one strip)."""
+        caches, the output, and the temporaries, which measured ≈ 22-25 full-resolution, full-width frames
+        of `decoder_dim` channels on an H200 (480p and 720p) with 1 or 2 strips alike (XLA's CPU buffer
+        assignment of the strip step says 7 with 2 strips: the rest is GPU-only, likely conv workspace)."""
         graphdef, state = nnx.split(self)
         key = (graphdef, z.shape, z.dtype, strips)
         if key not in _DECODE_BYTES:
@@ -144,9 +149,10 @@ class WanVAE(nnx.Module):
             strip = jax.ShapeDtypeStruct((b, 1, h, hi - lo, mids.shape[-1]), z.dtype)
             caches, first = jax.eval_shape(lambda st, m: _decode_strip(graphdef, st, m, None, None, False, crops, final), state, strip)
             cache_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(caches))
-            frame = first.size // first.shape[1] * self.config.decoder_dim * first.dtype.itemsize
-            video = first.size // first.shape[-1] * w * self.config.scale_factor_spatial * (1 + 4 * (f - 1))
-            _DECODE_BYTES[key] = mids.size * mids.dtype.itemsize + cache_bytes + video * first.dtype.itemsize + 25 * frame
+            video_frame = first.size // first.shape[-1] * w * self.config.scale_factor_spatial
+            frame = video_frame // first.shape[1] * self.config.decoder_dim * first.dtype.itemsize
+            video = video_frame * (1 + 4 * (f - 1)) * first.dtype.itemsize
+            _DECODE_BYTES[key] = mids.size * mids.dtype.itemsize + cache_bytes + video + 25 * frame
         return _DECODE_BYTES[key]
 
     def _needs_tiling(self, z, strips=1) -> bool:
@@ -339,6 +345,12 @@ def _decode_strip(graphdef, state, mid, caches, wmesh, raw, crops, final):
     if not raw:
         x = jnp.clip(unpatchify(x, model.config.patch_size), -1.0, 1.0)
     return st.out, x.transpose(0, 4, 1, 2, 3)
+
+
+@partial(jax.jit, static_argnums=(2, 3))
+def _frame_columns(x, i, lo, hi):
+    """Frame i, columns [lo, hi) of (B, T, H, W, C); one executable per strip, not per frame."""
+    return lax.dynamic_slice_in_dim(x, i, 1, axis=1)[:, :, :, lo:hi]
 
 
 @partial(jax.jit, donate_argnums=(0,))

@@ -127,17 +127,22 @@ class Conv2d(nnx.Module):
         same input pixel summed: each of the 4 phases is a 2x2 conv on x, 4/9 of the multiply-adds."""
         b, t, h, w, c = x.shape
         x = x.reshape(b * t, h, w, c)
-        k = self.kernel[...].astype(jnp.float32)
-        rows = [(jnp.stack([k[0], k[1] + k[2]]), (1, 0)), (jnp.stack([k[0] + k[1], k[2]]), (0, 1))]
-        phases = []
-        for kr, pad_h in rows:
-            cols = [(jnp.stack([kr[:, 0], kr[:, 1] + kr[:, 2]], 1), (1, 0)), (jnp.stack([kr[:, 0] + kr[:, 1], kr[:, 2]], 1), (0, 1))]
-            phases.append(jnp.stack([
+        rows = [
+            jnp.stack([
                 lax.conv_general_dilated(x, kc.astype(x.dtype), (1, 1), (pad_h, pad_w), dimension_numbers=("NHWC", "HWIO", "NHWC"))
-                for kc, pad_w in cols
-            ], axis=3))
-        y = jnp.stack(phases, axis=2).reshape(b, t, 2 * h, 2 * w, -1)
+                for kc, pad_w in _upsampled_taps(kr, 1)
+            ], axis=3)
+            for kr, pad_h in _upsampled_taps(self.kernel[...].astype(jnp.float32), 0)
+        ]
+        y = jnp.stack(rows, axis=2).reshape(b, t, 2 * h, 2 * w, -1)
         return st.constrain(y + self.bias[...])
+
+
+def _upsampled_taps(k, axis):
+    """A 3-tap axis of a kernel applied after a nearest ×2 upsample, as two 2-tap kernels on the input
+    (even outputs read input i-1, i; odd ones i, i+1) with their padding."""
+    k0, k1, k2 = (lax.index_in_dim(k, i, axis, keepdims=False) for i in range(3))
+    return [(jnp.stack([k0, k1 + k2], axis), (1, 0)), (jnp.stack([k0 + k1, k2], axis), (0, 1))]
 
 
 class RMSNorm(nnx.Module):
@@ -415,16 +420,15 @@ class Decoder3d(nnx.Module):
         The strip's input is its columns plus `halos[0]`, clipped to the frame; each up block crops its
         input to the strip's columns plus its own halo at its resolution (offsets into what it receives),
         and the head's output is cropped to exactly the strip."""
-        lo, hi, scale, crops = None, None, 1, []
+        columns = (max(0, start - self.halos[0]), min(width, stop + self.halos[0]))
+        received, scale, crops = columns[0], 1, []  # received: first column of what the block gets
         for block, halo in zip(self.up_blocks, self.halos):
-            new_lo, new_hi = max(0, scale * start - halo), min(scale * width, scale * stop + halo)
-            crops.append(None if lo is None else (new_lo - lo, new_hi - lo))
-            lo, hi = new_lo, new_hi
+            lo, hi = max(0, scale * start - halo), min(scale * width, scale * stop + halo)
+            crops.append(None if not crops else (lo - received, hi - received))
+            received = lo
             if block.upsampler is not None:
-                lo, hi, scale = 2 * lo, 2 * hi, 2 * scale
-        crops[0] = None
-        final = (scale * start - lo, scale * stop - lo)
-        return (max(0, start - self.halos[0]), min(width, stop + self.halos[0])), tuple(crops), final
+                received, scale = 2 * lo, 2 * scale
+        return columns, tuple(crops), (scale * start - received, scale * stop - received)
 
     def stem(self, x, st: ChunkState):
         return self.mid_block(self.conv_in(x, st), st)
