@@ -162,11 +162,11 @@ _TINY = WanTransformerConfig(num_attention_heads=2, attention_head_dim=32, text_
 
 _VARIANTS = (
     WanVariant("wan2.1-t2v-1.3b", "Wan-AI/Wan2.1-T2V-1.3B-Diffusers", _T2V_1_3B, "t2v", "wan2.1", 16,
-               # 1.3B at 480p; the Wan2.1 README suggests shift 8-12 and guidance ~6 for this size.
-               sample_shift=5.0, sample_size=(832, 480), sample_frames=81, sample_steps=50, guidance_scale=5.0),
+               # Wan 2.1 shift: 3.0 at 480p, 5.0 at 720p (`wan_tpu.settings.default_shift` applies the
+               # rule to other sizes too).
+               sample_shift=3.0, sample_size=(832, 480), sample_frames=81, sample_steps=50, guidance_scale=5.0),
     WanVariant("wan2.1-t2v-14b", "Wan-AI/Wan2.1-T2V-14B-Diffusers", _T2V_14B, "t2v", "wan2.1", 16,
                sample_shift=5.0, sample_size=(1280, 720), sample_frames=81, sample_steps=50, guidance_scale=5.0),
-    # generate.py drops the shift to 3.0 for I2V at 480p.
     WanVariant("wan2.1-i2v-14b-480p", "Wan-AI/Wan2.1-I2V-14B-480P-Diffusers", _I2V_14B, "i2v", "wan2.1", 16,
                sample_shift=3.0, sample_size=(832, 480), sample_frames=81, sample_steps=40, guidance_scale=5.0,
                uses_clip_image=True),

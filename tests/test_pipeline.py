@@ -159,7 +159,7 @@ def test_new_transformer_config_is_a_custom_variant(tmp_path):
 
 
 def test_official_defaults():
-    """Defaults of the official generate.py per model (Wan2.1 / Wan2.2 repos)."""
+    """Defaults of the official generate.py per model (Wan2.1 / Wan2.2 repos); Wan 2.1 shift by size."""
     from wan_tpu.configs.vae import VAE_PRESETS
     from wan_tpu.settings import resolve_settings
 
@@ -168,7 +168,9 @@ def test_official_defaults():
 
     s = settings("wan2.1-t2v-1.3b")
     assert (s.width, s.height, s.num_frames, s.num_inference_steps, s.guidance_scale, s.flow_shift) == (
-        832, 480, 81, 50, 5.0, 5.0)
+        832, 480, 81, 50, 5.0, 3.0)
+    assert settings("wan2.1-t2v-14b").flow_shift == 5.0  # 720p
+    assert settings("wan2.1-t2v-14b", width=832, height=480).flow_shift == 3.0
     assert settings("wan2.1-i2v-14b-480p").flow_shift == 3.0  # I2V at 480p
     assert settings("wan2.1-i2v-14b-480p", width=1280, height=720).flow_shift == 5.0
     assert settings("wan2.1-i2v-14b-480p").num_inference_steps == 40

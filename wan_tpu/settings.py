@@ -53,9 +53,10 @@ def _positive_int(name: str, value, flag: str) -> int:
 
 
 def default_shift(variant: WanVariant, width: int, height: int) -> float:
-    if variant.name.startswith("wan2.1-i2v"):
-        # Official generate.py: Wan 2.1 I2V samples 480p with shift 3.0, everything else with 5.0.
-        return 3.0 if {width, height} == {832, 480} else 5.0
+    if variant.name.startswith("wan2.1"):
+        # Wan 2.1 by size: 3.0 up to 480p, 5.0 above (diffusers' Wan recommendation, and the official
+        # generate.py's choice for I2V at 480p); Wan 2.2 models carry their own in the table.
+        return 3.0 if width * height <= 832 * 480 else 5.0
     return variant.sample_shift
 
 
