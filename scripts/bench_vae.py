@@ -4,6 +4,8 @@
     python scripts/bench_vae.py --tiled 384x704:336x576   # adds a tiled decode at the last size
     python scripts/bench_vae.py --impls wan_tpu --sizes 480x832 --reps 3
     python scripts/bench_vae.py --memory-analysis --strips 3   # compile only: XLA's temp bytes per step
+    python scripts/bench_vae.py --memory-analysis --variants "s1=1;s2=2;s2-at0=2 --xla_gpu_autotune_level=0"
+        # decode only, one row per variant (strip count, extra XLA_FLAGS), plus XLA's accounting per flag set
 
 Rows "wan_tpu" are `decode(z)`'s default path (at these sizes: 2 exact strips, see WanVAE.decode).
 Every side runs in subprocesses so peak-memory counters do not mix. JAX's peak counter cannot be
@@ -61,7 +63,7 @@ def worker_torch(args):
     from diffusers import AutoencoderKLWan
 
     vae = AutoencoderKLWan.from_pretrained(args.ckpt, torch_dtype=torch.bfloat16).cuda().eval()
-    for kind in ("decode", "encode"):
+    for kind in args.kinds.split(","):
         for i, (h, w) in enumerate(_sizes(args.sizes if kind == "decode" else args.encode_sizes or args.sizes)):
             x = torch.from_numpy(_inputs(kind, h, w, args.frames)).cuda().to(torch.bfloat16)
             fn = (lambda: vae.decode(x).sample) if kind == "decode" else (lambda: vae.encode(x).latent_dist.mode())
@@ -103,7 +105,9 @@ def worker_jax(args):
         "decode": tiled + [("decode", h, w, n) for h, w in sizes for n in sorted(strips, reverse=True) + [None]],
         "encode": [("encode", h, w, None) for h, w in _sizes(args.encode_sizes or args.sizes)],
     }
-    jobs["prime"] = jobs["decode"] + jobs["encode"]
+    if args.label:  # a --variants sweep: only this variant's strip count
+        jobs["decode"] = [("decode", h, w, strips[0]) for h, w in sizes]
+    jobs["prime"] = jobs["decode"] + (jobs["encode"] if "encode" in args.kinds.split(",") else [])
     last_peak = 0
     for job, h, w, variant in jobs[kind]:
         x = jnp.asarray(_inputs(job, h, w, args.frames), jnp.bfloat16)
@@ -130,7 +134,9 @@ def worker_jax(args):
             sl = np.asarray(out[:, :, :5] if job == "decode" else out, np.float32)
             np.save(os.path.join(args.ckpt, f"jax_{job}.npy"), sl)
         del out
-        if isinstance(variant, int):
+        if args.label:
+            label = args.label
+        elif isinstance(variant, int):
             label = f"wan_tpu strips {variant}"
         else:
             label = "wan_tpu" + (f" tiled {variant[0][0]}x{variant[0][1]}" if variant else "")
@@ -180,44 +186,109 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--sizes", default="480x832,720x1280")
     ap.add_argument("--encode-sizes", default="", help="sizes to encode (default: --sizes)")
+    ap.add_argument("--kinds", default="decode,encode", help="what to time")
     ap.add_argument("--frames", type=int, default=81)
     ap.add_argument("--reps", type=int, default=2)
     ap.add_argument("--tiled", default="", help="SIZE:STRIDE in pixels, e.g. 384x704:336x576; adds a tiled JAX decode at the last size")
     ap.add_argument("--strips", default="", help="comma-separated strip counts to time besides decode's default")
+    ap.add_argument("--variants", default="", help="LABEL=STRIPS[ XLA_FLAGS];... : time only these decodes, each under its own XLA_FLAGS")
     ap.add_argument("--ckpt", default="/tmp/bench_vae_ckpt")
     ap.add_argument("--timeout", type=int, default=200, help="seconds per subprocess")
     ap.add_argument("--worker", default="")
+    ap.add_argument("--label", default="", help=argparse.SUPPRESS)
     ap.add_argument("--impls", default="diffusers,wan_tpu", help="which sides to run")
-    ap.add_argument("--memory-analysis", action="store_true", help="only compile decode's steps and print XLA's memory accounting")
+    ap.add_argument("--memory-analysis", action="store_true", help="only compile decode's steps and print XLA's memory accounting "
+                    "(with --variants: besides the timings, once per distinct XLA_FLAGS)")
     args = ap.parse_args()
-    if args.memory_analysis:
-        return memory_analysis(args)
     if args.worker == "torch":
         return worker_torch(args)
     if args.worker.startswith("jax:"):
         return worker_jax(args)
+    if args.variants:
+        return sweep(args)
+    if args.memory_analysis:
+        return memory_analysis(args)
 
     if not os.path.isdir(args.ckpt):
         make_checkpoint(args.ckpt)
     rows = []
     impls = args.impls.split(",")
-    workers = (["torch"] if "diffusers" in impls else []) + (["jax:prime", "jax:decode", "jax:encode"] if "wan_tpu" in impls else [])
-    base = [sys.executable, __file__, "--sizes", args.sizes, "--frames", str(args.frames), "--reps", str(args.reps),
-            "--ckpt", args.ckpt, "--tiled", args.tiled, "--strips", args.strips, "--encode-sizes", args.encode_sizes]
+    workers = (["torch"] if "diffusers" in impls else []) + (["jax:prime"] + [f"jax:{k}" for k in args.kinds.split(",")] if "wan_tpu" in impls else [])
     for worker in workers:
-        t0 = time.time()
-        try:
-            proc = subprocess.run(base + ["--worker", worker], capture_output=True, text=True, timeout=args.timeout)
-            out, err = proc.stdout, proc.stderr
-        except subprocess.TimeoutExpired as e:
-            out, err = (e.stdout or b"").decode() if isinstance(e.stdout, bytes) else (e.stdout or ""), "timeout"
-        got = [json.loads(line[7:]) for line in out.splitlines() if line.startswith("RESULT ")]
-        rows += got
-        print(f"[{worker}] {time.time() - t0:.0f}s, {len(got)} results", flush=True)
-        print("".join(line + "\n" for line in out.splitlines() if line.startswith("primed")), end="", flush=True)
-        if (not got and worker != "jax:prime") or "Error" in err[-2000:]:
-            print(err[-3000:], flush=True)
+        rows += _run(_cmd(args, worker=worker), worker, args.timeout)
     print_table(rows, args)
+
+
+def _cmd(args, **flags):
+    """This script with the shared arguments, `flags` overriding them."""
+    keys = ("sizes", "frames", "reps", "ckpt", "tiled", "strips", "encode_sizes", "kinds")
+    values = {k: getattr(args, k) for k in keys} | flags
+    return [sys.executable, __file__] + [a for k, v in values.items() for a in (f"--{k.replace('_', '-')}", str(v))]
+
+
+def _env(xla_flags, **extra):
+    return dict(os.environ, XLA_FLAGS=f"{os.environ.get('XLA_FLAGS', '')} {xla_flags}".strip(), **extra)
+
+
+def _run(cmd, name, timeout, env=None):
+    """One measuring subprocess → its RESULT rows; prints its errors if it produced none."""
+    t0 = time.time()
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
+        out, err = proc.stdout, proc.stderr
+    except subprocess.TimeoutExpired as e:
+        out, err = (e.stdout or b"").decode() if isinstance(e.stdout, bytes) else (e.stdout or ""), "timeout"
+    got = [json.loads(line[7:]) for line in out.splitlines() if line.startswith("RESULT ")]
+    print(f"[{name}] {time.time() - t0:.0f}s, {len(got)} results", flush=True)
+    print("".join(line + "\n" for line in out.splitlines() if line.startswith(("primed", "RESULT"))), end="", flush=True)
+    if (not got and "prime" not in name) or "Error" in err[-2000:]:
+        print(err[-3000:], flush=True)
+    return got
+
+
+def sweep(args):
+    """--variants: every variant's compilations run first, in parallel (one process per variant and size,
+    plus XLA's memory accounting per distinct XLA_FLAGS), filling the compilation cache; then diffusers
+    and each variant time their decodes alone, one process each, loading the executables."""
+    variants = []
+    for spec in args.variants.split(";"):
+        label, _, rest = spec.strip().partition("=")
+        strips, _, flags = rest.strip().partition(" ")
+        variants.append((label, int(strips), flags.strip()))
+    if not os.path.isdir(args.ckpt):
+        make_checkpoint(args.ckpt)
+    grow = {"XLA_PYTHON_CLIENT_PREALLOCATE": "false"}  # the compiling processes share the GPU
+    t0, procs = time.time(), []
+    for label, strips, flags in variants:
+        for size in args.sizes.split(","):
+            cmd = _cmd(args, sizes=size, strips=strips, kinds="decode", worker="jax:prime", label=label)
+            procs.append((f"prime {label} {size}", subprocess.Popen(cmd, env=_env(flags, **grow), stdout=subprocess.PIPE,
+                                                                    stderr=subprocess.PIPE, text=True)))
+    analyses = list(dict.fromkeys(f for _, _, f in variants)) if args.memory_analysis else []
+    for flags in analyses:
+        cmd = [sys.executable, __file__, "--memory-analysis", "--sizes", args.sizes]
+        procs.append((f"memory analysis, XLA_FLAGS='{flags}'", subprocess.Popen(cmd, env=_env(flags, **grow), stdout=subprocess.PIPE,
+                                                                                stderr=subprocess.PIPE, text=True)))
+    notes = []
+    for name, proc in procs:
+        try:
+            out, err = proc.communicate(timeout=max(1, t0 + args.timeout - time.time()))
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            out, err = proc.communicate()
+            err += "\ntimeout"
+        lines = [line for line in out.splitlines() if line.startswith(("primed", "480", "720")) or " GiB " in line]
+        if name.startswith("memory"):
+            notes += [name] + lines
+        print(f"[{name}] done at {time.time() - t0:.0f}s, rc {proc.returncode}", flush=True)
+        if proc.returncode:
+            print(err[-1500:], flush=True)
+    rows = _run(_cmd(args, kinds="decode", worker="torch"), "diffusers", args.timeout)
+    for label, strips, flags in variants:
+        rows += _run(_cmd(args, strips=strips, kinds="decode", worker="jax:decode", label=label), label, args.timeout, _env(flags))
+    print_table(rows, args)
+    print("\n".join(notes))
+    print("variants (XLA_FLAGS): " + "; ".join(f"{label} = {strips} strip(s) [{flags or 'default'}]" for label, strips, flags in variants))
 
 
 def print_table(rows, args):
