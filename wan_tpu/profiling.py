@@ -1,8 +1,8 @@
 """Stage timing, named trace scopes and MFU.
 
 Trace hierarchy (what `--profile DIR` shows in Perfetto / TensorBoard):
-  data_preparation (text encode, image encode) → pipeline → denoise/step_i → dit_forward (the
-  transformer's own block scopes inside) → vae_decode → export.
+  data_preparation (text encode, image encode) → pipeline → denoise/step_i → dit_forward → dit_block
+  (the scanned transformer block) → vae_decode → export.
 Host-side regions use `jax.profiler.TraceAnnotation` (visible on the host timeline); code traced
 inside `jit` uses `jax.named_scope`, which names the HLO ops and so the device kernels.
 """

@@ -200,9 +200,11 @@ class WanTransformer(nnx.Module):
         self_attn, cross_attn, shard = self.self_attention, self.cross_attention, self.shard_activation
 
         def body(x, layer_state):
-            block = nnx.merge(block_graph, layer_state)
-            x = block(x, context, context_image, tproj, rope, self_attn, cross_attn)
-            return shard(x, "tokens"), None
+            # One scope for the scanned block: profiles group each layer's ops under "dit_block".
+            with jax.named_scope("dit_block"):
+                block = nnx.merge(block_graph, layer_state)
+                x = block(x, context, context_image, tproj, rope, self_attn, cross_attn)
+                return shard(x, "tokens"), None
 
         x, _ = jax.lax.scan(body, x, block_state)
 
