@@ -83,7 +83,6 @@ def jax_entries(configs, peers):
 
 
 def torch_entries():
-    import torch
     import torch.nn.functional as F
     from torch.nn.attention import SDPBackend, sdpa_kernel
 

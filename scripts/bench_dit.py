@@ -12,9 +12,9 @@ Prints ms per forward (median of `--iters` after warm-up), our time relative
 to each diffusers entry, and MFU = model FLOPs ÷ time ÷ the bf16 8192³ matmul rate measured here.
 `--check` configs run ours on the diffusers model's own weights (save_pretrained → load_transformer)
 and print the relative error of our output against diffusers eager.
-Model FLOPs per layer: 8·S·dim² + 4·S²·D·H + 4·S·dim² + 4·L·dim² + 4·S·L·D·H + 4·S·dim·ffn, plus the
-patch embedding, output projection and text embedder. Torch runs first and frees its memory before
-the JAX part of each config.
+Model FLOPs: `wan_tpu.profiling.dit_forward_flops` (per layer 8·S·dim² + 4·S²·D·H + 4·S·dim² + 4·L·dim²
++ 4·S·L·D·H + 4·S·dim·ffn, plus the patch embedding, output projection and text embedder).
+Torch runs first and frees its memory before the JAX part of each config.
 """
 
 from __future__ import annotations
@@ -34,6 +34,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 from wan_tpu.configs.models import VARIANTS, config_to_json  # noqa: E402
+from wan_tpu.profiling import dit_forward_flops, measured_peak_flops  # noqa: E402
 
 CONFIGS = {  # name: (variant, latent (F, H, W))
     "1.3b": ("wan2.1-t2v-1.3b", (21, 60, 104)),
@@ -46,13 +47,8 @@ TEXT_LEN = 512
 
 def model_flops(cfg, latent) -> float:
     f, h, w = latent
-    pt, ph, pw = cfg.patch_size
-    s = (f // pt) * (h // ph) * (w // pw)
-    dim, heads, d, ffn, L = cfg.inner_dim, cfg.num_attention_heads, cfg.attention_head_dim, cfg.ffn_dim, TEXT_LEN
-    layer = (8 * s * dim**2 + 4 * s * s * d * heads + 4 * s * dim**2 + 4 * L * dim**2 + 4 * s * L * d * heads
-             + 4 * s * dim * ffn)
-    edges = 2 * s * dim * cfg.patch_volume * (cfg.in_channels + cfg.out_channels) + 2 * L * dim * (cfg.text_dim + dim)
-    return cfg.num_layers * layer + edges
+    return dit_forward_flops(cfg, (f // cfg.patch_size[0]) * (h // cfg.patch_size[1]) * (w // cfg.patch_size[2]),
+                             TEXT_LEN)
 
 
 def median_ms(call, sync, iters, warmup):
@@ -64,17 +60,6 @@ def median_ms(call, sync, iters, warmup):
         sync(call())
         times.append(time.perf_counter() - start)
     return statistics.median(times) * 1e3
-
-
-def matmul_tflops():
-    """bf16 n³ matmul rate: calls queued back to back, one sync per batch of 10, median of 5 batches."""
-    n = 8192 if jax.default_backend() == "gpu" else 512  # off GPU only the script itself is being tried
-    a = jax.random.normal(jax.random.key(0), (n, n), jnp.bfloat16)
-    b = jax.random.normal(jax.random.key(1), (n, n), jnp.bfloat16)
-    mm = jax.jit(lambda a, b: a @ b)
-    batch = lambda: [mm(a, b) for _ in range(10)][-1]  # noqa: E731
-    ms = median_ms(batch, jax.block_until_ready, 5, 5) / 10
-    return n, 2 * n**3 / (ms * 1e-3) / 1e12
 
 
 def inputs(cfg, latent, seed=0):
@@ -194,7 +179,9 @@ def main():
 
     import torch
 
-    n, peak = matmul_tflops()
+    # Off GPU only the script itself is being tried: a small product keeps that quick.
+    n = 8192 if jax.default_backend() == "gpu" else 512
+    peak = measured_peak_flops(n) / 1e12
     dev = jax.devices()[0].device_kind
     print(f"device {dev}; jax {jax.__version__}; torch {torch.__version__}; bf16 {n}^3 matmul {peak:.0f} TFLOP/s")
     rows = []

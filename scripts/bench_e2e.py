@@ -276,24 +276,6 @@ def ensure_checkpoint(workdir: str, config_name: str) -> str:
 # ---- one mesh ---------------------------------------------------------------------------------
 
 
-def measured_peak_flops(n: int, device) -> float:
-    """bf16 FLOP/s of an n×n×n matmul on `device` (median of 5 timings of 10 back-to-back products)."""
-    import jax
-    import jax.numpy as jnp
-
-    ka, kb = jax.random.split(jax.random.key(0))
-    a = jax.device_put(jax.random.normal(ka, (n, n), jnp.bfloat16), device)
-    b = jax.device_put(jax.random.normal(kb, (n, n), jnp.bfloat16), device)
-    matmul = jax.jit(lambda a, b: a @ b)
-    jax.block_until_ready(matmul(a, b))
-    times = []
-    for _ in range(5):
-        start = time.perf_counter()
-        jax.block_until_ready([matmul(a, b) for _ in range(10)])
-        times.append((time.perf_counter() - start) / 10)
-    return 2 * n**3 / statistics.median(times)
-
-
 def parse_mesh(spec: str) -> tuple[int, int, int]:
     parts = spec.split(",")
     if len(parts) != 3 or not all(p.strip().isdigit() and int(p) > 0 for p in parts):
@@ -309,7 +291,7 @@ def run_mesh(ckpt: str, mesh_spec: str, args) -> dict:
     from wan_tpu.generate import parse_size
     from wan_tpu.mesh import make_mesh
     from wan_tpu.pipeline import WanPipeline
-    from wan_tpu.profiling import StageTimer, dit_forward_flops, peak_flops
+    from wan_tpu.profiling import StageTimer, dit_forward_flops, measured_peak_flops, peak_flops
     from wan_tpu.video import write_video
 
     dp, sp, tp = parse_mesh(mesh_spec)

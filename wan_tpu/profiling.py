@@ -42,6 +42,27 @@ def peak_flops(device=None) -> tuple[float | None, str]:
     return None, f"no peak known for device kind {kind!r}"
 
 
+def measured_peak_flops(n: int = 8192, device=None) -> float:
+    """bf16 FLOP/s of an n×n×n matmul on `device`: the MFU denominator measured in the same run
+    (median of 5 timings of 10 back-to-back products, after one warm-up)."""
+    import statistics
+
+    import jax.numpy as jnp
+
+    device = device or jax.devices()[0]
+    ka, kb = jax.random.split(jax.random.key(0))
+    a = jax.device_put(jax.random.normal(ka, (n, n), jnp.bfloat16), device)
+    b = jax.device_put(jax.random.normal(kb, (n, n), jnp.bfloat16), device)
+    matmul = jax.jit(lambda a, b: a @ b)
+    jax.block_until_ready(matmul(a, b))
+    times = []
+    for _ in range(5):
+        start = time.perf_counter()
+        jax.block_until_ready([matmul(a, b) for _ in range(10)])
+        times.append((time.perf_counter() - start) / 10)
+    return 2 * n**3 / statistics.median(times)
+
+
 def dit_forward_flops(config, num_tokens: int, text_len: int = 512, image_len: int = 0) -> float:
     """Model FLOPs of one DiT forward for one batch element (multiply-add = 2 FLOPs).
 

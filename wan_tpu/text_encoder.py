@@ -15,7 +15,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import regex
-import torch
 from transformers import AutoTokenizer, UMT5EncoderModel
 
 from wan_tpu import torchax_compat
