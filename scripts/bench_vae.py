@@ -4,6 +4,7 @@
     python scripts/bench_vae.py --tiled 384x704:336x576   # adds a tiled decode at the last size
     python scripts/bench_vae.py --impls wan_tpu --sizes 480x832 --reps 3
     python scripts/bench_vae.py --memory-analysis --strips 3   # compile only: XLA's temp bytes per step
+    python scripts/bench_vae.py --impls wan_tpu --kinds decode --sizes 480x832 --profile   # + the top XLA ops
     python scripts/bench_vae.py --memory-analysis --variants "s1=1;s2=2;s2-at0=2 --xla_gpu_autotune_level=0"
         # decode only, one row per variant (strip count, extra XLA_FLAGS), plus XLA's accounting per flag set
 
@@ -128,6 +129,8 @@ def worker_jax(args):
             print(f"primed {job} {h}x{w} {variant or ''}: first call {times[0]:.1f}s", flush=True)
             continue
         peak = (dev.memory_stats() or {}).get("peak_bytes_in_use", 0)
+        if args.profile and job == "decode":
+            _profile(fn, f"{args.label or 'wan_tpu'} decode {h}x{w} strips {variant}")
         masked = peak == last_peak  # JAX's peak counter cannot be reset: an earlier, larger peak hides this one
         last_peak = peak
         if h * w == sizes[0][0] * sizes[0][1] and not variant:
@@ -142,6 +145,22 @@ def worker_jax(args):
             label = "wan_tpu" + (f" tiled {variant[0][0]}x{variant[0][1]}" if variant else "")
         label += " (peak ≤)" if masked else ""
         _emit(label, job, h, w, times[1:], peak)
+
+
+def _profile(fn, title, top=14):
+    """One more run under the profiler: the XLA ops that took the most device time."""
+    import tempfile
+
+    from wan_tpu.profiling import op_times, trace
+
+    with tempfile.TemporaryDirectory() as log_dir:
+        with trace(log_dir):
+            fn().block_until_ready()
+        rows = op_times(log_dir)
+    total = sum(t for _, t, _ in rows)
+    print(f"PROFILE {title}: {1000 * total:.0f} ms of device ops", flush=True)
+    for op, t, n in rows[:top]:
+        print(f"PROFILE   {op:40} {1000 * t:8.1f} ms {100 * t / total:5.1f}%  {n:6d} runs", flush=True)
 
 
 def memory_analysis(args):
@@ -197,6 +216,8 @@ def main():
     ap.add_argument("--worker", default="")
     ap.add_argument("--label", default="", help=argparse.SUPPRESS)
     ap.add_argument("--impls", default="diffusers,wan_tpu", help="which sides to run")
+    ap.add_argument("--profile", action="store_true", help="after timing each JAX decode, run it once more under the "
+                    "profiler and print the XLA ops that took the most device time")
     ap.add_argument("--memory-analysis", action="store_true", help="only compile decode's steps and print XLA's memory accounting "
                     "(with --variants: besides the timings, once per distinct XLA_FLAGS)")
     args = ap.parse_args()
@@ -223,7 +244,8 @@ def _cmd(args, **flags):
     """This script with the shared arguments, `flags` overriding them."""
     keys = ("sizes", "frames", "reps", "ckpt", "tiled", "strips", "encode_sizes", "kinds")
     values = {k: getattr(args, k) for k in keys} | flags
-    return [sys.executable, __file__] + [a for k, v in values.items() for a in (f"--{k.replace('_', '-')}", str(v))]
+    cmd = [sys.executable, __file__] + [a for k, v in values.items() for a in (f"--{k.replace('_', '-')}", str(v))]
+    return cmd + (["--profile"] if args.profile and flags.get("worker", "") not in ("jax:prime", "torch") else [])
 
 
 def _env(xla_flags, **extra):
@@ -240,7 +262,7 @@ def _run(cmd, name, timeout, env=None):
         out, err = (e.stdout or b"").decode() if isinstance(e.stdout, bytes) else (e.stdout or ""), "timeout"
     got = [json.loads(line[7:]) for line in out.splitlines() if line.startswith("RESULT ")]
     print(f"[{name}] {time.time() - t0:.0f}s, {len(got)} results", flush=True)
-    print("".join(line + "\n" for line in out.splitlines() if line.startswith(("primed", "RESULT"))), end="", flush=True)
+    print("".join(line + "\n" for line in out.splitlines() if line.startswith(("primed", "RESULT", "PROFILE"))), end="", flush=True)
     if (not got and "prime" not in name) or "Error" in err[-2000:]:
         print(err[-3000:], flush=True)
     return got

@@ -177,6 +177,22 @@ def test_decode_tiles_by_itself_only_when_memory_is_short(pair, monkeypatch):
     assert need > z.size * 4 * s * s * 4
 
 
+def test_decode_takes_more_strips_before_tiles(pair, monkeypatch):
+    """Short of memory, `decode` first narrows its exact strips; it tiles only when 8 strips don't fit."""
+    name, _, vae = pair
+    z = jnp.ones((1, vae.config.z_dim, 2, 2, 16 * vae.decoder.halos[0])) * 0.1
+    used = []
+    monkeypatch.setattr(WanVAE, "_decode", lambda self, z, wmesh, raw=False, strips=1: used.append(strips) or z)
+    monkeypatch.setattr(WanVAE, "_tiled_decode", lambda self, *a: used.append("tiled") or z)
+    need = {n: vae._decode_bytes(z, n) for n in (2, 3, 4, 6, 8)}
+    assert need[2] > need[4] > need[8]
+    fits = {n: 1.001 * b / 0.9 for n, b in need.items()}  # decode wants 10% of free memory spare
+    for free, picked in [(None, 2), (fits[2], 2), (fits[4], 4), (fits[8], 8), (need[8] / 2, "tiled")]:
+        monkeypatch.setattr(vae_module, "_free_device_bytes", lambda: free)
+        vae.decode(z)
+        assert used.pop() == picked, (free, picked)
+
+
 def test_width_sharded_decode_equals_unsharded(pair):
     name, _, vae = pair
     if name == "tiny":
@@ -251,3 +267,24 @@ def test_presets_build_like_diffusers():
             ref = AutoencoderKLWan(**{k: list(v) if isinstance(v, tuple) else v for k, v in kwargs.items()})
         ours = nnx.eval_shape(lambda c=cfg: WanVAE(c, rngs=nnx.Rngs(0)))
         assert sum(x.size for x in jax.tree.leaves(nnx.state(ours))) == sum(p.numel() for p in ref.parameters())
+
+
+def test_caches_are_updated_in_place(pair):
+    """The decoder's carried caches (three-slot rings, written before they are read) are updated in
+    place inside the compiled strip step: XLA copies none of them. The earlier shift (read frames t-1
+    and t, then replace) made XLA copy every cache once per frame, as much memory again as all of them."""
+    import re
+
+    name, _, vae = pair
+    s = vae.config.scale_factor_spatial
+    z = jnp.ones((1, vae.config.z_dim, 2, *(n // s for n in SIZES[name])), jnp.float32) * 0.1
+    graphdef, state = nnx.split(vae)
+    _, mid = vae_module._decode_stem(graphdef, state, z[:, :, :1], None, None)
+    (lo, hi), crops, final = vae.decoder.strip_plan(z.shape[-1], 0, z.shape[-1])
+    caches, _ = vae_module._decode_strip(graphdef, state, mid[:, :, :, lo:hi], None, None, False, crops, final)
+    rings = {tuple(x.shape) for x in jax.tree.leaves(caches) if x.ndim == 4}
+    assert rings, "no ring caches found"
+    hlo = vae_module._decode_strip.lower(graphdef, state, mid[:, :, :, lo:hi], caches, None, False, crops, final).compile().as_text()
+    copied = [m.group(1) for m in re.finditer(r"= f32\[([\d,]+)\]\{[^}]*\} copy\(", hlo)
+              if tuple(int(d) for d in m.group(1).split(",")) in rings]
+    assert not copied, f"caches copied: {copied}"

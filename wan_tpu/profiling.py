@@ -10,6 +10,8 @@ inside `jit` uses `jax.named_scope`, which names the HLO ops and so the device k
 from __future__ import annotations
 
 import contextlib
+import glob
+import re
 import time
 from dataclasses import dataclass, field
 
@@ -95,6 +97,27 @@ def trace(log_dir: str | None):
     options.python_tracer_level = 0
     with jax.profiler.trace(log_dir, profiler_options=options):
         yield
+
+
+def op_times(log_dir: str) -> list[tuple[str, float, int]]:
+    """The XLA ops of the trace(s) under `log_dir` by total time: (op, seconds, count), largest first.
+
+    Ops are the `hlo_op` of each kernel event, numbered instances merged (`convolution.12` and
+    `convolution.3` → `convolution`; fusions keep their kind, e.g. `loop_fusion`). Device planes when
+    the trace has any (GPU/TPU kernels), else the host's (the CPU runtime's thunks)."""
+    totals: dict[str, list] = {}
+    for path in glob.glob(f"{log_dir}/**/*.xplane.pb", recursive=True):
+        planes = list(jax.profiler.ProfileData.from_file(path).planes)
+        device = [p for p in planes if p.name.startswith("/device:")]
+        for plane in device or planes:
+            for line in plane.lines:
+                for event in line.events:
+                    op = dict(event.stats).get("hlo_op")
+                    if op:
+                        row = totals.setdefault(re.sub(r"[.\d]+$", "", str(op)), [0.0, 0])
+                        row[0] += event.duration_ns * 1e-9
+                        row[1] += 1
+    return sorted(((op, t, n) for op, (t, n) in totals.items()), key=lambda r: -r[1])
 
 
 @contextlib.contextmanager

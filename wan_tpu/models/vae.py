@@ -11,11 +11,11 @@ its first temporal downsample, and the decoder's after each temporal upsample, l
 `_nested`), so the largest activations hold one frame and their convs are 2D (see CausalConv3d).
 Decode runs in two passes: the mid block's output for every latent frame (its attention sees whole
 frames), then the rest over all frames one vertical strip at a time, exactly (halos, see
-`Decoder3d.strip_plan`), so only one strip's caches (2 frames per causal conv) are alive: that halves
-the peak at 2 strips. With a mesh, activations are split along width over all its devices (weights
-replicated; XLA exchanges the conv halos). On one small device `decode` can tile space instead
-(diffusers' tiled decode: overlapping latent tiles, linear blend, approximate), chosen from free device
-memory or forced with `tiling=True`.
+`Decoder3d.strip_plan`), so only one strip's caches (a 3-frame ring per causal conv, see
+`vae_blocks.RingCache`) are alive. With a mesh, activations are split along width over all its
+devices (weights replicated; XLA exchanges the conv halos). On one small device `decode` takes more
+strips, then tiles space (diffusers' tiled decode: overlapping latent tiles, linear blend,
+approximate), chosen from free device memory or forced with `strips=` / `tiling=True`.
 """
 
 from __future__ import annotations
@@ -76,7 +76,9 @@ class WanVAE(nnx.Module):
         tiles are `tile_sample_size` pixels (height, width), at most `tile_sample_stride` apart.
         `strips`: the untiled decode runs the layers after the mid block on this many vertical strips
         one after the other (exact: each strip reads a halo, see `Decoder3d.strip_plan`), so only one
-        strip's caches are alive; None picks 2 where the latent is at least 4 halos wide.
+        strip's caches are alive. None picks 2 where the latent is at least 4 halos wide, and more
+        (up to 8, each strip at least 2 halos wide) when free device memory calls for it: strips are
+        exact, so they are tried before tiles.
         """
         cfg = self.config
         z = jnp.asarray(z)
@@ -85,7 +87,7 @@ class WanVAE(nnx.Module):
         wmesh = _width_mesh(mesh or self.mesh)
         z = _place(z.astype(self.dtype), wmesh)
         if strips is None:
-            strips = 2 if wmesh is None and z.shape[-1] >= 4 * self.decoder.halos[0] else 1
+            strips = 1 if wmesh is not None else self._auto_strips(z)
         if not 1 <= strips <= z.shape[-1] or (wmesh is not None and strips != 1):
             raise WanInputError(f"strips must be between 1 and the latent width {z.shape[-1]} (1 with a mesh), got {strips}")
         if tiling is None:
@@ -137,9 +139,8 @@ class WanVAE(nnx.Module):
 
     def _decode_bytes(self, z, strips=1) -> int:
         """Device bytes an untiled decode of `z` needs: the mid block's outputs, the widest strip's carried
-        caches, the output, and the temporaries, which measured ≈ 22-25 full-resolution, full-width frames
-        of `decoder_dim` channels on an H200 (480p and 720p) with 1 or 2 strips alike (XLA's CPU buffer
-        assignment of the strip step says 7 with 2 strips: the rest is GPU-only, likely conv workspace)."""
+        caches, the output, and the temporaries, which measured 5.7-6.5 full-resolution, full-width frames
+        of `decoder_dim` channels on an H200 (480p and 720p, 2 to 4 strips): 7 here."""
         graphdef, state = nnx.split(self)
         key = (graphdef, z.shape, z.dtype, strips)
         if key not in _DECODE_BYTES:
@@ -152,8 +153,18 @@ class WanVAE(nnx.Module):
             video_frame = first.size // first.shape[-1] * w * self.config.scale_factor_spatial
             frame = video_frame // first.shape[1] * self.config.decoder_dim * first.dtype.itemsize
             video = video_frame * (1 + 4 * (f - 1)) * first.dtype.itemsize
-            _DECODE_BYTES[key] = mids.size * mids.dtype.itemsize + cache_bytes + video + 25 * frame
+            _DECODE_BYTES[key] = mids.size * mids.dtype.itemsize + cache_bytes + video + 7 * frame
         return _DECODE_BYTES[key]
+
+    def _auto_strips(self, z) -> int:
+        """The fewest strips (fastest) whose decode fits in free device memory, 2 where it is not known."""
+        counts = [n for n in (2, 3, 4, 6, 8) if z.shape[-1] >= 2 * n * self.decoder.halos[0]]
+        if not counts:
+            return 1
+        free = _free_device_bytes()
+        if free is None:
+            return counts[0]
+        return next((n for n in counts if self._decode_bytes(z, n) <= 0.9 * free), counts[-1])
 
     def _needs_tiling(self, z, strips=1) -> bool:
         free = _free_device_bytes()

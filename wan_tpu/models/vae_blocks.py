@@ -3,14 +3,20 @@
 They compute what diffusers' `AutoencoderKLWan` blocks compute. The causal time loop is explicit:
 every call gets a `ChunkState` holding the feature caches of the previous chunk (None for the first
 chunk) and collects the caches for the next one, in call order. Caches have a fixed shape from the
-first chunk on (a causal 3-tap conv keeps its last 2 input frames, zero frames standing in for the
-causal padding before there are two), so the per-chunk step traces once and its caches can be carried
-by a compiled loop and donated.
+first chunk on (zero frames stand in for the causal padding), so the per-chunk step traces once and
+its caches can be carried by a compiled loop and donated.
+
+A causal 3-tap conv's cache is a three-slot ring (`RingCache`) laid out (B, H, W, 3·C): each new
+frame first overwrites the oldest slot in place, then the conv reads all three slots as one 2D input
+of 3·C channels (no copy), the kernel's time taps rotated to match. Writing before reading is what
+lets XLA update a loop-carried buffer in place; the old shift (keep frames t-1 and t, read before
+write) made it copy every cache once per frame: as much memory again as the loop's caches.
 """
 
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -37,6 +43,41 @@ class ChunkState:
 
     def put(self, cache):
         self.out.append(cache)
+
+
+class RingCache(NamedTuple):
+    """The last three input frames of a causal 3-tap conv as channel slots, (B, H, W, 3·C); `newest` is
+    the slot written last."""
+
+    frames: jax.Array
+    newest: jax.Array  # int32 scalar
+
+    @classmethod
+    def zeros(cls, b, h, w, c, dtype):
+        """The causal padding before the first frame: zero frames."""
+        return cls(jnp.zeros((b, h, w, 3 * c), dtype), jnp.full((), 2, jnp.int32))
+
+    def taps(self):
+        """Kernel time tap (0 = oldest, 2 = newest) of each storage slot."""
+        return 2 - (self.newest - jnp.arange(3)) % 3
+
+    def past(self):
+        """The two newest frames, (B, 2, H, W, C), older first."""
+        b, h, w, c3 = self.frames.shape
+        slots = self.frames.reshape(b, h, w, 3, c3 // 3)
+        return jnp.take(slots, (self.newest + jnp.arange(2, 4)) % 3, axis=3).transpose(0, 3, 1, 2, 4)
+
+    def push(self, frame):
+        """Overwrite the oldest slot with `frame` (B, 1, H, W, C)."""
+        slot = (self.newest + 1) % 3
+        frame = frame[:, 0].astype(self.frames.dtype)
+        return RingCache(lax.dynamic_update_slice_in_dim(self.frames, frame, slot * frame.shape[-1], axis=3), slot)
+
+    @classmethod
+    def of(cls, frames):
+        """A ring holding the last 3 of `frames` (B, T ≥ 3, H, W, C), in time order."""
+        b, _, h, w, c = frames.shape
+        return cls(frames[:, -3:].transpose(0, 2, 3, 1, 4).reshape(b, h, w, 3 * c), jnp.full((), 2, jnp.int32))
 
 
 def _init(rngs, shape, fan_in, dtype):
@@ -78,29 +119,34 @@ class CausalConv3d(nnx.Module):
     def __call__(self, x, st: ChunkState):
         if self.carry_partial_sums:
             return self._partial_sums_step(x, st)
-        if self.time_pad:
-            prev = st.take()
-            if prev is None:
-                prev = jnp.zeros((x.shape[0], self.time_pad, *x.shape[2:]), x.dtype)
-            x = jnp.concatenate([prev, x], axis=1)
-            st.put(x[:, -CACHE_T:])
         k = self.kernel[...]
+        if self.time_pad:
+            cache = st.take()
+            if cache is None:
+                cache = RingCache.zeros(x.shape[0], *x.shape[2:], x.dtype)
+            if x.shape[1] == 1:
+                cache = cache.push(x)
+                st.put(cache)
+                return st.constrain(self._one_frame(cache, k) + self.bias[...])
+            x = jnp.concatenate([cache.past(), x], axis=1)
+            st.put(RingCache.of(x))
         if k.shape[:3] == (1, 1, 1) and self.stride == (1, 1, 1) and self.spatial_pad == ((0, 0), (0, 0)):
             y = jnp.einsum("bthwc,cd->bthwd", x, k[0, 0, 0])
-        elif x.shape[1] == k.shape[0]:
-            # One output frame (the frame-by-frame path): fold the time taps into channels and run a 2D
-            # conv, whose kernels are better tuned than 3D ones; the concat above fuses into the fold.
-            b, t, h, w, c = x.shape
-            y = lax.conv_general_dilated(
-                x.transpose(0, 2, 3, 1, 4).reshape(b, h, w, t * c),
-                k.transpose(1, 2, 0, 3, 4).reshape(k.shape[1], k.shape[2], t * c, k.shape[4]),
-                self.stride[1:], self.spatial_pad, dimension_numbers=("NHWC", "HWIO", "NHWC"),
-            )[:, None]
         else:
             y = lax.conv_general_dilated(
                 x, k, self.stride, ((0, 0), *self.spatial_pad), dimension_numbers=("NDHWC", "DHWIO", "NDHWC")
             )
         return st.constrain(y + self.bias[...])
+
+    def _one_frame(self, cache: RingCache, k):
+        """The output frame of the ring's newest frame: its three slots are a 2D input of 3·C channels
+        (2D kernels are better tuned than 3D ones), the time taps taken in slot order."""
+        k = jnp.take(k, cache.taps(), axis=0)
+        y = lax.conv_general_dilated(
+            cache.frames, k.transpose(1, 2, 0, 3, 4).reshape(k.shape[1], k.shape[2], -1, k.shape[4]),
+            self.stride[1:], self.spatial_pad, dimension_numbers=("NHWC", "HWIO", "NHWC"),
+        )
+        return y[:, None]
 
 
 class Conv2d(nnx.Module):
@@ -185,7 +231,7 @@ class Resample(nnx.Module):
             if st.first:
                 # diffusers' "Rep" state: the first frame is not time-upsampled, and the next chunk's time
                 # conv pads with zeros, which is a zero cache.
-                st.put(jnp.zeros((b, CACHE_T, h, w, c), x.dtype))
+                st.put(RingCache.zeros(b, h, w, c, x.dtype))
             else:
                 x = self.time_conv(x, st).reshape(b, t, h, w, 2, c)
                 x = x.transpose(0, 1, 4, 2, 3, 5).reshape(b, 2 * t, h, w, c)
