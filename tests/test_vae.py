@@ -288,3 +288,27 @@ def test_caches_are_updated_in_place(pair):
     copied = [m.group(1) for m in re.finditer(r"= f32\[([\d,]+)\]\{[^}]*\} copy\(", hlo)
               if tuple(int(d) for d in m.group(1).split(",")) in rings]
     assert not copied, f"caches copied: {copied}"
+
+
+def test_decode_and_encode_steps_export_for_tpu(pair):
+    """The compiled chunk steps (ring caches: dynamic in-place writes at channel offsets) lower for TPU."""
+    name, _, vae = pair
+    s = vae.config.scale_factor_spatial
+    h, w = (n // s for n in SIZES[name])
+    graphdef, state = nnx.split(vae)
+    z = jnp.ones((1, vae.config.z_dim, 1, h, w))
+    caches, mid = vae_module._decode_stem(graphdef, state, z, None, None)
+    (lo, hi), crops, final = vae.decoder.strip_plan(w, 0, w)
+    strip_caches, _ = vae_module._decode_strip(graphdef, state, mid, None, None, False, crops, final)
+    video = jnp.zeros((1, vae.config.video_channels, 5, *SIZES[name]))
+    enc_caches, _ = vae_module._encode_chunk(graphdef, state, video[:, :, :1], None, None)
+    steps = {
+        "stem": (lambda st, z, c: vae_module._decode_stem(graphdef, st, z, c, None), (state, z, caches)),
+        "strip": (lambda st, m, c: vae_module._decode_strip(graphdef, st, m, c, None, False, crops, final),
+                  (state, mid, strip_caches)),
+        "encode": (lambda st, v, c: vae_module._encode_chunk(graphdef, st, v, c, None), (state, video[:, :, 1:], enc_caches)),
+    }
+    for step, (fn, args) in steps.items():
+        exported = jax.export.export(jax.jit(fn), platforms=("tpu",))(*jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), args))
+        assert exported.platforms == ("tpu",), step
+        assert "dynamic_update_slice" in exported.mlir_module(), step
