@@ -24,9 +24,11 @@ from wan_tpu.models.matrix_game.action import chunk_action_window
 from wan_tpu.models.matrix_game.loading import cache_sharding, load_matrix_game_transformer, shard_matrix_game
 from wan_tpu.models.matrix_game.model import MatrixGameTransformer, init_cache
 from wan_tpu.models.matrix_game.sampling import (
+    check_chunk_index,
     chunk_schedule,
     denoise_chunk,
     flow_match_table,
+    max_chunks,
     sigma_for,
     warp_denoising_step,
 )
@@ -53,6 +55,27 @@ def test_schedule_errors():
         chunk_schedule(MATRIX_GAME_VARIANTS["foundation"].denoising_step_list)
     with pytest.raises(WanInputError, match="integers in 0…1000"):
         warp_denoising_step([1000, 1200])
+
+
+def test_chunk_inputs_are_checked():
+    variant = MATRIX_GAME_VARIANTS["matrix-game-tiny"]
+    model = nnx.eval_shape(lambda: MatrixGameTransformer(variant.transformer, rngs=nnx.Rngs(0)))
+    graphdef, state = nnx.split(model)
+    h, w = variant.latent_size
+    cache = jax.eval_shape(lambda s: init_cache(graphdef, s, jnp.zeros((1, 4, 32)), (h, w)), state)
+    schedule = chunk_schedule(variant.denoising_step_list)
+    args = (jnp.zeros((1, 16, 3, h, w)), jnp.zeros((1, 20, 3, h, w)), jnp.zeros((1, 20, 4)), jnp.zeros((1, 20, 2)), 0)
+    trace = functools.partial(jax.eval_shape, functools.partial(denoise_chunk, graphdef, schedule=schedule), state, cache)
+    with pytest.raises(WanInputError, match="raw uint32 key; pass a typed key"):
+        trace(*args, jax.random.PRNGKey(0))
+    with pytest.raises(WanInputError, match=r"step_noise has shape \(3, 1, 16, 3, 8, 14\); expected \(2, 1, 16"):
+        trace(*args, jnp.zeros((3, 1, 16, 3, h, w)))
+    x0, _ = trace(*args, jax.random.key(0))
+    assert x0.shape == (1, 16, 3, h, w) and x0.dtype == jnp.float32
+    assert max_chunks(3) == 341
+    check_chunk_index(340, 3)
+    with pytest.raises(WanInputError, match="chunk 341 is past the model's 1024 latent frames"):
+        check_chunk_index(341, 3)
 
 
 def _counted_step(graphdef, schedule):

@@ -174,4 +174,6 @@ def _draw(key, i, shape):
 
 def _is_key(x) -> bool:
     dtype = getattr(x, "dtype", None)
-    return dtype is not None and (jnp.issubdtype(dtype, jax.dtypes.prng_key) or dtype == jnp.uint32)
+    if dtype == jnp.uint32:
+        raise WanInputError("step_noise is a raw uint32 key; pass a typed key, jax.random.key(seed) (or keys split from it)")
+    return dtype is not None and jnp.issubdtype(dtype, jax.dtypes.prng_key)
