@@ -54,6 +54,7 @@ class WanPipeline:
         self.mesh = mesh
         self._loaders = loaders
         self._loaded: dict[str, object] = {}
+        self._loras: list[tuple[str, float, tuple[str, ...]]] = []  # (path, scale, DiT component names)
 
     # ---- construction -------------------------------------------------------------------------
 
@@ -95,6 +96,9 @@ class WanPipeline:
                 raise WanInputError(f"{self.variant.name} has no {name}; it is not part of this model")
             with scope(f"load_{name}"):
                 self._loaded[name] = self._loaders[name]()
+                for path, scale, names in self._loras:
+                    if name in names:
+                        self._loaded[name].load_lora(path, scale)
         return self._loaded[name]
 
     def release(self, *names: str) -> None:
@@ -110,6 +114,42 @@ class WanPipeline:
     vae = property(lambda self: self.component("vae"))
     text_encoder = property(lambda self: self.component("text_encoder"))
     image_encoder = property(lambda self: self.component("image_encoder"))
+
+    # ---- LoRA ---------------------------------------------------------------------------------
+
+    def load_lora_weights(self, path, scale: float = 1.0, expert: str | None = None) -> None:
+        """Merge a LoRA `.safetensors` into the DiT, on device (`wan_tpu.lora`); calls stack.
+
+        Wan 2.2 A14B: `expert="high"` targets the high-noise `transformer`, `"low"` the low-noise
+        `transformer_2`, None both (each expert may take its own file and scale). The file is checked
+        now; a DiT not loaded yet receives it when it loads (and again after a `release`).
+        """
+        from wan_tpu.lora import check_lora
+
+        experts = {"high": "transformer", "low": "transformer_2"}
+        two = self.variant.boundary_ratio is not None
+        if expert is None:
+            names = ("transformer", "transformer_2") if two else ("transformer",)
+        elif expert in experts and two:
+            names = (experts[expert],)
+        elif expert in experts:
+            raise WanInputError(f"{self.variant.name} has one transformer; load the LoRA without expert={expert!r}")
+        else:
+            raise WanInputError(f"expert must be 'high', 'low' or None (both), got {expert!r}")
+        configs = {"transformer": self.variant.transformer, "transformer_2": self.variant.transformer_2}
+        for name in names:
+            check_lora(configs[name], path, scale)
+        self._loras.append((os.fspath(path), float(scale), names))
+        for name in names:
+            if name in self._loaded:
+                self._loaded[name].load_lora(path, scale)
+
+    def unload_lora_weights(self) -> None:
+        """Undo every `load_lora_weights`: the DiT weights as loaded, bit for bit."""
+        for name in ("transformer", "transformer_2"):
+            if name in self._loaded:
+                self._loaded[name].unload_lora()
+        self._loras.clear()
 
     @property
     def model_id(self) -> dict:

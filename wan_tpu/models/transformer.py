@@ -169,6 +169,18 @@ class WanTransformer(nnx.Module):
         return _forward_jit(graphdef, state, hidden_states, timestep, encoder_hidden_states,
                             encoder_hidden_states_image)
 
+    def load_lora(self, path, scale: float = 1.0):
+        """Merge the LoRA file at `path` into the weights, in place, on device (`wan_tpu.lora`); calls stack."""
+        from wan_tpu.lora import load_lora
+
+        return load_lora(self, path, scale)
+
+    def unload_lora(self) -> None:
+        """Undo every `load_lora`: the weights as they were before, bit for bit."""
+        from wan_tpu.lora import unload_lora
+
+        unload_lora(self)
+
     def apply(self, hidden_states, timestep, encoder_hidden_states, encoder_hidden_states_image=None):
         """The forward computation, traced op by op; call it under jit (see `forward`)."""
         cfg = self.config
