@@ -27,6 +27,7 @@ from flax import nnx
 from safetensors.torch import save_file
 
 from wan_tpu.errors import WanInputError
+from wan_tpu.lora import loaded_loras
 from wan_tpu.models.transformer_loading import load_transformer
 
 CONFIG = dict(patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=16, in_channels=8, out_channels=4,
@@ -154,8 +155,10 @@ def test_unload_restores_the_weights_bit_exactly(base, tmp_path):
         dit = load_transformer(base, dtype)
         dit.load_lora(a, 1.0)
         dit.load_lora(a, 0.37)
+        assert [(i.path, i.scale) for i in loaded_loras(dit)] == [(a, 1.0), (a, 0.37)]
         assert any(not np.array_equal(v, original[k]) for k, v in flat(dit).items())
         dit.unload_lora()
+        assert loaded_loras(dit) == []
         for k, v in flat(dit).items():
             assert v.dtype == original[k].dtype and np.array_equal(v, original[k]), k
 

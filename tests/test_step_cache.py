@@ -315,3 +315,44 @@ def test_pipeline_reports_skipped_steps():
     assert "DiT blocks skipped on 0 of 3 steps (cond 0, uncond 0)" in str(pipe.cache_stats)
     pipe.denoise(embeds, num_inference_steps=2, progress=False)
     assert pipe.cache_stats is None
+
+
+def test_cached_step_exports_for_tpu():
+    """The whole cached denoise step (First-Block Cache: block 0, the decision, the other blocks under
+    `lax.cond`, per-branch selects) with the splash kernel on a (2, 1, 4) mesh lowers for TPU: the
+    decision is device code, with no host callback."""
+    import functools
+
+    import wan_tpu
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    from wan_tpu.configs.models import WanTransformerConfig
+    from wan_tpu.schedulers import FlowUniPCMultistep
+    from wan_tpu.sharding import shard_transformer
+
+    cfg = WanTransformerConfig(num_attention_heads=8, attention_head_dim=128, text_dim=64, freq_dim=32, ffn_dim=512,
+                               num_layers=3)
+    dit = nnx.eval_shape(lambda: WanTransformer(cfg, dtype=jnp.bfloat16, rngs=nnx.Rngs(0), attention_impl="splash_exp2"))
+    mesh = wan_tpu.make_mesh(2, 1, 4)
+    shard_transformer(dit, mesh)
+    graphdef, params = nnx.split(dit)
+    sched = FlowUniPCMultistep.create(num_inference_steps=50, shift=5.0)
+
+    def arg(x, spec=P()):
+        return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=NamedSharding(mesh, spec))
+
+    latent = jax.ShapeDtypeStruct((1, 16, 3, 10, 14), jnp.float32)
+    carry = jax.eval_shape(lambda: step_cache.start(step_cache.FirstBlockCache(0.05), 50, 2, 50, 1, 105,
+                                                    cfg.inner_dim, jnp.bfloat16, per_token_time=False))
+    fields = {k: jnp.asarray(v) for k, v in vars(sched).items()}
+    text = jax.ShapeDtypeStruct((1, 512, cfg.text_dim), jnp.bfloat16)
+    step = functools.partial(denoise_lib._step, FlowUniPCMultistep, graphdef, cfg.patch_size, mesh)
+    exported = jax.export.export(jax.jit(step), platforms=("tpu",))(
+        params, jax.tree.map(arg, fields), jax.tree.map(arg, jax.eval_shape(sched.init_state, latent)), arg(latent),
+        arg(jax.ShapeDtypeStruct((), jnp.int32)), Conditioning(arg(text), arg(text)),
+        arg(jax.ShapeDtypeStruct((), jnp.float32)), jax.tree.map(arg, carry))
+    module = exported.mlir_module()
+    assert "stablehlo.case" in module or "stablehlo.if" in module
+    assert "callback" not in module
+    assert "@tpu_custom_call" in module  # the splash kernel, lowered for Mosaic TPU

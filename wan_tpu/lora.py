@@ -22,12 +22,14 @@ A layer receives `W + scale · (alpha / rank) · B·A`, plus `scale · diff` and
 diffusers drops `diff` entries (and norm entries, which it says are zero in the files it has seen);
 here they are applied, as ComfyUI does.
 
-Merging. Every change is computed and added on device, in float32, one parameter at a time and one
-layer at a time inside a compiled loop (`W[l] += D[l] @ U[l]`), with the parameter's buffer donated
-on accelerators: the extra device memory is one layer's float32 update, never a second copy of the
-DiT. The result keeps the parameter's sharding, shape and dtype, so a compiled denoise step takes
-the merged weights without retracing. Rank groups and layers are stacked on the host (the factors
-are small), so a rank-64 LoRA on a 14B model is ~400 small transfers and 10 compiled programs.
+Merging. The file's header is checked against the model first (names, shapes, pairs), so a bad file
+changes nothing. Then every change is computed and added on device, in float32, one parameter at a
+time and one layer at a time inside a compiled loop (`W[l] += D[l] @ U[l]`), with the parameter's
+buffer donated on accelerators: the extra device memory is one layer's float32 update, never a second
+copy of the DiT, and the host holds one parameter's LoRA factors at a time. The result keeps the
+parameter's sharding, shape and dtype, so a compiled denoise step takes the merged weights without
+retracing. The factors of all layers of one parameter go in one call, so a LoRA on every block
+linear of a 14B model is 10 calls; full-weight deltas go one layer per call.
 
 Restoring exactly. `round(W + d) - d` is not `W` in bfloat16, and keeping the deltas cannot undo a
 rounding. So the touched parameters are restored from an exact source instead: a DiT loaded by
@@ -147,16 +149,7 @@ class LoraInfo:
         return f"{os.path.basename(self.path)} (scale {self.scale:g}): {self.tensors} layers changed"
 
 
-@dataclasses.dataclass
-class _Update:
-    """The changes of one LoRA file to one parameter, as host arrays in our layout."""
-
-    lowrank: dict = dataclasses.field(default_factory=lambda: defaultdict(list))  # rank → [(layer, D, U)]
-    full: list = dataclasses.field(default_factory=list)  # [(layer, delta)]
-    stacked: bool = False  # a block parameter (leading layer axis)
-
-
-def _open(path) -> tuple[dict, dict]:
+def _open(path) -> tuple:
     from wan_tpu.checkpoint import TensorSource, read_metadata
 
     path = os.fspath(path)
@@ -206,8 +199,19 @@ class _PeftAlpha:
         return alpha / (math.sqrt(rank) if self.rslora else rank)
 
 
-def _updates(dit, path, scale: float) -> tuple[dict[str, _Update], int]:
-    """Parse and check a LoRA file against `dit` (possibly abstract): {param path: _Update}, entry count."""
+@dataclasses.dataclass(frozen=True)
+class _Entry:
+    """One change to one layer of a parameter, checked against the shapes; its data is read when applied."""
+
+    layer: int | None
+    keys: tuple[str, ...]  # (down, up) for a LoRA; (delta,) for diff / diff_b / PEFT's lora_B.bias
+    scale: float
+    transform: object  # for a delta: diffusers layout → ours, or None
+
+
+def _plan(dit, path, scale: float):
+    """Read a LoRA file's header and check it against `dit` (possibly abstract) without reading its data:
+    (tensors, {param path: [_Entry]}, entry count)."""
     tensors, metadata = _open(path)
     table = _module_table(dit)
     groups: dict[str, dict[str, str]] = defaultdict(dict)
@@ -216,9 +220,12 @@ def _updates(dit, path, scale: float) -> tuple[dict[str, _Update], int]:
         if module not in table:
             raise WanInputError(f"LoRA key {key!r} in {path} matches no layer of this transformer "
                                 f"({dit.config.num_layers} blocks); is the LoRA for another Wan model?")
+        if role in groups[module]:
+            raise WanInputError(f"LoRA keys {groups[module][role]!r} and {key!r} in {path} are the same entry of "
+                                f"layer {module!r}; keep one")
         groups[module][role] = key
     peft = _PeftAlpha(metadata)
-    updates: dict[str, _Update] = defaultdict(_Update)
+    plan: dict[str, list[_Entry]] = defaultdict(list)
     count = 0
     for module, roles in groups.items():
         leaves, lora_scale = table[module], None
@@ -228,18 +235,16 @@ def _updates(dit, path, scale: float) -> tuple[dict[str, _Update], int]:
                                 "both down (lora_A) and up (lora_B)")
         if "down" in roles:
             t = leaves["weight"]
-            down, up = (np.asarray(tensors[roles[r]], np.float32) for r in ("down", "up"))
-            rank, fan_in, fan_out = down.shape[0], math.prod(t.source_shape[1:]), t.source_shape[0]
-            if down.size != rank * fan_in or up.shape[0] != fan_out or up.size != fan_out * rank:
+            down, up = tensors.shape(roles["down"]), tensors.shape(roles["up"])
+            rank, fan_in, fan_out = (down or (0,))[0], math.prod(t.source_shape[1:]), t.source_shape[0]
+            if math.prod(down) != rank * fan_in or not up or up[0] != fan_out or math.prod(up) != fan_out * rank:
                 raise WanInputError(
-                    f"LoRA {path}: {roles['down']!r} {down.shape} and {roles['up']!r} {up.shape} do not fit layer "
+                    f"LoRA {path}: {roles['down']!r} {down} and {roles['up']!r} {up} do not fit layer "
                     f"{module!r} of shape {t.source_shape} (need ({rank}, {fan_in}) and ({fan_out}, {rank})); "
                     "the LoRA is for another model size, or its rank is inconsistent")
             alpha = float(np.asarray(tensors[roles["alpha"]]).reshape(-1)[0]) if "alpha" in roles else None
             lora_scale = scale * peft.scale(module, rank, alpha)
-            updates[t.param].stacked = t.layer is not None
-            updates[t.param].lowrank[rank].append((t.layer, down.reshape(rank, fan_in).T,
-                                                   (up.reshape(fan_out, rank) * np.float32(lora_scale)).T))
+            plan[t.param].append(_Entry(t.layer, (roles["down"], roles["up"]), lora_scale, None))
             count += 1
         # diff / diff_b are plain deltas; PEFT's lora_B.bias belongs to lora_B, scaled like it (alpha / rank).
         for role, leaf, s in (("diff", "weight", scale), ("diff_b", "bias", scale), ("up_bias", "bias", lora_scale)):
@@ -248,19 +253,17 @@ def _updates(dit, path, scale: float) -> tuple[dict[str, _Update], int]:
             if leaf not in leaves:
                 raise WanInputError(f"LoRA key {roles[role]!r} in {path}: layer {module!r} has no {leaf}")
             t = leaves[leaf]
-            delta = np.asarray(tensors[roles[role]], np.float32)
-            if delta.shape != t.source_shape:
-                raise WanInputError(f"LoRA key {roles[role]!r} in {path} has shape {delta.shape}, but the layer's "
-                                    f"{leaf} has shape {t.source_shape}; the LoRA is for another model size")
-            updates[t.param].stacked = t.layer is not None
-            updates[t.param].full.append((t.layer, t.to_ours(delta) * np.float32(s)))
+            if tensors.shape(roles[role]) != t.source_shape:
+                raise WanInputError(f"LoRA key {roles[role]!r} in {path} has shape {tensors.shape(roles[role])}, but "
+                                    f"the layer's {leaf} has shape {t.source_shape}; the LoRA is for another model size")
+            plan[t.param].append(_Entry(t.layer, (roles[role],), s, t.transform))
             count += role != "up_bias"
-    return dict(updates), count
+    return tensors, dict(plan), count
 
 
 def check_lora(config, path, scale: float = 1.0) -> int:
     """Check, without loading the DiT, that a LoRA file fits a `WanTransformerConfig`; its entry count."""
-    return _updates(_abstract_transformer(config), path, _check_scale(scale))[1]
+    return _plan(_abstract_transformer(config), path, _check_scale(scale))[2]
 
 
 @functools.cache
@@ -308,18 +311,27 @@ def _add_fn(sharding, stacked: bool):
     return jax.jit(functools.partial(_add, stacked=stacked), donate_argnums=donate, **placed)
 
 
-def _apply(var, update: _Update) -> None:
+def _apply(var, tensors, entries: list[_Entry]) -> None:
+    """Add one parameter's entries to it on device; only this parameter's changes are read into host memory."""
     value = var.get_value()
-    fn = _add_fn(_placement(value), update.stacked)
-    for rank in sorted(update.lowrank):
-        terms = update.lowrank[rank]
-        layers = np.asarray([l or 0 for l, _, _ in terms], np.int32)
+    stacked = entries[0].layer is not None
+    fn = _add_fn(_placement(value), stacked)
+    by_rank = defaultdict(list)
+    for e in entries:
+        if len(e.keys) == 1:
+            # Full deltas go one layer at a time: a stacked 14B FFN delta would be a full copy.
+            delta = np.asarray(tensors[e.keys[0]], np.float32)
+            delta = (delta if e.transform is None else e.transform(delta)) * np.float32(e.scale)
+            value = fn(value, np.asarray([e.layer or 0], np.int32), delta[None], None)
+            continue
+        down, up = (np.asarray(tensors[k], np.float32) for k in e.keys)
+        rank = down.shape[0]
+        # W (out, in) += scale · up @ down, i.e. our kernel (in, out) += down.T @ (scale · up).T
+        by_rank[rank].append((e.layer or 0, down.reshape(rank, -1).T, (up.reshape(-1, rank) * np.float32(e.scale)).T))
+    for terms in by_rank.values():
+        layers = np.asarray([l for l, _, _ in terms], np.int32)
         value = fn(value, layers, np.stack([d for _, d, _ in terms]), np.stack([u for _, _, u in terms]))
-    for layer, delta in update.full:
-        # Full deltas go one layer at a time: a stacked 14B FFN delta would be a full copy.
-        value = fn(value, np.asarray([layer or 0], np.int32), delta[None], None)
     var.set_value(value)
-
 
 
 # ---- per-DiT bookkeeping ------------------------------------------------------------------------------
@@ -346,16 +358,16 @@ def load_lora(dit, path, scale: float = 1.0) -> LoraInfo:
     from wan_tpu.models.transformer_loading import checkpoint_origin
 
     scale = _check_scale(scale)
-    updates, count = _updates(dit, path, scale)
+    tensors, plan, count = _plan(dit, path, scale)
     state = _STATES.setdefault(dit, _State([], {}))
     from_checkpoint = checkpoint_origin(dit) is not None
-    for param, update in updates.items():
+    for param, entries in plan.items():
         var = _variable(dit, param)
         if param not in state.originals:
             value = var.get_value()
             state.originals[param] = (None if from_checkpoint else np.asarray(jax.device_get(value)), _placement(value))
-        _apply(var, update)
-    info = LoraInfo(os.fspath(path), scale, count, tuple(sorted(updates)))
+        _apply(var, tensors, entries)
+    info = LoraInfo(os.fspath(path), scale, count, tuple(sorted(plan)))
     state.loaded.append(info)
     return info
 

@@ -6,6 +6,8 @@ linear weights are transposed to (in, out), the patch-embedding Conv3d becomes a
 per-layer tensors `blocks.{i}.…` are stacked on the leading layer axis. All names and shapes are
 checked against config.json before any data is read. Tensors stream one parameter at a time from
 memory-mapped files, so the host holds at most one (stacked) parameter besides the mapping.
+`checkpoint_origin(dit)` re-reads one parameter exactly as it was loaded (how `wan_tpu.lora` restores
+the weights a LoRA changed), and `param_sources(dit)` maps each parameter to its diffusers tensor names.
 """
 
 from __future__ import annotations
