@@ -292,7 +292,7 @@ def report(pipe, s, timer, step_seconds, out=sys.stdout) -> None:
     from wan_tpu.profiling import dit_forward_flops, mfu
 
     extra = []
-    cache = getattr(pipe, "cache_stats", None)
+    cache = pipe.cache_stats
     if cache is not None:
         extra.append(("steps skipped", f"{cache.skipped:9d} of {cache.steps}  ({cache.method}, threshold "
                                         f"{cache.threshold:g})"))
