@@ -285,7 +285,7 @@ def decode_stage(pipe, args, latents, timer):
     return frames
 
 
-def report(pipe, s, timer, step_seconds, out=sys.stdout) -> None:
+def report(pipe, s, timer, step_seconds, out=None) -> None:
     """Per-stage times, s/step (compile excluded: the first step is left out when there are more) and MFU."""
     import jax
 
@@ -309,7 +309,7 @@ def report(pipe, s, timer, step_seconds, out=sys.stdout) -> None:
         extra.append(("s/step (median)", f"{per_step:9.3f} s"))
         if cache is None or not cache.skipped:  # skipped steps do a fraction of the model FLOPs
             extra.append(("MFU", f"{value:>9}  ({basis})"))
-    print(timer.table(extra), file=out)
+    print(timer.table(extra), file=out or sys.stdout)
 
 
 def _ready(x):
