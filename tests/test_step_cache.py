@@ -250,6 +250,33 @@ def test_first_block_cache_without_cfg_has_one_branch(model):
     assert np.abs(out - ref).max() <= TOL * np.abs(ref).max()
 
 
+@pytest.mark.parametrize("name", ["magcache", "fbcache"])
+def test_two_experts_share_the_cache_and_recompute_at_the_switch(model, name):
+    """Wan 2.2 A14B: the carry passes from the high-noise to the low-noise expert (each compiled once);
+    the first low-noise step always computes; threshold 0 is still the uncached run bit for bit."""
+    low = random_module(lambda: WanTransformer(CFG, dtype=jnp.float32, rngs=nnx.Rngs(0)), 1)
+    latents, pos, neg = inputs()
+    sched = make_scheduler("unipc", 12, 12.0)
+    switch = expert_switch_index(sched.timesteps, 0.875)
+    assert 0 < switch < 12
+
+    def go(threshold):
+        c = step_cache.resolve(step_cache.make_cache(name, threshold), "wan2.2-t2v-a14b")
+        stats = []
+        out = denoise([model, low], latents, Conditioning(pos, neg), sched, [4.0, 3.0], boundary_ratio=0.875,
+                      progress=False, cache=c, cache_stats=stats)
+        return np.asarray(out), stats[0]
+
+    plain = np.asarray(denoise([model, low], latents, Conditioning(pos, neg), sched, [4.0, 3.0],
+                               boundary_ratio=0.875, progress=False))
+    out, stats = go(0.0)
+    assert stats.skipped == 0 and np.array_equal(out, plain)
+    out, stats = go(None if name == "fbcache" else 0.5)
+    print(stats)
+    assert not stats.skip_mask[switch].any() and not stats.skip_mask[0].any()
+    assert np.isfinite(out).all()
+
+
 @pytest.mark.parametrize("variant,steps,shift", [("wan2.2-t2v-a14b", 40, 12.0), ("wan2.2-i2v-a14b", 40, 5.0),
                                                  ("wan2.2-t2v-a14b", 27, 12.0), ("wan2.1-t2v-14b", 50, 5.0),
                                                  ("wan2.1-i2v-14b-480p", 33, 3.0)])
