@@ -163,6 +163,21 @@ def test_unload_restores_the_weights_bit_exactly(base, tmp_path):
             assert v.dtype == original[k].dtype and np.array_equal(v, original[k]), k
 
 
+def test_unload_refuses_a_checkpoint_changed_since_the_load(base, tmp_path):
+    import os
+    import shutil
+
+    folder = tmp_path / "transformer"
+    shutil.copytree(base, folder)
+    dit = load_transformer(str(folder), jnp.float32)
+    dit.load_lora(make_lora(tmp_path / "a.safetensors", "kohya", seed=7), 1.0)
+    weights = folder / "diffusion_pytorch_model.safetensors"
+    os.utime(weights, ns=(0, 0))
+    with pytest.raises(WanInputError, match="changed on disk since the transformer was loaded"):
+        dit.unload_lora()
+    assert len(loaded_loras(dit)) == 1
+
+
 def test_unload_is_exact_for_a_model_not_loaded_from_a_checkpoint(tmp_path):
     """Presets and random models have no file to re-read: their touched weights are kept on the host."""
     from wan_tpu.configs.models import VARIANTS

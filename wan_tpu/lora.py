@@ -18,8 +18,9 @@ Formats (detected per key, so one file may mix them):
     norms (`norm3`, `norm_q`, `norm_k`), the head and the modulation tables.
 Module names may be Wan's (`self_attn.q`, `ffn.0`, `norm3`, `head.head`, `time_projection.1`, ...)
 or diffusers' (`attn1.to_q`, `ffn.net.0.proj`, `norm2`, `proj_out`, ...) under any of the prefixes.
-A layer receives `W + scale · (alpha / rank) · B·A`, plus `scale · diff` and `scale · diff_b`.
-diffusers drops `diff` entries (and norm entries, which it says are zero in the files it has seen);
+A layer receives `W + scale · (alpha / rank) · B·A`, plus `scale · diff` and `scale · diff_b`
+(PEFT's `lora_B.bias` belongs to `lora_B`: `scale · (alpha / rank) · bias`, as PEFT computes it).
+diffusers ignores the blocks' `diff` entries and every norm entry (zero in the files it has seen);
 here they are applied, as ComfyUI does.
 
 Merging. The file's header is checked against the model first (names, shapes, pairs), so a bad file
@@ -382,7 +383,7 @@ def unload_lora(dit) -> None:
     """Undo every `load_lora` on `dit`: each touched parameter gets back its exact original bits and sharding."""
     from wan_tpu.models.transformer_loading import checkpoint_origin
 
-    state = _STATES.pop(dit, None)
+    state = _STATES.get(dit)
     if state is None:
         return
     origin = checkpoint_origin(dit)
@@ -390,3 +391,5 @@ def unload_lora(dit) -> None:
         if host is None:
             host = origin.read(param)
         _variable(dit, param).set_value(jax.device_put(host, sharding))
+    # Forgotten only once every parameter is back: after a failed read the LoRAs are still on record.
+    del _STATES[dit]
