@@ -16,7 +16,6 @@ Conv3d) are checked against a NumPy merge of the same file written back as a che
 import json
 import math
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest

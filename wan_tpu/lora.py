@@ -16,8 +16,9 @@ Formats (detected per key, so one file may mix them):
   - ComfyUI: `lora_unet_blocks_0_self_attn_q.lora_down.weight` (the same names with `_` for `.`).
   - full deltas, as step-distill LoRAs carry them: `….diff` (weight), `….diff_b` (bias), also on
     norms (`norm3`, `norm_q`, `norm_k`), the head and the modulation tables.
-Module names may be Wan's (`self_attn.q`, `ffn.0`, `norm3`, `head.head`, `time_projection.1`, ...)
-or diffusers' (`attn1.to_q`, `ffn.net.0.proj`, `norm2`, `proj_out`, ...) under any of the prefixes.
+Module names may be Wan's (`self_attn.q`, `ffn.0`, `norm3`, `head.head`, `time_projection.1`, ...;
+`wan_tpu.models.transformer_loading.original_wan_to_diffusers`) or diffusers' (`attn1.to_q`,
+`ffn.net.0.proj`, `norm2`, `proj_out`, ...) under any of the prefixes.
 A layer receives `W + scale · (alpha / rank) · B·A`, plus `scale · diff` and `scale · diff_b`
 (PEFT's `lora_B.bias` belongs to `lora_B`: `scale · (alpha / rank) · bias`, as PEFT computes it).
 diffusers ignores the blocks' `diff` entries and every norm entry (zero in the files it has seen);
@@ -68,31 +69,6 @@ _SUFFIXES = {
     ".lora_B.bias": "up_bias", ".lora_up.bias": "up_bias", ".diff_b": "diff_b",
     ".diff": "diff", ".alpha": "alpha",
 }
-# (Wan's name, diffusers' name) of the modules inside a block, then of the top-level ones
-# (diffusers' `scripts/convert_wan_to_diffusers.py` renames).
-_BLOCK_RENAMES = (
-    ("self_attn.q", "attn1.to_q"), ("self_attn.k", "attn1.to_k"), ("self_attn.v", "attn1.to_v"),
-    ("self_attn.o", "attn1.to_out.0"), ("self_attn.norm_q", "attn1.norm_q"), ("self_attn.norm_k", "attn1.norm_k"),
-    ("cross_attn.q", "attn2.to_q"), ("cross_attn.k", "attn2.to_k"), ("cross_attn.v", "attn2.to_v"),
-    ("cross_attn.o", "attn2.to_out.0"), ("cross_attn.norm_q", "attn2.norm_q"), ("cross_attn.norm_k", "attn2.norm_k"),
-    ("cross_attn.k_img", "attn2.add_k_proj"), ("cross_attn.v_img", "attn2.add_v_proj"),
-    ("cross_attn.norm_k_img", "attn2.norm_added_k"),
-    ("ffn.0", "ffn.net.0.proj"), ("ffn.2", "ffn.net.2"), ("norm3", "norm2"), ("modulation", "scale_shift_table"),
-)
-_TOP_RENAMES = (
-    ("patch_embedding", "patch_embedding"),
-    ("text_embedding.0", "condition_embedder.text_embedder.linear_1"),
-    ("text_embedding.2", "condition_embedder.text_embedder.linear_2"),
-    ("time_embedding.0", "condition_embedder.time_embedder.linear_1"),
-    ("time_embedding.2", "condition_embedder.time_embedder.linear_2"),
-    ("time_projection.1", "condition_embedder.time_proj"),
-    ("img_emb.proj.0", "condition_embedder.image_embedder.norm1"),
-    ("img_emb.proj.1", "condition_embedder.image_embedder.ff.net.0.proj"),
-    ("img_emb.proj.3", "condition_embedder.image_embedder.ff.net.2"),
-    ("img_emb.proj.4", "condition_embedder.image_embedder.norm2"),
-    ("img_emb.emb_pos", "condition_embedder.image_embedder.pos_embed"),
-    ("head.head", "proj_out"), ("head.modulation", "scale_shift_table"),
-)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -104,14 +80,11 @@ class _Target:
     source_shape: tuple[int, ...]  # diffusers layout
     transform: object  # diffusers layout → ours, or None
 
-    def to_ours(self, a: np.ndarray) -> np.ndarray:
-        return a if self.transform is None else self.transform(a)
-
 
 def _module_table(dit) -> dict[str, dict[str, _Target]]:
     """Every accepted module name (Wan's and diffusers', dotted and ComfyUI-underscored) →
     {"weight": target, "bias": target}; bare parameters (modulation tables, pos_embed) have "weight" only."""
-    from wan_tpu.models.transformer_loading import param_sources
+    from wan_tpu.models.transformer_loading import diffusers_to_original_wan, param_sources
 
     modules: dict[str, dict[str, _Target]] = defaultdict(dict)
     for src in param_sources(dit):
@@ -123,18 +96,9 @@ def _module_table(dit) -> dict[str, dict[str, _Target]]:
                                             src.transform)
     table = {}
     for name, leaves in modules.items():
-        for alias in (name, _wan_name(name)):
+        for alias in (name, diffusers_to_original_wan(name)):
             table[alias] = table[alias.replace(".", "_")] = leaves
     return table
-
-
-def _wan_name(diffusers_name: str) -> str:
-    m = re.fullmatch(r"(blocks\.\d+\.)(.*)", diffusers_name)
-    prefix, rest, renames = (m.group(1), m.group(2), _BLOCK_RENAMES) if m else ("", diffusers_name, _TOP_RENAMES)
-    for wan, ours in renames:
-        if rest == ours:
-            return prefix + wan
-    return diffusers_name
 
 
 @dataclasses.dataclass(frozen=True)
