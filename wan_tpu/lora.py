@@ -133,9 +133,11 @@ def _split_key(key: str) -> tuple[str, str]:
             module = key[: -len(suffix)]
             break
     else:
-        kind = "DoRA" if "dora_scale" in key else "LyCORIS/LoHa/LoKr" if re.search(r"\.(hada|lokr|lora_mid)", key) else None
-        what = f"a {kind} entry, which is not supported" if kind else "not a LoRA entry (lora_A/B, lora_down/up, alpha, diff, diff_b)"
-        raise WanInputError(f"LoRA key {key!r} is {what}; use a plain LoRA for the Wan DiT")
+        if "dora_scale" in key or re.search(r"\.(hada|lokr|lora_mid)", key):
+            kind = "DoRA" if "dora_scale" in key else "LyCORIS/LoHa/LoKr"
+            raise WanInputError(f"LoRA key {key!r} is a {kind} entry, which is not supported; use a plain LoRA")
+        raise WanInputError(f"LoRA key {key!r} is not a LoRA entry (lora_A/B, lora_down/up, alpha, diff, diff_b); "
+                            "use a plain LoRA for the Wan DiT")
     for prefix in _PREFIXES:
         if module.startswith(prefix):
             return module[len(prefix):], role
@@ -219,8 +221,9 @@ def _plan(dit, path, scale: float):
                 raise WanInputError(f"LoRA key {roles[role]!r} in {path}: layer {module!r} has no {leaf}")
             t = leaves[leaf]
             if tensors.shape(roles[role]) != t.source_shape:
-                raise WanInputError(f"LoRA key {roles[role]!r} in {path} has shape {tensors.shape(roles[role])}, but "
-                                    f"the layer's {leaf} has shape {t.source_shape}; the LoRA is for another model size")
+                raise WanInputError(f"LoRA key {roles[role]!r} in {path} has shape {tensors.shape(roles[role])}, "
+                                    f"but the layer's {leaf} has shape {t.source_shape}; the LoRA is for another "
+                                    "model size")
             plan[t.param].append(_Entry(t.layer, (roles[role],), s, t.transform))
             count += role != "up_bias"
     return tensors, dict(plan), count
