@@ -9,8 +9,9 @@ with a message naming each difference. `--overwrite` replaces an existing output
 
 import sys
 
-from wan_tpu.generate import (CliParser, add_denoise_args, add_model_args, add_run_args, check_stage_output, cli,
-                              denoise_stage, load_pipeline, report, run_settings, stage1_expect, stage2_meta)
+from wan_tpu.generate import (CliParser, add_adapter_args, add_denoise_args, add_model_args, add_run_args,
+                              check_stage_output, cli, denoise_stage, load_pipeline, report, run_settings,
+                              stage1_expect, stage2_meta)
 from wan_tpu.profiling import StageTimer, trace
 
 
@@ -36,6 +37,7 @@ def parser():
     add_model_args(p)
     add_run_args(p)
     add_denoise_args(p)
+    add_adapter_args(p)
     p.add_argument("--input", default="stage1.safetensors", help="stage-1 file (default: stage1.safetensors)")
     p.add_argument("--output", default="stage2.safetensors", help="stage file to write (default: stage2.safetensors)")
     p.add_argument("--overwrite", action="store_true", help="replace an existing output")

@@ -117,6 +117,42 @@ def test_existing_output_is_kept(capsys, tmp_path):
     assert out.read_bytes() == b"precious"
 
 
+@pytest.mark.parametrize("flags,match", [
+    (["--timesteps", "1000,500"], "UniPC takes a schedule as --sigmas"),
+    (["--sigmas", "1,x"], "--sigmas '1,x' is not a comma-separated list"),
+    (["--sigmas", "0.5,0.9", "--scheduler", "euler"], "must decrease strictly"),
+    (["--sigmas", "1,0.5", "--steps", "3"], "2 sigmas/timesteps but 3 steps"),
+    (["--cache-threshold", "0.1"], "a cache threshold needs a cache"),
+    (["--cache", "teacache", "--cache-threshold", "-1"], "threshold must be a number >= 0"),
+    (["--lora", "missing.safetensors"], "LoRA file 'missing.safetensors' does not exist"),
+    (["--lora-low", "missing.safetensors"], "has one transformer, not two experts"),
+])
+def test_bad_few_step_lora_and_cache_flags(flags, match, capsys, tmp_path):
+    argv = ["--prompt", "a cat", *FAST, "--output", str(tmp_path / "out.mp4"), *flags]
+    bad(argv, capsys, tmp_path, match)
+
+
+def test_lora_few_step_and_cache_flags(capsys, tmp_path):
+    """A LoRA with a scale, a given 4-sigma Euler schedule, no CFG and a step cache: the run says how
+    many steps skipped the DiT blocks."""
+    import torch
+    from safetensors.torch import save_file
+
+    from wan_tpu.configs.models import VARIANTS
+
+    d = VARIANTS["tiny"].transformer.inner_dim
+    lora = tmp_path / "style.safetensors"
+    save_file({"diffusion_model.blocks.0.self_attn.q.lora_down.weight": torch.randn(4, d) * 0.1,
+               "diffusion_model.blocks.0.self_attn.q.lora_up.weight": torch.randn(d, 4) * 0.1}, str(lora))
+    argv = ["--prompt", "a cat", "--model", "tiny", "--quiet", "--size", "32*32", "--frames", "5",
+            "--lora", f"{lora}:0.5", "--scheduler", "euler", "--sigmas", "1,0.75,0.5,0.25", "--shift", "5",
+            "--guidance", "1", "--cache", "fbcache", "--output", str(tmp_path / "v.mp4")]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert "steps skipped" in out and "of 4  (fbcache, threshold 0.05)" in out
+    assert read_video(str(tmp_path / "v.mp4"))[0].shape == (5, 32, 32, 3)
+
+
 def test_missing_checkpoint_part(capsys, tmp_path):
     from wan_tpu.configs.models import VARIANTS
     from wan_tpu.presets import TINY_VAE, save_diffusers_checkpoint

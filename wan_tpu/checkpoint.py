@@ -94,6 +94,11 @@ class TensorSource(Mapping):
         count = int(np.prod(e.shape, dtype=np.int64))
         return np.memmap(e.file, dtype=e.dtype, mode="r", offset=e.begin, shape=(count,)).reshape(e.shape)
 
+    @property
+    def files(self) -> list[str]:
+        """The safetensors files the tensors live in."""
+        return sorted({e.file for e in self._entries.values()})
+
     def shape(self, name: str) -> tuple[int, ...]:
         return self._entries[name].shape
 

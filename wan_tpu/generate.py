@@ -63,12 +63,61 @@ def add_denoise_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--scheduler", choices=("unipc", "euler"), default="unipc", help="flow sampler (default: unipc)")
 
 
+def add_adapter_args(p: argparse.ArgumentParser) -> None:
+    """LoRAs, a given schedule and step caches: what few-step (distilled) and cached sampling need."""
+    p.add_argument("--lora", action="append", default=[], metavar="PATH[:SCALE]",
+                   help="merge a LoRA .safetensors into the DiT (repeatable; A14B: into both experts)")
+    p.add_argument("--lora-high", action="append", default=[], metavar="PATH[:SCALE]",
+                   help="Wan 2.2 A14B: a LoRA for the high-noise expert only (repeatable)")
+    p.add_argument("--lora-low", action="append", default=[], metavar="PATH[:SCALE]",
+                   help="Wan 2.2 A14B: a LoRA for the low-noise expert only (repeatable)")
+    p.add_argument("--sigmas", default=None, metavar="S1,S2,...",
+                   help="given noise levels in (0, 1], one per step, before --shift (e.g. 1,0.75,0.5,0.25)")
+    p.add_argument("--timesteps", default=None, metavar="T1,T2,...",
+                   help="given model timesteps in (0, 1000], one per step, used as they are (--scheduler euler)")
+    p.add_argument("--cache", choices=("teacache", "magcache", "fbcache"), default=None,
+                   help="skip the DiT blocks on steps whose input changed little (default: off)")
+    p.add_argument("--cache-threshold", type=float, default=None,
+                   help="the cache's threshold (default: the method's published value for the model; 0: never skip)")
+
+
+def lora_specs(args) -> list[tuple[str, float, str | None]]:
+    """(path, scale, expert) of every --lora, --lora-high and --lora-low flag."""
+    specs = []
+    for flag, expert in (("lora", None), ("lora_high", "high"), ("lora_low", "low")):
+        for spec in getattr(args, flag, None) or []:
+            path, _, scale = spec.rpartition(":")
+            try:
+                specs.append((path, float(scale), expert) if path else (spec, 1.0, expert))
+            except ValueError:
+                specs.append((spec, 1.0, expert))  # a ':' inside the path, no scale
+    return specs
+
+
+def parse_floats(text: str | None, flag: str) -> list[float] | None:
+    if text is None:
+        return None
+    try:
+        return [float(v) for v in text.split(",")]
+    except ValueError:
+        raise WanInputError(f"{flag} {text!r} is not a comma-separated list of numbers; pass e.g. "
+                            f"{flag} 1,0.75,0.5,0.25") from None
+
+
+def sampling_kwargs(args) -> dict:
+    """The given schedule and step cache of this run, as `WanPipeline.denoise` takes them."""
+    return {"sigmas": parse_floats(getattr(args, "sigmas", None), "--sigmas"),
+            "timesteps": parse_floats(getattr(args, "timesteps", None), "--timesteps"),
+            "cache": getattr(args, "cache", None), "cache_threshold": getattr(args, "cache_threshold", None)}
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = CliParser(prog="python -m wan_tpu.generate", description=__doc__.split("\n\n")[0])
     add_prompt_args(p)
     add_model_args(p)
     add_run_args(p)
     add_denoise_args(p)
+    add_adapter_args(p)
     p.add_argument("--output", default="output.mp4", help="mp4 to write (default: output.mp4)")
     p.add_argument("--overwrite", action="store_true", help="replace existing output and stage files")
     p.add_argument("--keep-stages", default=None, metavar="DIR", help="also write the stage files into DIR")
@@ -119,14 +168,23 @@ def load_pipeline(args):
                                 f"choose one of {', '.join(choices)} or leave --attention out")
     mesh = parse_mesh(args.mesh)
     dtype = {"bfloat16": jnp.bfloat16, "float32": jnp.float32}[args.dtype]
-    return WanPipeline.from_pretrained(args.model, mesh=mesh, dtype=dtype, attention_impl=args.attention)
+    pipe = WanPipeline.from_pretrained(args.model, mesh=mesh, dtype=dtype, attention_impl=args.attention)
+    for path, scale, expert in lora_specs(args):
+        pipe.load_lora_weights(path, scale=scale, expert=expert)  # checked now, merged when the DiT loads
+    return pipe
 
 
 def run_settings(pipe, args):
+    from wan_tpu.pipeline import schedule_steps
+
     width, height = parse_size(getattr(args, "size", None))
+    given = sampling_kwargs(args)
+    steps = schedule_steps(getattr(args, "steps", None), given["sigmas"], given["timesteps"])
     s = pipe.settings(height=height, width=width, num_frames=getattr(args, "frames", None),
-                      num_inference_steps=getattr(args, "steps", None), guidance_scale=getattr(args, "guidance", None),
+                      num_inference_steps=steps, guidance_scale=getattr(args, "guidance", None),
                       guidance_scale_2=getattr(args, "guidance_2", None), flow_shift=getattr(args, "shift", None))
+    if hasattr(args, "scheduler"):
+        pipe.sampling(s, args.scheduler, **given)  # a bad schedule or cache fails now, not after loading
     image = getattr(args, "image", None)
     if image is not None and pipe.variant.task == "t2v":
         raise WanInputError(f"{pipe.variant.name} is a text-to-video model and takes no image; drop --image")
@@ -192,7 +250,8 @@ def denoise_stage(pipe, args, s, embeds, timer, step_seconds) -> object:
         latents = _ready(pipe.denoise(embeds, seed=args.seed, height=s.height, width=s.width, num_frames=s.num_frames,
                                       num_inference_steps=s.num_inference_steps, guidance_scale=s.guidance_scale,
                                       guidance_scale_2=s.guidance_scale_2, flow_shift=s.flow_shift,
-                                      scheduler=args.scheduler, progress=not args.quiet, step_seconds=step_seconds))
+                                      scheduler=args.scheduler, progress=not args.quiet, step_seconds=step_seconds,
+                                      **sampling_kwargs(args)))
     pipe.release(*names)
     return latents
 
@@ -226,13 +285,17 @@ def decode_stage(pipe, args, latents, timer):
     return frames
 
 
-def report(pipe, s, timer, step_seconds, out=sys.stdout) -> None:
+def report(pipe, s, timer, step_seconds, out=None) -> None:
     """Per-stage times, s/step (compile excluded: the first step is left out when there are more) and MFU."""
     import jax
 
     from wan_tpu.profiling import dit_forward_flops, mfu
 
     extra = []
+    cache = pipe.cache_stats
+    if cache is not None:
+        extra.append(("steps skipped", f"{cache.skipped:9d} of {cache.steps}  ({cache.method}, threshold "
+                                        f"{cache.threshold:g})"))
     if step_seconds:
         steady = step_seconds[1:] or step_seconds
         per_step = sorted(steady)[len(steady) // 2]
@@ -243,8 +306,10 @@ def report(pipe, s, timer, step_seconds, out=sys.stdout) -> None:
         flops = dit_forward_flops(pipe.variant.transformer, tokens, image_len=image_len) * (2 if s.do_cfg else 1)
         n = pipe.mesh.devices.size if pipe.mesh is not None else 1
         value, basis = mfu(flops, per_step, n, jax.devices()[0])
-        extra = [("s/step (median)", f"{per_step:9.3f} s"), ("MFU", f"{value:>9}  ({basis})")]
-    print(timer.table(extra), file=out)
+        extra.append(("s/step (median)", f"{per_step:9.3f} s"))
+        if cache is None or not cache.skipped:  # skipped steps do a fraction of the model FLOPs
+            extra.append(("MFU", f"{value:>9}  ({basis})"))
+    print(timer.table(extra), file=out or sys.stdout)
 
 
 def _ready(x):

@@ -38,7 +38,7 @@ from wan_tpu.denoise import Conditioning, denoise
 from wan_tpu.errors import WanInputError
 from wan_tpu.models.vae import frames_to_uint8
 from wan_tpu.profiling import scope
-from wan_tpu.schedulers import make_scheduler
+from wan_tpu.schedulers import make_custom_scheduler, make_scheduler
 from wan_tpu.settings import RunSettings, model_parts, resolve_settings, resolve_variant
 
 
@@ -54,6 +54,8 @@ class WanPipeline:
         self.mesh = mesh
         self._loaders = loaders
         self._loaded: dict[str, object] = {}
+        self._loras: list[tuple[str, float, tuple[str, ...]]] = []  # (path, scale, DiT component names)
+        self.cache_stats = None  # the step cache's `CacheStats` of the last run that used one
 
     # ---- construction -------------------------------------------------------------------------
 
@@ -95,6 +97,9 @@ class WanPipeline:
                 raise WanInputError(f"{self.variant.name} has no {name}; it is not part of this model")
             with scope(f"load_{name}"):
                 self._loaded[name] = self._loaders[name]()
+                for path, scale, names in self._loras:
+                    if name in names:
+                        self._loaded[name].load_lora(path, scale)
         return self._loaded[name]
 
     def release(self, *names: str) -> None:
@@ -110,6 +115,43 @@ class WanPipeline:
     vae = property(lambda self: self.component("vae"))
     text_encoder = property(lambda self: self.component("text_encoder"))
     image_encoder = property(lambda self: self.component("image_encoder"))
+
+    # ---- LoRA ---------------------------------------------------------------------------------
+
+    def load_lora_weights(self, path, scale: float = 1.0, expert: str | None = None) -> None:
+        """Merge a LoRA `.safetensors` into the DiT, on device (`wan_tpu.lora`); calls stack.
+
+        Wan 2.2 A14B: `expert="high"` targets the high-noise `transformer`, `"low"` the low-noise
+        `transformer_2`, None both (each expert may take its own file and scale). The file is checked
+        now; a DiT not loaded yet receives it when it loads (and again after a `release`).
+        """
+        from wan_tpu.lora import check_lora
+
+        experts = {"high": "transformer", "low": "transformer_2"}
+        two = self.variant.boundary_ratio is not None
+        if expert is None:
+            names = ("transformer", "transformer_2") if two else ("transformer",)
+        elif expert in experts and two:
+            names = (experts[expert],)
+        elif expert in experts:
+            raise WanInputError(f"{self.variant.name} has one transformer, not two experts; load the LoRA without "
+                                f"expert={expert!r} (--lora, not --lora-{expert})")
+        else:
+            raise WanInputError(f"expert must be 'high', 'low' or None (both), got {expert!r}")
+        configs = {"transformer": self.variant.transformer, "transformer_2": self.variant.transformer_2}
+        for name in names:
+            check_lora(configs[name], path, scale)
+        self._loras.append((os.fspath(path), float(scale), names))
+        for name in names:
+            if name in self._loaded:
+                self._loaded[name].load_lora(path, scale)
+
+    def unload_lora_weights(self) -> None:
+        """Undo every `load_lora_weights`: the DiT weights as loaded, bit for bit."""
+        for name in ("transformer", "transformer_2"):
+            if name in self._loaded:
+                self._loaded[name].unload_lora()
+        self._loras.clear()
 
     @property
     def model_id(self) -> dict:
@@ -174,28 +216,52 @@ class WanPipeline:
                 num_frames: int | None = None, num_inference_steps: int | None = None,
                 guidance_scale: float | None = None, guidance_scale_2: float | None = None,
                 flow_shift: float | None = None, scheduler: str = "unipc", progress: bool = True,
-                step_seconds: list | None = None) -> jax.Array:
+                step_seconds: list | None = None, sigmas=None, timesteps=None, cache=None,
+                cache_threshold: float | None = None) -> jax.Array:
         """Final latents `(1, z, F, h, w)` from stage-1 `embeds` (+ `encode_image` output for I2V/TI2V).
 
         `latents` overrides the seeded initial noise (e.g. to compare with another implementation).
+        `sigmas` / `timesteps`: a given schedule (few-step sampling; see `make_custom_scheduler`), one
+        value per step. `cache`: a step cache, "teacache", "magcache", "fbcache" or a config of
+        `wan_tpu.step_cache` (`cache_threshold` overrides its threshold); afterwards `self.cache_stats`
+        says how many steps skipped the DiT blocks.
         """
+        num_inference_steps = schedule_steps(num_inference_steps, sigmas, timesteps)
         s = self.settings(height=height, width=width, num_frames=num_frames, num_inference_steps=num_inference_steps,
                           guidance_scale=guidance_scale, guidance_scale_2=guidance_scale_2, flow_shift=flow_shift)
+        sched, step = self.sampling(s, scheduler, sigmas, timesteps, cache, cache_threshold,
+                                    with_image="first_frame" in embeds)
         shape = self.latent_shape(s.height, s.width, s.num_frames)
         if latents is None:
             latents = self.prepare_latents(seed, s.height, s.width, s.num_frames)
         elif tuple(latents.shape) != shape:
             raise WanInputError(f"latents have shape {tuple(latents.shape)}, but this run needs {shape}")
         cond = self._conditioning(embeds, s, shape)
-        sched = make_scheduler(scheduler, s.num_inference_steps, s.flow_shift)
         experts = [self.transformer]
         guidance = [s.guidance_scale]
         if self.variant.boundary_ratio is not None:
             experts.append(self.transformer_2)
             guidance.append(s.guidance_scale_2)
+        stats = []
         with scope("denoise"):
-            return denoise(experts, jnp.asarray(latents), cond, sched, guidance, self.variant.boundary_ratio,
-                           mesh=self.mesh, progress=progress, step_seconds=step_seconds)
+            out = denoise(experts, jnp.asarray(latents), cond, sched, guidance, self.variant.boundary_ratio,
+                          mesh=self.mesh, progress=progress, step_seconds=step_seconds, cache=step, cache_stats=stats)
+        self.cache_stats = stats[0] if stats else None
+        return out
+
+    def sampling(self, s: RunSettings, scheduler: str = "unipc", sigmas=None, timesteps=None, cache=None,
+                 cache_threshold: float | None = None, with_image: bool = False):
+        """(scheduler, resolved step cache or None) of a run; `WanInputError` on bad choices, before any work."""
+        from wan_tpu import step_cache
+
+        if sigmas is None and timesteps is None:
+            sched = make_scheduler(scheduler, s.num_inference_steps, s.flow_shift)
+        else:
+            sched = make_custom_scheduler(scheduler, s.flow_shift, sigmas=sigmas, timesteps=timesteps)
+        config = step_cache.make_cache(cache, cache_threshold)
+        if config is None and cache_threshold is not None:
+            raise WanInputError("a cache threshold needs a cache; pass --cache teacache|magcache|fbcache")
+        return sched, None if config is None else step_cache.resolve(config, self.variant.name, with_image)
 
     def _conditioning(self, embeds: dict, s: RunSettings, shape) -> Conditioning:
         needs_image = self.variant.task == "i2v"
@@ -237,14 +303,17 @@ class WanPipeline:
                  width: int | None = None, num_frames: int | None = None, num_inference_steps: int | None = None,
                  guidance_scale: float | None = None, flow_shift: float | None = None, seed: int = 0, image=None,
                  guidance_scale_2: float | None = None, latents=None, output_type: str = "np",
-                 progress: bool = True) -> np.ndarray:
+                 progress: bool = True, scheduler: str = "unipc", sigmas=None, timesteps=None, cache=None,
+                 cache_threshold: float | None = None) -> np.ndarray:
         """Generate a video: uint8 frames `(T, H, W, 3)` (`output_type="latent"`: the final latents).
 
         None settings take the model's official defaults (Wan 2.1 T2V 1.3B: 480×832, 81 frames,
         50 steps, guidance 5.0, shift 5.0; see `wan_tpu.configs.models.VARIANTS`). `guidance_scale_2`
         is the low-noise expert's guidance (Wan 2.2 A14B; default: `guidance_scale` if that is given).
-        `latents` replaces the seeded initial noise.
+        `latents` replaces the seeded initial noise. `scheduler`, `sigmas`, `timesteps`, `cache`,
+        `cache_threshold`: as `denoise` (`self.cache_stats` reports a step cache's skipped steps).
         """
+        num_inference_steps = schedule_steps(num_inference_steps, sigmas, timesteps)
         s = self.settings(height=height, width=width, num_frames=num_frames, num_inference_steps=num_inference_steps,
                           guidance_scale=guidance_scale, guidance_scale_2=guidance_scale_2, flow_shift=flow_shift)
         embeds = self.encode_prompt(prompt, negative_prompt, s.guidance_scale)
@@ -253,10 +322,25 @@ class WanPipeline:
         out = self.denoise(embeds, latents=latents, seed=seed, height=s.height, width=s.width,
                            num_frames=s.num_frames, num_inference_steps=s.num_inference_steps,
                            guidance_scale=s.guidance_scale, guidance_scale_2=s.guidance_scale_2,
-                           flow_shift=s.flow_shift, progress=progress)
+                           flow_shift=s.flow_shift, progress=progress, scheduler=scheduler, sigmas=sigmas,
+                           timesteps=timesteps, cache=cache, cache_threshold=cache_threshold)
         if output_type == "latent":
             return out
         return self.decode(out)
+
+
+def schedule_steps(num_inference_steps, sigmas, timesteps):
+    """The step count of a run with a given schedule: its length (a different `num_inference_steps` is an error)."""
+    given = sigmas if sigmas is not None else timesteps
+    if given is None:
+        return num_inference_steps
+    if not hasattr(given, "__len__"):
+        raise WanInputError(f"sigmas / timesteps must be a list of numbers, one per step, got {given!r}")
+    if num_inference_steps is not None and num_inference_steps != len(given):
+        raise WanInputError(f"{len(given)} sigmas/timesteps but {num_inference_steps} steps; drop --steps or give one "
+                            "value per step")
+    return len(given)
+
 
 
 def check_prompts(prompt: str, negative_prompt: str, do_cfg: bool) -> None:

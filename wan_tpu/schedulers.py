@@ -83,7 +83,13 @@ class FlowUniPCMultistep:
     def create(cls, num_inference_steps: int, shift: float, num_train_timesteps: int = 1000) -> FlowUniPCMultistep:
         _check(num_inference_steps, shift)
         n = int(num_inference_steps)
-        sig = _shifted(np.linspace(1.0, 1.0 / num_train_timesteps, n + 1)[:-1], float(shift))
+        return cls.from_sigmas(np.linspace(1.0, 1.0 / num_train_timesteps, n + 1)[:-1], shift, num_train_timesteps)
+
+    @classmethod
+    def from_sigmas(cls, sigmas, shift: float, num_train_timesteps: int = 1000) -> FlowUniPCMultistep:
+        """A run over given (unshifted) noise levels, as diffusers' `set_timesteps(sigmas=...)`: shifted,
+        then the model receives the integer part of 1000 × each shifted sigma."""
+        sig = _shifted(np.array(sigmas, np.float64), float(shift))
         # diffusers nudges sigma_0 off 1 so that log(alpha_0) stays finite, then truncates the
         # timesteps to integers before rounding sigmas to float32; we keep all three choices.
         if abs(sig[0] - 1.0) < 1e-6:
@@ -181,6 +187,17 @@ class FlowEuler:
         sigmas = np.append(_shifted(t / num_train_timesteps, float(shift)).astype(np.float32), np.float32(0.0))
         return cls(sigmas[:-1] * np.float32(num_train_timesteps), sigmas)
 
+    @classmethod
+    def from_sigmas(cls, sigmas=None, shift: float = 1.0, num_train_timesteps: int = 1000, timesteps=None) -> FlowEuler:
+        """A run over given sigmas and/or timesteps, as diffusers' `set_timesteps(sigmas=..., timesteps=...)`:
+        the sigmas (default: timesteps / 1000) are shifted in float32; the model receives the given
+        timesteps, else 1000 × the shifted sigmas (so given timesteps are used as they are, unshifted)."""
+        given_t = None if timesteps is None else np.asarray(timesteps, np.float32)
+        base = given_t / num_train_timesteps if sigmas is None else np.asarray(sigmas, np.float32)
+        sig = _shifted(base, float(shift))  # float32: numpy keeps Python scalars weak, as diffusers' arithmetic does
+        t = sig * np.float32(num_train_timesteps) if given_t is None else given_t
+        return cls(t, np.append(sig, np.float32(0.0)))
+
     @property
     def num_inference_steps(self) -> int:
         return len(self.timesteps)
@@ -202,3 +219,37 @@ def make_scheduler(name: str, num_inference_steps: int, shift: float) -> FlowUni
     if name not in SCHEDULERS:
         raise WanInputError(f"unknown scheduler {name!r}; choose one of {', '.join(SCHEDULERS)}")
     return SCHEDULERS[name].create(num_inference_steps, shift)
+
+
+def make_custom_scheduler(name: str, shift: float, sigmas=None, timesteps=None) -> FlowUniPCMultistep | FlowEuler:
+    """Scheduler `name` over a given schedule (few-step / step-distilled sampling): `sigmas`, noise levels
+    in (0, 1] before the shift, and/or (Euler only) `timesteps` in (0, 1000], what the model receives;
+    each strictly decreasing. As diffusers' `set_timesteps(sigmas=..., timesteps=...)` of
+    `FlowMatchEulerDiscreteScheduler` and `UniPCMultistepScheduler` (which takes sigmas only)."""
+    _check(1, shift)
+    if sigmas is None and timesteps is None:
+        raise WanInputError("pass sigmas or timesteps (--sigmas / --timesteps) for a custom schedule")
+    for values, flag, top in ((sigmas, "--sigmas", 1.0), (timesteps, "--timesteps", 1000.0)):
+        if values is not None:
+            _check_schedule(values, flag, top)
+    if sigmas is not None and timesteps is not None and len(sigmas) != len(timesteps):
+        raise WanInputError(f"--sigmas has {len(sigmas)} values and --timesteps {len(timesteps)}; give one per step")
+    if name == "euler":
+        return FlowEuler.from_sigmas(sigmas, shift, timesteps=timesteps)
+    if name == "unipc" and timesteps is None:
+        return FlowUniPCMultistep.from_sigmas(sigmas, shift)
+    if name == "unipc":
+        raise WanInputError("UniPC takes a schedule as --sigmas (timestep / 1000), not --timesteps (as diffusers' "
+                            "UniPCMultistepScheduler); or use --scheduler euler")
+    raise WanInputError(f"a custom schedule (--sigmas / --timesteps) works with --scheduler euler or unipc, not {name!r}")
+
+
+def _check_schedule(values, flag: str, top: float) -> None:
+    try:
+        v = np.asarray(values, np.float64)
+    except (TypeError, ValueError):
+        raise WanInputError(f"{flag} must be numbers, got {values!r}") from None
+    if v.ndim != 1 or v.size == 0 or not np.all(np.isfinite(v)) or np.any(v <= 0) or np.any(v > top):
+        raise WanInputError(f"{flag} must be one or more numbers in (0, {top:g}], got {values!r}")
+    if np.any(np.diff(v) >= 0):
+        raise WanInputError(f"{flag} must decrease strictly (from noise to data), got {values!r}")
