@@ -97,7 +97,7 @@ def bad(argv, capsys, tmp_path, match):
     (["--frames", "6"], "not 4n+1"),
     (["--steps", "0"], "positive integer"),
     (["--prompt", "", "--negative-prompt", ""], "prompt is empty"),
-    (["--model", "no-such-preset"], "neither a checkpoint folder nor a preset"),
+    (["--model", "no-such-preset"], "is neither a checkpoint folder"),
     (["--mesh", "3,1,1"], "needs 3 devices"),
     (["--mesh", "2,2"], "not dp,sp,tp"),
     (["--image", "missing.png"], "takes no image"),

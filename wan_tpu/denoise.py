@@ -28,6 +28,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
+from wan_tpu import interrupt
 from wan_tpu.models.transformer import forward
 from wan_tpu.profiling import scope
 
@@ -179,6 +180,7 @@ def denoise(
             if pending is not None:
                 finish(*pending)
             pending = (i, finite)
+            interrupt.check("denoise")
         finish(*pending)
     if cond.first_frame is not None:
         latents = model_input(latents, cond)
