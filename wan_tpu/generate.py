@@ -192,10 +192,15 @@ def run_settings(pipe, args):
                          guidance_scale_2=getattr(args, "guidance_2", None), flow_shift=getattr(args, "shift", None))
 
 
+def chosen_negative_prompt(args, job=None) -> str | None:
+    """The job's negative prompt, else --negative-prompt; None: the official one."""
+    return args.negative_prompt if job is None or job.negative_prompt is None else job.negative_prompt
+
+
 def negative_prompt(args, job=None) -> str:
     from wan_tpu.text_encoder import WAN_NEGATIVE_PROMPT
 
-    chosen = args.negative_prompt if job is None or job.negative_prompt is None else job.negative_prompt
+    chosen = chosen_negative_prompt(args, job)
     return WAN_NEGATIVE_PROMPT if chosen is None else chosen
 
 
@@ -230,8 +235,8 @@ def check_jobs(pipe, args, s, jobs, stages) -> None:
     """Each job's prompts and image, then (once) the memory the run needs: before anything loads."""
     for job in jobs:
         try:
-            pipe.check_run(s, job.image or args.image, prompt=job.prompt, negative_prompt=negative_prompt(args, job),
-                           stages=stages, memory=False)
+            pipe.check_run(s, job.image or args.image, prompt=job.prompt,
+                           negative_prompt=chosen_negative_prompt(args, job), stages=stages, memory=False)
         except WanInputError as e:
             raise WanInputError(f"{job.where(getattr(args, 'prompts', None))}{e}") from None
     image = any((job.image or args.image) is not None for job in jobs)

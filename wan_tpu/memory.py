@@ -34,6 +34,7 @@ compared with its free memory (`memory_stats`). Where neither is known nothing i
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 from dataclasses import dataclass
@@ -128,7 +129,9 @@ def dit_step_bytes(cfg, tokens: int, batch: int, attention: str, layout: Layout)
     return int(act)
 
 
+@functools.lru_cache(maxsize=8)
 def _dit_elements(cfg) -> int:
+    """Parameter count of a DiT config (presets have no safetensors headers to count from)."""
     import jax
     import jax.numpy as jnp
     from flax import nnx
@@ -139,13 +142,17 @@ def _dit_elements(cfg) -> int:
     return sum(x.size for x in jax.tree.leaves(nnx.state(abstract)))
 
 
+@functools.lru_cache(maxsize=8)
 def _abstract_vae(config):
+    """(an abstract WanVAE of `config`, its parameter count): shapes only, nothing allocated."""
+    import jax
     import jax.numpy as jnp
     from flax import nnx
 
     from wan_tpu.models.vae import WanVAE
 
-    return nnx.eval_shape(lambda: WanVAE(config, dtype=jnp.float32, rngs=nnx.Rngs(0)))
+    vae = nnx.eval_shape(lambda: WanVAE(config, dtype=jnp.float32, rngs=nnx.Rngs(0)))
+    return vae, sum(x.size for x in jax.tree.leaves(nnx.state(vae)))
 
 
 def stage_bytes(pipe, s, stages=("text", "image", "denoise", "decode"), attention_impl_name: str | None = None,
@@ -153,39 +160,29 @@ def stage_bytes(pipe, s, stages=("text", "image", "denoise", "decode"), attentio
     """Stage → (peak bytes per device, what dominates it) for run settings `s` of pipeline `pipe`.
 
     `keep_dit`: the DiT stays loaded while decoding (`--prompts` runs). `image`: an image is encoded.
+    The decode entry is its fastest plan (`decode_plans` lists the others).
     """
     import jax
     import jax.numpy as jnp
-    from flax import nnx
 
     layout = Layout.of(pipe.mesh)
     n = layout.devices
     size = jnp.dtype(pipe.dtype).itemsize
-    vae_size = jnp.dtype(pipe.vae_dtype).itemsize
-    elements = dict(pipe.weight_elements or {})
+    elements = pipe.weight_elements or {}
     variant = pipe.variant
     experts = [variant.transformer] + ([variant.transformer_2] if variant.transformer_2 is not None else [])
     names = ["transformer", "transformer_2"][: len(experts)]
     dit_weights = sum((elements.get(name) or _dit_elements(cfg)) * size for name, cfg in zip(names, experts)) // n
-    vae = None
+    latent = pipe.latent_shape(s.height, s.width, s.num_frames)
+    z = jax.ShapeDtypeStruct(latent, pipe.vae_dtype)
     out = {}
-
-    def vae_parts():
-        nonlocal vae
-        if vae is None:
-            vae = _abstract_vae(pipe.vae_config)
-            elements.setdefault("vae", sum(x.size for x in jax.tree.leaves(nnx.state(vae))))
-        return vae, elements["vae"] * vae_size
-
     if "text" in stages:
         te = elements.get("text_encoder", 0) * size
         out["text encode"] = (te * (2 if layout.platform == "cpu" else 1) // n, "text encoder weights")
-    latent = pipe.latent_shape(s.height, s.width, s.num_frames)
-    z = jax.ShapeDtypeStruct(latent, pipe.vae_dtype)
     if "image" in stages and image:
-        model, weights = vae_parts()
+        model, vae_weights = _vae(pipe)
         clip = elements.get("image_encoder", 0) * 4
-        out["image encode"] = (weights + clip + int(1.25 * model.decode_bytes(z, 2)), "VAE encode")
+        out["image encode"] = (vae_weights + clip + int(1.25 * model.decode_bytes(z, 2)), "VAE encode")
     if "denoise" in stages:
         cfg = variant.transformer
         pt, ph, pw = cfg.patch_size
@@ -195,24 +192,35 @@ def stage_bytes(pipe, s, stages=("text", "image", "denoise", "decode"), attentio
         what = f"DiT activations over {tokens:,} tokens" + ("" if impl in _FLASH else f", {impl} attention")
         out["denoise"] = (dit_weights + step + 8 * math.prod(latent) * 4, what)
     if "decode" in stages:
-        model, weights = vae_parts()
-        out["decode"] = (weights + (dit_weights if keep_dit else 0), _decode_plans(model, z, layout))
+        model, vae_weights = _vae(pipe)
+        plan, need = next(decode_plans(model, z, layout))
+        out["decode"] = (vae_weights + (dit_weights if keep_dit else 0) + need, f"VAE decode, {plan}")
     return out
 
 
-def _decode_plans(model, z, layout: Layout) -> list[tuple[str, int]]:
-    """(plan, bytes per device) of the VAE decode, as `WanVAE.decode` tries them: the fewest exact
-    strips first, tiles last (one 256-pixel tile's decode + the tile rows and the whole video)."""
+def _vae(pipe):
+    """(abstract VAE, weight bytes) of the pipeline's VAE."""
+    import jax.numpy as jnp
+
+    model, count = _abstract_vae(pipe.vae_config)
+    return model, (pipe.weight_elements or {}).get("vae", count) * jnp.dtype(pipe.vae_dtype).itemsize
+
+
+def decode_plans(model, z, layout: Layout):
+    """(plan, working-set bytes per device) of the VAE decode, in the order `WanVAE.decode` tries them:
+    the fewest exact strips first, tiles last (one 256-pixel tile's decode + the tile rows and the
+    whole video). Lazy: each costs a trace of the decoder (cached per shape)."""
     import jax
 
     if layout.devices > 1:
-        return [("width-sharded", model.decode_bytes(z, 1) // layout.devices)]
-    plans = [(f"{k} strips", model.decode_bytes(z, k)) for k in model.strip_counts(z) or [1]]
+        yield "width-sharded", model.decode_bytes(z, 1) // layout.devices
+        return
+    for k in model.strip_counts(z) or [1]:
+        yield f"{k} strip{'s' * (k > 1)}", model.decode_bytes(z, k)
     b, c, f, h, w = z.shape
     video = 3 * (1 + 4 * (f - 1)) * h * w * model.config.scale_factor_spatial**2 * 4
     tile = jax.ShapeDtypeStruct((b, c, f, min(32, h), min(32, w)), z.dtype)
-    plans.append(("tiles", model.decode_bytes(tile, 1) + 2 * video))
-    return plans
+    yield "tiles", model.decode_bytes(tile, 1) + 2 * video
 
 
 def check_fits(pipe, s, stages=("text", "image", "denoise", "decode"), attention_impl_name: str | None = None,
@@ -226,14 +234,19 @@ def check_fits(pipe, s, stages=("text", "image", "denoise", "decode"), attention
     # CPU devices share one RAM: compare the sum over them.
     scale = layout.devices if layout.platform == "cpu" else 1
     for stage, (need, what) in stage_bytes(pipe, s, stages, attention_impl_name, keep_dit, image).items():
-        if stage == "decode":
-            base, plans = need, what
-            fitting = [p for p in plans if (base + p[1]) * scale <= free]
-            if fitting:
-                continue
-            need, what = base + plans[-1][1], "VAE decode, even tiled"
         if need * scale <= free:
             continue
+        if stage == "decode":
+            # The VAE picks more strips, then tiles, from the free memory by itself: fine if any fits.
+            import jax
+
+            model, _ = _vae(pipe)
+            z = jax.ShapeDtypeStruct(pipe.latent_shape(s.height, s.width, s.num_frames), pipe.vae_dtype)
+            plans = list(decode_plans(model, z, layout))
+            first = plans[0][1]
+            if any((need - first + p) * scale <= free for _, p in plans):
+                continue
+            need, what = need - first + plans[-1][1], "VAE decode, even tiled"
         raise WanInputError(
             f"this run needs about {need * scale / GiB:.1f} GiB for {stage} ({what}) but {free / GiB:.1f} GiB of "
             f"{where} is free; {_advice(pipe, s, stage, layout, free / scale, attention_impl_name)}"
