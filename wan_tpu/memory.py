@@ -10,8 +10,9 @@ counts (the safetensors headers, `wan_tpu.validate.check_checkpoint`) and the ac
 
 - text encode: the UMT5 weights in the run dtype, twice on CPU, where transformers' torch copy and
   ours coexist while it loads (`torchax_compat.module_state` frees the torch copy afterwards).
-- image encode (I2V/TI2V): CLIP + VAE weights + 1.25× the 2-strip VAE decode working set (the
-  encode/decode peak ratio measured in docs/PERFORMANCE.md: 2.51/2.21 GiB at 480p, 5.34/4.79 at 720p).
+- image encode (I2V/TI2V): CLIP + VAE weights + 1.15× the 2-strip VAE decode working set (the
+  encode/decode peak ratio measured in docs/PERFORMANCE.md: 2.51/2.21 GiB at 480p, 5.34/4.79 at 720p;
+  the estimate gives 2.56 and 5.54 GiB).
 - denoise: the DiT weights (both A14B experts: both are loaded) + one step's activations:
   `tokens · (ffn_dim + 6·dim) · 4` bytes with `tokens = batch · S` (batch 2 with CFG, S the patch
   count): the float32 temporaries of one block, as XLA's buffer assignment reports them for the 1.3B
@@ -21,9 +22,10 @@ counts (the safetensors headers, `wan_tpu.validate.check_checkpoint`) and the ac
   logits and softmax of one layer: measured 2.73 GB of resident-set growth for the 1.07 GB of
   logits of the tiny DiT at 832×480×21 (S = 8,190). Flash kernels (`splash_exp2`, `pallas_gpu`,
   `cudnn`) keep attention O(S).
-- decode: VAE weights + the VAE's own decode estimate (`WanVAE.decode_bytes`, which matches the
-  peaks in docs/PERFORMANCE.md within 10%: 2.08 vs 2.21 GiB at 480p, 4.67 vs 4.79 GiB at 720p,
-  bf16, 2 strips) for the fewest strips that fit, else the tiled decode (one tile + twice the video).
+- decode: VAE weights + the VAE's own decode estimate (`WanVAE.decode_bytes`), which matches the
+  peaks in docs/PERFORMANCE.md (bf16, default 2 strips): 2.26 vs 2.21 GiB at 480p, 4.85 vs 4.79 GiB at
+  720p; for the fewest strips that fit, else the tiled decode (one tile + twice the video: 2.43 vs
+  2.17 GiB measured at 720p).
 
 With a mesh the DiT and UMT5 weights are FSDP-sharded over every device and DiT activations over
 `dp` (when the batch divides), `sp` and `tp`; VAE weights are replicated and its activations split
@@ -143,15 +145,14 @@ def _dit_elements(cfg) -> int:
 
 
 @functools.lru_cache(maxsize=8)
-def _abstract_vae(config):
-    """(an abstract WanVAE of `config`, its parameter count): shapes only, nothing allocated."""
+def _abstract_vae(config, dtype: str = "float32"):
+    """(an abstract WanVAE of `config` in `dtype`, its parameter count): shapes only, nothing allocated."""
     import jax
-    import jax.numpy as jnp
     from flax import nnx
 
     from wan_tpu.models.vae import WanVAE
 
-    vae = nnx.eval_shape(lambda: WanVAE(config, dtype=jnp.float32, rngs=nnx.Rngs(0)))
+    vae = nnx.eval_shape(lambda: WanVAE(config, dtype=dtype, rngs=nnx.Rngs(0)))
     return vae, sum(x.size for x in jax.tree.leaves(nnx.state(vae)))
 
 
@@ -182,7 +183,7 @@ def stage_bytes(pipe, s, stages=("text", "image", "denoise", "decode"), attentio
     if "image" in stages and image:
         model, vae_weights = _vae(pipe)
         clip = elements.get("image_encoder", 0) * 4
-        out["image encode"] = (vae_weights + clip + int(1.25 * model.decode_bytes(z, 2)), "VAE encode")
+        out["image encode"] = (vae_weights + clip + int(1.15 * model.decode_bytes(z, 2)), "VAE encode")
     if "denoise" in stages:
         cfg = variant.transformer
         pt, ph, pw = cfg.patch_size
@@ -202,8 +203,9 @@ def _vae(pipe):
     """(abstract VAE, weight bytes) of the pipeline's VAE."""
     import jax.numpy as jnp
 
-    model, count = _abstract_vae(pipe.vae_config)
-    return model, (pipe.weight_elements or {}).get("vae", count) * jnp.dtype(pipe.vae_dtype).itemsize
+    dtype = jnp.dtype(pipe.vae_dtype)
+    model, count = _abstract_vae(pipe.vae_config, dtype.name)
+    return model, (pipe.weight_elements or {}).get("vae", count) * dtype.itemsize
 
 
 def decode_plans(model, z, layout: Layout):
@@ -269,7 +271,8 @@ def _advice(pipe, s, stage, layout, free, attention_impl_name) -> str:
     else:
         tips.append("use a machine with more memory")
     count = len(jax.devices())
-    if count > layout.devices:
+    # CPU "devices" share one RAM: sharding over them saves nothing.
+    if count > layout.devices and layout.platform != "cpu":
         tips.append(f"shard over all {count} devices with --mesh 1,{count},1")
     return "; or ".join(tips)
 
