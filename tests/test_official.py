@@ -50,3 +50,13 @@ def test_official_flags_we_do_not_take(flags, match, tmp_path, capsys):
     assert main(["--prompt", "a cat", "--save_file", str(tmp_path / "v.mp4"), *flags]) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and match in err, err
+
+
+def test_negative_seed_draws_one_and_says_which(capsys):
+    """--base_seed -1 (the official default) draws a random seed and prints it, so the video can be remade."""
+    from wan_tpu.generate import resolve_defaults
+
+    args = build_parser().parse_args(["--prompt", "a cat", "--base_seed", "-1"])
+    resolve_defaults(args)
+    assert 0 <= args.seed < 2**31
+    assert f"seed: {args.seed} (random; pass --seed {args.seed}" in capsys.readouterr().out

@@ -169,3 +169,5 @@ def handled():
         os.close(write_fd)  # the watcher reads EOF and ends
         watcher.join(timeout=1)
         os.close(read_fd)
+        # A signal taken here must not stop later work of this process (a notebook, the next run).
+        _state.update(signum=None, count=0)
