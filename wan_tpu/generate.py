@@ -214,18 +214,11 @@ def plan_jobs(args) -> list:
     """The videos to make (`--prompt`: one; `--prompts FILE`: one per line), outputs checked: none may
     exist without --overwrite, each folder must exist and take a new file."""
     from wan_tpu.prompts import read_prompts
-    from wan_tpu.stages import check_output_path
-    from wan_tpu.validate import check_writable
 
     jobs = [single_job(args)] if args.prompts is None else read_prompts(args.prompts, args.output)
-    folders = set()
     for job in jobs:
         try:
-            check_output_path(job.output, args.overwrite, ".mp4")
-            folder = os.path.dirname(os.path.abspath(job.output))
-            if folder not in folders:
-                check_writable(job.output)
-                folders.add(folder)
+            check_output(job.output, args.overwrite, ".mp4")
         except WanInputError as e:
             raise WanInputError(f"{job.where(args.prompts)}{e}") from None
     return jobs
