@@ -7,6 +7,7 @@ exactly what differs from the run it is asked to do instead of producing a wrong
 
     save_stage("stage1.safetensors", {"prompt_embeds": e}, StageMeta("prompt", config_hash=h, ...))
     tensors, meta = load_stage("stage1.safetensors", expect={"stage": "prompt", "config_hash": h})
+    meta = read_stage_meta("stage1.safetensors")     # the settings only (the next stage's defaults)
 
 The container is written here (an 8-byte little-endian header length, a JSON header, raw
 little-endian data, as the safetensors spec lays it out) so that bfloat16 is stored as its raw bits
