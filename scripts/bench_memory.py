@@ -45,7 +45,7 @@ def measure(name: str, impl: str | None, dtype) -> dict:
     analysis = jax.jit(functools.partial(forward, graphdef)).lower(state, x, t, context).compile().memory_analysis()
     tokens = (f // cfg.patch_size[0]) * (h // cfg.patch_size[1]) * (w // cfg.patch_size[2])
     platform = jax.devices()[0].platform
-    chosen = memory.attention_impl(impl, platform, dtype)
+    chosen = memory.attention_impl(impl, platform, cfg, tokens, dtype)
     estimate = memory.dit_step_bytes(cfg, tokens, 2, chosen, memory.Layout(platform=platform))
     return {"config": name, "impl": chosen, "tokens": tokens, "temp": analysis.temp_size_in_bytes,
             "weights": analysis.argument_size_in_bytes, "estimate": estimate}

@@ -38,7 +38,6 @@ from __future__ import annotations
 
 import functools
 import math
-import os
 from dataclasses import dataclass
 
 from wan_tpu.errors import WanInputError
@@ -105,19 +104,16 @@ class Layout:
         return cls(shape.get("dp", 1), shape.get("sp", 1), shape.get("tp", 1), mesh.devices.flat[0].platform)
 
 
-def attention_impl(impl: str | None, platform: str, dtype) -> str:
-    """The attention kernel `impl=None` resolves to (`wan_tpu.layers.attention`'s rule), or `impl`."""
-    import jax.numpy as jnp
+def attention_impl(impl: str | None, platform: str, cfg, tokens: int, dtype) -> str:
+    """The DiT self-attention kernel: `impl`, else what `wan_tpu.attention(impl=None)` picks for it here."""
+    import jax
 
-    if impl is None:
-        impl = os.environ.get("WAN_TPU_ATTENTION") or None
+    from wan_tpu.layers import attention as attention_lib
+
     if impl is not None:
         return impl
-    if platform == "tpu":
-        return "splash_exp2"
-    if platform == "gpu" and jnp.dtype(dtype) != jnp.float32:
-        return "pallas_gpu"
-    return "reference"
+    q = jax.ShapeDtypeStruct((1, tokens, cfg.num_attention_heads, cfg.attention_head_dim), dtype)
+    return attention_lib._default_impl(q, q, platform)
 
 
 def dit_step_bytes(cfg, tokens: int, batch: int, attention: str, layout: Layout) -> int:
@@ -188,7 +184,7 @@ def stage_bytes(pipe, s, stages=("text", "image", "denoise", "decode"), attentio
         cfg = variant.transformer
         pt, ph, pw = cfg.patch_size
         tokens = (latent[2] // pt) * (latent[3] // ph) * (latent[4] // pw)
-        impl = attention_impl(attention_impl_name, layout.platform, pipe.dtype)
+        impl = attention_impl(attention_impl_name, layout.platform, cfg, tokens, pipe.dtype)
         step = dit_step_bytes(cfg, tokens, 2 if s.do_cfg else 1, impl, layout)
         what = f"DiT activations over {tokens:,} tokens" + ("" if impl in _FLASH else f", {impl} attention")
         out["denoise"] = (dit_weights + step + 8 * math.prod(latent) * 4, what)
