@@ -52,11 +52,6 @@ class Interrupted(BaseException):
         return 128 + self.signum
 
 
-def requested() -> int | None:
-    """The signal number received, or None."""
-    return _state["signum"]
-
-
 def check(point: str | None = None) -> None:
     """A safe point: raise `Interrupted` if a signal has arrived."""
     if point is not None and point == os.environ.get("WAN_TPU_PAUSE_AT"):
