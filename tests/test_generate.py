@@ -97,7 +97,7 @@ def bad(argv, capsys, tmp_path, match):
     (["--frames", "6"], "not 4n+1"),
     (["--steps", "0"], "positive integer"),
     (["--prompt", "", "--negative-prompt", ""], "prompt is empty"),
-    (["--model", "no-such-preset"], "neither a checkpoint folder nor a preset"),
+    (["--model", "no-such-preset"], "is neither a checkpoint folder"),
     (["--mesh", "3,1,1"], "needs 3 devices"),
     (["--mesh", "2,2"], "not dp,sp,tp"),
     (["--image", "missing.png"], "takes no image"),
@@ -251,3 +251,27 @@ def test_image_to_video_cli(capsys, tmp_path):
     assert main([*common, "--image", str(image), "--output", str(tmp_path / "v.mp4")]) == 0
     assert read_video(str(tmp_path / "v.mp4"))[0].shape == (5, 32, 48, 3)
     bad([*common, "--output", str(tmp_path / "w.mp4")], capsys, tmp_path, "pass the first frame with --image")
+
+
+def test_stage_files_carry_their_settings(tmp_path, monkeypatch):
+    """Stage 2 with only --input takes the model, size, frames, guidance and dtype from the stage-1
+    file; stage 3 with only --input takes the model, size and frames from the stage-2 file. The result
+    equals stage 2 run with every flag spelled out."""
+    monkeypatch.chdir(tmp_path)
+    settings = ["--model", "tiny", "--size", "32*48", "--frames", "5", "--guidance", "3", "--dtype", "float32"]
+    assert script("stage1_encode")(["--prompt", "a cat", *settings, "--output", "s1.safetensors"]) == 0
+    assert script("stage2_denoise")(["--input", "s1.safetensors", "--quiet"]) == 0
+    _, meta = load_stage("stage2.safetensors")
+    assert (meta.model, meta.size, meta.frames, meta.guidance, meta.dtype, meta.seed, meta.scheduler) == (
+        "tiny", "32*48", 5, 3.0, "float32", 0, "unipc")
+    assert meta.steps == 4 and meta.prompt == "a cat"  # the tiny model's default steps
+    assert script("stage2_denoise")([*settings, "--seed", "0", "--input", "s1.safetensors", "--output",
+                                     "spelled.safetensors", "--quiet"]) == 0
+    assert np.array_equal(load_stage("stage2.safetensors")[0]["latents"], load_stage("spelled.safetensors")[0]["latents"])
+    assert script("stage3_decode")(["--input", "stage2.safetensors"]) == 0
+    assert read_video("output.mp4")[0].shape == (5, 48, 32, 3)
+
+
+def test_prompt_may_be_empty_with_guidance(tmp_path):
+    """An empty prompt runs with CFG against the (official) negative prompt, as the README says."""
+    assert main(["--prompt", "", *FAST, "--size", "32*32", "--output", str(tmp_path / "v.mp4")]) == 0

@@ -29,7 +29,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
-from wan_tpu import step_cache
+from wan_tpu import interrupt, step_cache
 from wan_tpu.models.transformer import forward
 from wan_tpu.profiling import scope
 
@@ -195,6 +195,7 @@ def denoise(
             if pending is not None:
                 finish(*pending)
             pending = (i, finite)
+            interrupt.check("denoise")
         finish(*pending)
     if cache_stats is not None and carry is not None:
         cache_stats.append(step_cache.stats(cache, carry))

@@ -11,9 +11,13 @@ Stages (each usable on its own, e.g. from a notebook or the stage scripts):
 
 A checkpoint is a diffusers-format folder (`model_index.json`, `transformer/` (+ `transformer_2/`
 for Wan 2.2 A14B), `vae/`, `text_encoder/`, `tokenizer/`, `scheduler/`; for Wan 2.1 I2V also
-`image_encoder/`, `image_processor/`). The variant comes from the transformer's config.json and
-model_index.json (`boundary_ratio`, `expand_timesteps`). Nothing is downloaded. Components load
-lazily, on first use, so a stage only loads what it needs; `release(...)` drops one.
+`image_encoder/`, `image_processor/`) or a Hugging Face model id (`Wan-AI/Wan2.1-T2V-1.3B-Diffusers`)
+found in the local HF cache; nothing is downloaded unless `download=True`. The variant comes from
+the transformer's config.json and model_index.json (`boundary_ratio`, `expand_timesteps`).
+`from_pretrained` checks every file the model will read (`wan_tpu.validate`) and the call checks its
+inputs and that the run fits in memory (`wan_tpu.memory`) before anything is loaded: bad input is a
+`WanInputError` within a second, not after minutes. Components load lazily, on first use, so a
+stage only loads what it needs; `release(...)` drops one.
 
 Same seed, same model, same settings, same devices and mesh → identical latents: the initial noise
 is `jax.random.normal(jax.random.key(seed), (1, z, F, h, w), float32)`.
@@ -31,7 +35,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from wan_tpu import conditioning
+from wan_tpu import conditioning, interrupt
 from wan_tpu.configs.models import WanVariant, config_to_json
 from wan_tpu.configs.vae import WanVAEConfig
 from wan_tpu.denoise import Conditioning, denoise
@@ -42,16 +46,25 @@ from wan_tpu.schedulers import make_custom_scheduler, make_scheduler
 from wan_tpu.settings import RunSettings, model_parts, resolve_settings, resolve_variant
 
 
+STAGES = ("text", "image", "denoise", "decode")
+
+
 class WanPipeline:
     """A Wan model ready to generate; see the module docstring."""
 
     def __init__(self, variant: WanVariant, vae_config: WanVAEConfig, loaders: dict[str, Callable[[], object]], *,
-                 name: str, dtype, mesh=None):
+                 name: str, dtype, mesh=None, vae_dtype=jnp.float32, attention_impl: str | None = None,
+                 weight_elements: dict[str, int] | None = None, check_memory: bool = True):
         self.variant = variant
         self.vae_config = vae_config
         self.name = name
         self.dtype = dtype
+        self.vae_dtype = vae_dtype
+        self.attention_impl = attention_impl
         self.mesh = mesh
+        # Component → weight element count (from the safetensors headers), for the memory check.
+        self.weight_elements = weight_elements
+        self.check_memory = check_memory
         self._loaders = loaders
         self._loaded: dict[str, object] = {}
         self._loras: list[tuple[str, float, tuple[str, ...]]] = []  # (path, scale, DiT component names)
@@ -61,24 +74,33 @@ class WanPipeline:
 
     @classmethod
     def from_pretrained(cls, path_or_preset: str, mesh=None, dtype=jnp.bfloat16, attention_impl: str | None = None,
-                        vae_dtype=jnp.float32) -> WanPipeline:
-        """A pipeline over a diffusers-format folder or a built-in preset name (`tiny`).
+                        vae_dtype=jnp.float32, download: bool = False, check_memory: bool = True) -> WanPipeline:
+        """A pipeline over a diffusers-format folder, a Hugging Face model id, or a preset name (`tiny`).
 
         `dtype` is the DiT and text encoder dtype; the VAE runs in `vae_dtype` (float32 by default,
         as the official Wan code runs it). `attention_impl` names the DiT's attention kernel
-        (default: the fastest for the backend).
+        (default: the fastest for the backend). A model id is looked up in the local HF cache
+        (`HF_HUB_CACHE`/`HF_HOME`) and fetched only with `download=True`. `check_memory=False` skips
+        the memory estimate that refuses runs too large for the devices (`wan_tpu.memory`).
         """
-        from wan_tpu import presets
+        from wan_tpu import hub, presets
+        from wan_tpu.validate import check_checkpoint
 
         if path_or_preset in presets.PRESETS:
-            return presets.PRESETS[path_or_preset](dtype=dtype, mesh=mesh, attention_impl=attention_impl,
+            pipe = presets.PRESETS[path_or_preset](dtype=dtype, mesh=mesh, attention_impl=attention_impl,
                                                    vae_dtype=vae_dtype)
-        path = os.fspath(path_or_preset)
+            pipe.check_memory = check_memory
+            return pipe
+        path = hub.resolve_model(os.fspath(path_or_preset), download=download)
         if not os.path.isdir(path):
             raise WanInputError(
-                f"model {path!r} is neither a checkpoint folder nor a preset; pass a diffusers-format folder "
-                f"(e.g. Wan2.1-T2V-1.3B-Diffusers) or one of the presets: {', '.join(presets.PRESETS)}"
+                f"model {path!r} is neither a checkpoint folder, a Hugging Face model id (org/name) nor a preset; pass a "
+                f"diffusers-format folder (e.g. Wan2.1-T2V-1.3B-Diffusers), a model id, or one of the presets: "
+                f"{', '.join(presets.PRESETS)}"
             )
+        hint = hub.original_format_hint(path)
+        if hint is not None:
+            raise WanInputError(hint)
         variant, vae_config = resolve_variant(path)
         parts = model_parts(variant)
         for part in parts.values():
@@ -87,8 +109,10 @@ class WanPipeline:
                     f"checkpoint {path} has no {part}/ folder, which {variant.name} needs; download the complete "
                     f"diffusers-format checkpoint ({variant.repo or 'model_index.json lists the parts'})"
                 )
+        weights = check_checkpoint(path, parts)
         return cls(variant, vae_config, _folder_loaders(path, parts, dtype, mesh, attention_impl, vae_dtype),
-                   name=os.path.abspath(path), dtype=dtype, mesh=mesh)
+                   name=os.path.abspath(path), dtype=dtype, mesh=mesh, vae_dtype=vae_dtype, attention_impl=attention_impl,
+                   weight_elements=weights, check_memory=check_memory)
 
     def component(self, name: str):
         """The component `name`, loaded on first use."""
@@ -100,6 +124,7 @@ class WanPipeline:
                 for path, scale, names in self._loras:
                     if name in names:
                         self._loaded[name].load_lora(path, scale)
+            interrupt.check("load")
         return self._loaded[name]
 
     def release(self, *names: str) -> None:
@@ -178,7 +203,8 @@ class WanPipeline:
         check_prompts(prompt, negative_prompt, settings.do_cfg)
         prompts = [prompt, negative_prompt] if settings.do_cfg else [prompt]
         with scope("text_encode"):
-            embeds = self.text_encoder.encode(prompts)
+            embeds = jax.block_until_ready(self.text_encoder.encode(prompts))
+        interrupt.check("encode")
         out = {"prompt_embeds": embeds[:1]}
         if settings.do_cfg:
             out["negative_prompt_embeds"] = embeds[1:]
@@ -293,7 +319,8 @@ class WanPipeline:
         vae = self.vae
         with scope("vae_decode"):
             z = vae.denormalize_latents(jnp.asarray(latents, jnp.float32)).astype(vae.dtype)
-            video = vae.decode(z)
+            video = jax.block_until_ready(vae.decode(z))
+            interrupt.check("decode")
             frames = np.asarray(frames_to_uint8(video))
         return frames[0]
 
@@ -316,6 +343,7 @@ class WanPipeline:
         num_inference_steps = schedule_steps(num_inference_steps, sigmas, timesteps)
         s = self.settings(height=height, width=width, num_frames=num_frames, num_inference_steps=num_inference_steps,
                           guidance_scale=guidance_scale, guidance_scale_2=guidance_scale_2, flow_shift=flow_shift)
+        self.check_run(s, image, negative_prompt=negative_prompt, prompt=prompt)
         embeds = self.encode_prompt(prompt, negative_prompt, s.guidance_scale)
         if image is not None:
             embeds.update(self.encode_image(image, s.height, s.width, s.num_frames))
@@ -327,6 +355,31 @@ class WanPipeline:
         if output_type == "latent":
             return out
         return self.decode(out)
+
+
+    def check_run(self, s: RunSettings, image=None, *, prompt: str | None = None, negative_prompt: str | None = None,
+                  stages=STAGES, keep_dit: bool = False, memory: bool = True) -> None:
+        """Everything about a run of `stages` that can be checked before loading: the prompts, the image
+        (readable, and wanted by this model), and that it fits in memory (`check_fits`)."""
+        from wan_tpu.validate import check_image
+
+        if prompt is not None:
+            check_prompts(prompt, negative_prompt, s.do_cfg)
+        if image is not None and self.variant.task == "t2v":
+            raise WanInputError(f"{self.variant.name} is a text-to-video model and takes no image; drop --image")
+        if image is None and self.variant.task == "i2v" and "image" in stages:
+            raise WanInputError(f"{self.variant.name} is an image-to-video model; pass the first frame with --image PATH")
+        check_image(image)
+        if memory:
+            self.check_fits(s, stages, keep_dit=keep_dit, image=image is not None)
+
+    def check_fits(self, s: RunSettings, stages=STAGES, keep_dit: bool = False, image: bool = False) -> None:
+        """Refuse (`WanInputError`) a run whose stages would not fit in memory, unless `check_memory` is
+        off; `keep_dit`: the DiT stays loaded through decoding (several videos in one run)."""
+        if self.check_memory:
+            from wan_tpu.memory import check_fits
+
+            check_fits(self, s, stages, self.attention_impl, keep_dit=keep_dit, image=image)
 
 
 def schedule_steps(num_inference_steps, sigmas, timesteps):
@@ -342,11 +395,13 @@ def schedule_steps(num_inference_steps, sigmas, timesteps):
     return len(given)
 
 
-
-def check_prompts(prompt: str, negative_prompt: str, do_cfg: bool) -> None:
+def check_prompts(prompt: str, negative_prompt: str | None, do_cfg: bool) -> None:
+    """An empty prompt is fine with CFG against a non-empty negative prompt (None: the official one)."""
     if not isinstance(prompt, str):
         raise WanInputError(f"prompt must be a string, got {type(prompt).__name__}")
-    if not prompt.strip() and (not do_cfg or not negative_prompt.strip()):
+    if negative_prompt is not None and not isinstance(negative_prompt, str):
+        raise WanInputError(f"negative prompt must be a string, got {type(negative_prompt).__name__}")
+    if not prompt.strip() and (not do_cfg or not (negative_prompt is None or negative_prompt.strip())):
         raise WanInputError("the prompt is empty and there is no negative prompt to guide against; pass --prompt TEXT")
 
 
