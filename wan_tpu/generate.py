@@ -39,6 +39,8 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", choices=DTYPES, default="bfloat16", help="DiT and text encoder dtype (VAE: float32)")
     p.add_argument("--mesh", default=None, help="device mesh dp,sp,tp (product = number of devices; default: one device)")
     p.add_argument("--attention", default=None, help="DiT attention kernel (reference, splash_exp2, pallas_gpu, cudnn)")
+    p.add_argument("--quantize", choices=("fp8",), default=None,
+                   help="run the DiT's block linears in FP8 (H100/H200/Ada GPUs, TPU v7; default: off)")
 
 
 def add_run_args(p: argparse.ArgumentParser) -> None:
@@ -119,7 +121,8 @@ def load_pipeline(args):
                                 f"choose one of {', '.join(choices)} or leave --attention out")
     mesh = parse_mesh(args.mesh)
     dtype = {"bfloat16": jnp.bfloat16, "float32": jnp.float32}[args.dtype]
-    return WanPipeline.from_pretrained(args.model, mesh=mesh, dtype=dtype, attention_impl=args.attention)
+    return WanPipeline.from_pretrained(args.model, mesh=mesh, dtype=dtype, attention_impl=args.attention,
+                                       quantize=getattr(args, "quantize", None))
 
 
 def run_settings(pipe, args):

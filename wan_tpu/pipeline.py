@@ -54,23 +54,26 @@ class WanPipeline:
         self.mesh = mesh
         self._loaders = loaders
         self._loaded: dict[str, object] = {}
+        self.quantization = None
 
     # ---- construction -------------------------------------------------------------------------
 
     @classmethod
     def from_pretrained(cls, path_or_preset: str, mesh=None, dtype=jnp.bfloat16, attention_impl: str | None = None,
-                        vae_dtype=jnp.float32) -> WanPipeline:
+                        vae_dtype=jnp.float32, quantize: str | None = None) -> WanPipeline:
         """A pipeline over a diffusers-format folder or a built-in preset name (`tiny`).
 
         `dtype` is the DiT and text encoder dtype; the VAE runs in `vae_dtype` (float32 by default,
         as the official Wan code runs it). `attention_impl` names the DiT's attention kernel
-        (default: the fastest for the backend).
+        (default: the fastest for the backend). `quantize="fp8"` runs the DiT's block linears in FP8
+        (`wan_tpu.quantize`; checked against the device now, applied as each DiT loads).
         """
         from wan_tpu import presets
 
         if path_or_preset in presets.PRESETS:
-            return presets.PRESETS[path_or_preset](dtype=dtype, mesh=mesh, attention_impl=attention_impl,
+            pipe = presets.PRESETS[path_or_preset](dtype=dtype, mesh=mesh, attention_impl=attention_impl,
                                                    vae_dtype=vae_dtype)
+            return pipe.quantize(quantize)
         path = os.fspath(path_or_preset)
         if not os.path.isdir(path):
             raise WanInputError(
@@ -85,8 +88,23 @@ class WanPipeline:
                     f"checkpoint {path} has no {part}/ folder, which {variant.name} needs; download the complete "
                     f"diffusers-format checkpoint ({variant.repo or 'model_index.json lists the parts'})"
                 )
-        return cls(variant, vae_config, _folder_loaders(path, parts, dtype, mesh, attention_impl, vae_dtype),
+        pipe = cls(variant, vae_config, _folder_loaders(path, parts, dtype, mesh, attention_impl, vae_dtype),
                    name=os.path.abspath(path), dtype=dtype, mesh=mesh)
+        return pipe.quantize(quantize)
+
+    def quantize(self, mode: str | None) -> WanPipeline:
+        """Quantise the DiT(s) (`"fp8"`; None: no change): those loaded now, in place, and those
+        loaded later as they load. Merge LoRAs before this: they need the bf16 weights."""
+        from wan_tpu.quantize import check_fp8_device, check_mode, quantize_transformer
+
+        if check_mode(mode) is None:
+            return self
+        check_fp8_device(None if self.mesh is None else list(self.mesh.devices.flat))
+        self.quantization = mode
+        for name in ("transformer", "transformer_2"):
+            if name in self._loaded and not self._loaded[name].quantization:
+                quantize_transformer(self._loaded[name], mode, self.mesh)
+        return self
 
     def component(self, name: str):
         """The component `name`, loaded on first use."""
@@ -95,6 +113,10 @@ class WanPipeline:
                 raise WanInputError(f"{self.variant.name} has no {name}; it is not part of this model")
             with scope(f"load_{name}"):
                 self._loaded[name] = self._loaders[name]()
+                if self.quantization and name in ("transformer", "transformer_2"):
+                    from wan_tpu.quantize import quantize_transformer
+
+                    quantize_transformer(self._loaded[name], self.quantization, self.mesh)
         return self._loaded[name]
 
     def release(self, *names: str) -> None:

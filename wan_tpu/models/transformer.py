@@ -162,6 +162,8 @@ class WanTransformer(nnx.Module):
         self.self_attention = _default_attention(attention_impl)
         self.cross_attention = _default_attention(attention_impl)
         self.shard_activation = _identity
+        # "fp8" once `wan_tpu.quantize.quantize_transformer` has replaced the block linears.
+        self.quantization = None
 
     def __call__(self, hidden_states, timestep, encoder_hidden_states, encoder_hidden_states_image=None):
         """Noise prediction (B, C_out, F, H, W), as diffusers' forward(...).sample; runs compiled."""
