@@ -6,9 +6,27 @@ warpgroups take turns on the tensor cores through a shared "schedule" barrier, s
 runs while the other's matrix products do (the FA3 ping-pong).
 
 Lengths that are multiples of 8 (all of Wan's video token counts) need no padding: TMA fills reads
-past the end of an array with zeros and drops writes past it, so ragged query tiles cost nothing, and the last kv tile's past-the-end keys are masked to
-probability 0 in the one (static) step that holds them. Shared memory holds the input dtype
-(bf16 or fp16), and the softmax scale·log2(e) folds into the FMA before exp2 (see flash_gpu.py).
+past the end of an array with zeros and drops writes past it, so ragged query tiles cost nothing,
+and the last kv tile's past-the-end keys are masked to probability 0 in the one (static) step that
+holds them. Shared memory holds the input dtype (bf16 or fp16), and the softmax scale·log2(e)
+folds into the FMA before exp2 (see flash_gpu.py).
+
+Scheduling variants (`scripts/bench_attention.py` sweeps them; `kernels/tuning.py` holds the pick):
+- one CTA per (head, q tile, batch), heads fastest in the grid (default), or q tiles fastest
+  (`q_major`): the CTAs resident together then share one head's K/V in L2 instead of streaming
+  the K/V of every head;
+- `persistent=N`: N CTAs (one per SM), each walking tiles c, c + N, … with q tiles fastest. The
+  memory warpgroup's K/V ring runs on across tile boundaries, so the next tile's first K/V tiles
+  load while the current tile finishes, and a compute warpgroup's output store and next Q load
+  overlap the other warpgroup's tensor-core turn: no pipeline fill or drain per tile. That matters
+  most for cross-attention, whose tiles have only 4-7 kv steps.
+Not done, and why: FA3's intra-warpgroup overlap (Q·Kᵀ of step j+1 in flight during the softmax of
+step j) keeps two score tiles live, 2 × 96 registers per thread at 64 × 192, which with the 64 of
+the output accumulator and the P operand exceeds the 232 the compute warpgroups get; the ping-pong
+between the two warpgroups overlaps the same work across them instead. Lazy rescaling (touch the
+accumulator only when a row max grows past a threshold) would save at most 64 FMA-pipe multiplies
+per thread and step beside 96 exp2 on the MUFU, which bounds the softmax on Hopper, at the price
+of a warpgroup-wide vote and branch per step; not tried.
 """
 
 from __future__ import annotations

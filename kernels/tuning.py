@@ -116,6 +116,8 @@ def tpu_block_sizes(overrides=None) -> BlockSizes:
     return dataclasses.replace(base, **check_block_keys(overrides))
 
 
+# Keys of a row: `flash_mgpu.mgpu_attention`'s block_q, block_kv, stages, and optionally
+# persistent (a CTA count, or "sms": one per streaming multiprocessor) and q_major.
 # Measured on one H200 (scripts/bench_attention.py, 2026-11-21, jax 0.11.2, bf16, D=128, B=1):
 # self-attention 12 × 32,760: block_kv 192 654 TFLOP/s, block_kv 128 627, cuDNN 574; 40 × 75,600:
 # 665 / 626 / 577. Cross-attention 32,760 × 512 keys: ours 444, cuDNN 476, so cuDNN keeps it.
