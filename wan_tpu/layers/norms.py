@@ -24,6 +24,17 @@ def layer_norm(x, eps: float, weight=None, bias=None):
     return y
 
 
+def _rms_normalize(x, eps: float, weight=None):
+    xf = x.astype(jnp.float32)
+    y = xf * jax.lax.rsqrt(jnp.mean(jnp.square(xf), axis=-1, keepdims=True) + eps)
+    return y if weight is None else y * weight.astype(jnp.float32)
+
+
+def rms_norm(x, eps: float, weight=None):
+    """x·rsqrt(mean(x²) + eps) over the last axis, statistics in float32, output in x's dtype."""
+    return _rms_normalize(x, eps, weight).astype(x.dtype)
+
+
 def modulated_layer_norm(x, eps: float, scale, shift, out_dtype):
     """LayerNorm (no affine) then ·(1 + scale) + shift, as one float32 expression rounded once.
 
@@ -68,9 +79,7 @@ class RMSNorm(nnx.Module):
 
     def normalize(self, x):
         """The normalised, scaled x in float32 (for a caller that continues in float32, e.g. RoPE)."""
-        xf = x.astype(jnp.float32)
-        y = xf * jax.lax.rsqrt(jnp.mean(jnp.square(xf), axis=-1, keepdims=True) + self.eps)
-        return y * self.weight[...].astype(jnp.float32)
+        return _rms_normalize(x, self.eps, self.weight[...])
 
     def __call__(self, x):
-        return self.normalize(x).astype(x.dtype)
+        return rms_norm(x, self.eps, self.weight[...])
