@@ -100,8 +100,8 @@ class WanTransformerBlock(nnx.Module):
     """One DiT block. `fused_elementwise` (default True) writes the elementwise work around the
     matmuls as single float32 expressions with one rounding each (`modulated_layer_norm`, RMSNorm
     + RoPE together) so that the compiler emits fewer memory passes; False keeps diffusers' op
-    order (norm, cast, modulate; norm, cast, rotate, cast) — the baseline `scripts/bench_dit.py
-    --fusion off` times against. Both match diffusers to 1e-5 in float32."""
+    order (norm, cast, modulate; norm, cast, rotate, cast) — the "ours unfused" baseline of
+    `scripts/bench_dit.py`. Both match diffusers to 1e-5 in float32."""
 
     def __init__(self, cfg: WanTransformerConfig, *, dtype, rngs: nnx.Rngs):
         dim = cfg.inner_dim
