@@ -39,8 +39,8 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", choices=DTYPES, default="bfloat16", help="DiT and text encoder dtype (VAE: float32)")
     p.add_argument("--mesh", default=None, help="device mesh dp,sp,tp (product = number of devices; default: one device)")
     p.add_argument("--attention", default=None, help="DiT attention kernel (reference, splash_exp2, pallas_gpu, cudnn)")
-    p.add_argument("--quantize", choices=("fp8",), default=None,
-                   help="run the DiT's block linears in FP8 (H100/H200/Ada GPUs, TPU v7; default: off)")
+    p.add_argument("--quantize", choices=("fp8", "int8"), default=None,
+                   help="the DiT's block linears in fp8 (H100/H200/Ada GPUs, TPU v7) or int8 (TPU v5e/v5p/v6e/v7)")
 
 
 def add_run_args(p: argparse.ArgumentParser) -> None:

@@ -93,13 +93,13 @@ class WanPipeline:
         return pipe.quantize(quantize)
 
     def quantize(self, mode: str | None) -> WanPipeline:
-        """Quantise the DiT(s) (`"fp8"`; None: no change): those loaded now, in place, and those
+        """Quantise the DiT(s) (`"fp8"` or `"int8"`; None: no change): those loaded now, in place, and those
         loaded later as they load. Merge LoRAs before this: they need the bf16 weights."""
-        from wan_tpu.quantize import check_fp8_device, check_mode, quantize_transformer
+        from wan_tpu.quantize import check_device, check_mode, quantize_transformer
 
         if check_mode(mode) is None:
             return self
-        check_fp8_device(None if self.mesh is None else list(self.mesh.devices.flat))
+        check_device(mode, None if self.mesh is None else list(self.mesh.devices.flat))
         self.quantization = mode
         for name in ("transformer", "transformer_2"):
             if name in self._loaded and not self._loaded[name].quantization:
