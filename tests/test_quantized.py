@@ -77,11 +77,11 @@ def test_close_to_the_unquantised_product(fmt):
 @pytest.mark.parametrize("fmt, operand, result", [("fp8", "f8E4M3FN", "bf16"), ("int8", "i8", "i32")])
 def test_product_is_one_2d_low_precision_dot(fmt, operand, result):
     """What XLA's FP8 GEMM rewrite (and the TPU's int8/FP8 units) want: one dot_general of two
-    quantised operands, each with one contracting and one free dimension (tokens flattened), no
-    scaling between the quantised values and the dot."""
+    quantised operands, each with one contracting and one free dimension (tokens flattened, padded
+    from 15 to a multiple of 16), no scaling between the quantised values and the dot."""
     x, w, b = _inputs(3)
     wq, w_scale = quantize_weight(w, fmt)
     text = jax.jit(quantized_matmul, static_argnames="fmt").lower(x, wq, w_scale, b, fmt=fmt).as_text()
     dots = [line for line in text.splitlines() if "stablehlo.dot_general" in line]
     assert len(dots) == 1
-    assert f"(tensor<15x64x{operand}>, tensor<64x48x{operand}>) -> tensor<15x48x{result}>" in dots[0]
+    assert f"(tensor<16x64x{operand}>, tensor<64x48x{operand}>) -> tensor<16x48x{result}>" in dots[0]

@@ -71,10 +71,15 @@ def quantized_matmul(x, wq, w_scale, bias=None, fmt: str = "fp8", out_dtype=jnp.
     """x (…, in) against a quantised kernel: the arithmetic of the module docstring, in `out_dtype`."""
     lead = x.shape[:-1]
     xq, x_scale = quantize_rows(x.reshape(-1, x.shape[-1]), fmt)
+    tokens = xq.shape[0]
+    # cuBLASLt FP8 wants every dimension a multiple of 16; XLA would otherwise pad (copy) the
+    # operand and slice (copy) the result around each GEMM. Padded here, the zero rows come out of
+    # the quantising fusion and the slice folds into the scaling below (32,760 tokens → 32,768).
+    xq = jnp.pad(xq, ((0, -tokens % 16), (0, 0)))
     acc_dtype = jnp.int32 if FORMATS[fmt].integer else out_dtype
     # 2-D operands, contracting x's minor dimension with w's major one: the shape the FP8 GEMM
     # rewrite accepts (it transposes w to the column-major layout cuBLASLt wants itself).
-    y = jax.lax.dot_general(xq, wq, (((1,), (0,)), ((), ())), preferred_element_type=acc_dtype)
+    y = jax.lax.dot_general(xq, wq, (((1,), (0,)), ((), ())), preferred_element_type=acc_dtype)[:tokens]
     y = y.astype(jnp.float32) * x_scale * w_scale.astype(jnp.float32)
     if bias is not None:
         y = y + bias.astype(jnp.float32)
