@@ -130,3 +130,20 @@ def test_pipeline_option_quantises_as_the_dit_loads():
     assert isinstance(pipe.transformer.blocks.ffn.proj_in, QuantizedLinear)
     with pytest.raises(WanInputError, match="not supported"):
         wan_tpu.WanPipeline.from_pretrained("tiny", quantize="fp16")
+
+
+def test_lora_on_a_quantised_dit_is_refused(tmp_path):
+    """LoRAs merge into the bf16 weights: loading or unloading one after quantisation is a one-line error."""
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from wan_tpu.configs.models import VARIANTS
+    from wan_tpu.errors import WanInputError
+    from wan_tpu.models.transformer import WanTransformer
+    from wan_tpu.presets import random_module
+    from wan_tpu.quantize import quantize_transformer
+
+    dit = random_module(lambda: WanTransformer(VARIANTS["tiny"].transformer, dtype=jnp.float32, rngs=nnx.Rngs(0)), 0)
+    quantize_transformer(dit, "fp8")
+    with pytest.raises(WanInputError, match="already quantised"):
+        dit.load_lora(tmp_path / "never_read.safetensors")

@@ -351,7 +351,6 @@ def loaded_loras(dit) -> list[LoraInfo]:
 def unload_lora(dit) -> None:
     """Undo every `load_lora` on `dit`: each touched parameter gets back its exact original bits and sharding."""
     from wan_tpu.models.transformer_loading import checkpoint_origin
-
     from wan_tpu.quantize import ensure_unquantized
 
     state = _STATES.get(dit)

@@ -33,7 +33,6 @@ from __future__ import annotations
 import functools
 
 import jax
-from flax import nnx
 from jax.sharding import NamedSharding
 
 from wan_tpu.errors import WanInputError
