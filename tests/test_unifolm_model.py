@@ -18,49 +18,15 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from unifolm_weights import det, write_checkpoint
+from unifolm_golden import A, B, CLIP_DIM, D, IMG, LAT, MAP_SHAPES, T, assert_close, golden, jitted, write_tiny
+from unifolm_weights import det
 from wan_tpu.configs.unifolm import CONFIGS, config_from_json, config_to_json
 from wan_tpu.errors import WanInputError
 from wan_tpu.models.unifolm import load_unifolm
 
-DATA = os.path.join(os.path.dirname(__file__), "data")
-B, T, LAT, IMG, D, CLIP_DIM, A = 2, 16, 16, 128, 64, 32, 16
-MAP_SHAPES = [(32, 16), (64, 8), (128, 4), (128, 2), (128, 2), (128, 2), (128, 4), (64, 8), (32, 16)]
-
-
-def golden(group: str) -> dict:
-    z = np.load(os.path.join(DATA, f"unifolm_golden_{group}.npz"))
-    return {k: (json.loads(str(z[k])) if k == "meta" else z[k]) for k in z.files}
-
-
-def rel_err(ours, theirs) -> float:
-    """Relative L2 error; asserts on the way that no element is off by more than 3× the bound scaled
-    by the largest magnitude (a localized error cannot hide in the norm)."""
-    ours, theirs = np.asarray(ours, np.float64), np.asarray(theirs, np.float64)
-    assert ours.shape == theirs.shape
-    assert np.max(np.abs(ours - theirs)) <= 3e-5 * np.max(np.abs(theirs))
-    return float(np.linalg.norm(ours - theirs) / np.linalg.norm(theirs))
-
-
-def write_tiny(folder: str, base: bool = False) -> str:
-    g = golden("unet")
-    prefix = "base_buffer/" if base else "buffer/"
-    buffers = {k[len(prefix):]: v for k, v in g.items() if k.startswith(prefix)}
-    cfg = CONFIGS["unifolm-tiny-base" if base else "unifolm-tiny"]
-    write_checkpoint(folder, g["meta"]["base_manifest" if base else "manifest"], buffers, config_to_json(cfg))
-    return folder
-
-
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
     return load_unifolm(write_tiny(str(tmp_path_factory.mktemp("unifolm") / "tiny")))
-
-
-def jitted(module, method: str):
-    """`module.method` compiled (eager dispatch of the UNet's thousands of ops is slow on CPU)."""
-    graphdef, state = nnx.split(module)
-    fn = jax.jit(lambda st, *a: getattr(nnx.merge(graphdef, st), method)(*a))
-    return lambda *a: fn(state, *a)
 
 
 def unet_inputs():
@@ -85,7 +51,7 @@ def test_resampler_projectors_action_tokens(tiny):
     ]
     for ours, theirs in pairs:
         assert ours.shape == theirs.shape
-        assert rel_err(ours, theirs) <= 1e-5
+        assert_close(ours, theirs, 1e-5)
 
 
 def test_action_head(tiny):
@@ -95,7 +61,7 @@ def test_action_head(tiny):
             for i, (c, hw) in enumerate(MAP_SHAPES)]
     obs = jitted(head, "encode_observations")(jnp.transpose(x["obs_img"], (0, 2, 3, 4, 1)), x["obs_state"])
     out = jitted(head, "__call__")(x["xa"], jnp.array([999, 500]), maps, obs)
-    assert rel_err(out, golden("parts")["head/action"]) <= 1e-5
+    assert_close(out, golden("parts")["head/action"], 1e-5)
 
 
 @pytest.mark.parametrize("with_action_tokens", [True, False])
@@ -110,7 +76,7 @@ def test_unet_forward_with_heads(tiny, with_action_tokens):
     v, a, s = jitted(unet, "__call__")(x["x"], jnp.array([999, 500]), frames, jnp.array([7, 5]), x["xa"], x["xs"], obs)
     key = "unet" if with_action_tokens else "unet_no_action"
     for ours, name in ((v, "v"), (a, "action"), (s, "state")):
-        assert rel_err(ours, g[f"{key}/{name}"]) <= 1e-5, name
+        assert_close(ours, g[f"{key}/{name}"], 1e-5, name)
 
 
 def test_base_unet_without_heads(tmp_path):
@@ -121,7 +87,7 @@ def test_base_unet_without_heads(tmp_path):
                                                        det("in:base_context", (B * T, 77 + 16, D)),
                                                        jnp.array([7, 5]), np.zeros((B, T, A), np.float32),
                                                        np.zeros((B, T, A), np.float32), None)
-    assert rel_err(v, golden("unet")["base_unet/v"]) <= 1e-5
+    assert_close(v, golden("unet")["base_unet/v"], 1e-5)
     assert not np.any(np.asarray(a)) and not np.any(np.asarray(s))
 
 

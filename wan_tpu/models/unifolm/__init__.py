@@ -9,8 +9,8 @@ state heads, the Perceivers and projectors, the samplers and the loader.
 
 from wan_tpu.models.unifolm.loading import load_unifolm, torch_name
 from wan_tpu.models.unifolm.model import Conditions, UnifolmWMA, abstract_unifolm, random_unifolm
-from wan_tpu.models.unifolm.sampling import sample, schedule_tables
+from wan_tpu.models.unifolm.sampling import ddim_step, sample, schedule_tables
 from wan_tpu.models.unifolm.unet import WMAModel
 
-__all__ = ["Conditions", "UnifolmWMA", "WMAModel", "abstract_unifolm", "load_unifolm", "random_unifolm", "sample",
+__all__ = ["Conditions", "ddim_step", "UnifolmWMA", "WMAModel", "abstract_unifolm", "load_unifolm", "random_unifolm", "sample",
            "schedule_tables", "torch_name"]

@@ -51,7 +51,8 @@ def head_alphas_cumprod(cfg: UnifolmConfig) -> np.ndarray:
     n = cfg.num_train_timesteps
     f = lambda t: math.cos((t + 0.008) / 1.008 * math.pi / 2) ** 2
     betas = np.array([min(1 - f((i + 1) / n) / f(i / n), 0.999) for i in range(n)], np.float32)
-    return np.cumprod(1.0 - betas, dtype=np.float32)
+    # float32 betas, product accumulated in float64 then rounded: what torch.cumprod gives on them.
+    return np.cumprod((1.0 - betas).astype(np.float64)).astype(np.float32)
 
 
 def ddim_timesteps(num_steps: int, num_train: int = 1000, spacing: str = "uniform_trailing") -> np.ndarray:
@@ -100,7 +101,7 @@ def rescale_noise_cfg(cfg_out, cond_out, guidance_rescale: float):
     return guidance_rescale * cfg_out * (std_c / std_g) + (1 - guidance_rescale) * cfg_out
 
 
-def _head_step(eps, t, sample, a, a_prev, clip: bool):
+def _head_step(eps, sample, a, a_prev, clip: bool):
     """diffusers DDIMScheduler.step, eta 0, ε-prediction, optional clip to [-1, 1]."""
     x0 = (sample - jnp.sqrt(1 - a) * eps) / jnp.sqrt(a)
     if clip:
@@ -113,39 +114,45 @@ def _concat_cond(c: Conditions, u: Conditions) -> Conditions:
     return jax.tree.map(cat, c, u)
 
 
+def ddim_step(unet, cond: Conditions, x, action, state, inp: dict, guidance_scale=1.0, guidance_rescale=0.0,
+              clip: bool = True, uncond: Conditions | None = None):
+    """One step of both samplers: the UNet (+ heads) once — on [cond ‖ uncond] when guided — then the
+    video DDIM update and the heads' DDIM updates. `inp`: one step of `schedule_tables` plus `noise`
+    (the video's DDIM noise, used when sigma > 0). Returns (x, action, state) at the previous step."""
+    b = x.shape[0]
+    guided = uncond is not None
+    full = _concat_cond(cond, uncond) if guided else cond
+    dup = (lambda a: jnp.concatenate([a, a], axis=0)) if guided else (lambda a: a)
+    t = jnp.full((b,), inp["t"], jnp.int32)
+    xin = jnp.concatenate([dup(x), full.concat.astype(x.dtype)], axis=1)
+    v, ea, es = unet(xin, dup(t), full.context, full.fs, dup(action), dup(state), full.obs)
+    if guided:
+        outs = []
+        for o in (v, ea, es):
+            oc, ou = o[:b], o[b:]
+            g = ou + guidance_scale * (oc - ou)
+            outs.append(jnp.where(guidance_rescale > 0, rescale_noise_cfg(g, oc, guidance_rescale), g))
+        v, ea, es = outs
+    # v-parameterisation: ε = √ᾱ·v + √(1−ᾱ)·x, x0 = √ᾱ·x − √(1−ᾱ)·v; x0 dynamically rescaled.
+    e_t = inp["sqrt_a"] * v + inp["sqrt_1ma"] * x
+    x0 = (inp["sqrt_a"] * x - inp["sqrt_1ma"] * v) * inp["rescale"]
+    # At t = 999 (ᾱ = 0) with eta 1 the direction's weight is 0 in exact arithmetic: clamp rounding.
+    dir_xt = jnp.sqrt(jnp.maximum(1.0 - inp["a_prev"] - inp["sigma"] ** 2, 0.0)) * e_t
+    x = jnp.sqrt(inp["a_prev"]) * x0 + dir_xt + inp["sigma"] * inp["noise"]
+    action = _head_step(ea, action, inp["h_a"], inp["h_a_prev"], clip)
+    state = _head_step(es, state, inp["h_a"], inp["h_a_prev"], clip)
+    return x, action, state
+
+
 @functools.partial(jax.jit, static_argnames=("graphdef", "clip"))
 def _sample_loop(graphdef, state, cond, uncond, tables, x, action, st, step_noise, guidance_scale,
                  guidance_rescale, clip):
     unet = nnx.merge(graphdef, state)
-    guided = uncond is not None
-    full = _concat_cond(cond, uncond) if guided else cond
-    b = x.shape[0]
 
     def step(carry, inp):
-        x, action, st = carry
-        t = jnp.full((b,), inp["t"], jnp.int32)
-        dup = (lambda a: jnp.concatenate([a, a], axis=0)) if guided else (lambda a: a)
-        xin = jnp.concatenate([dup(x), full.concat], axis=1)
-        v, ea, es = unet(xin, dup(t), full.context, full.fs, dup(action), dup(st), full.obs)
-        if guided:
-            outs = []
-            for o in (v, ea, es):
-                oc, ou = o[:b], o[b:]
-                g = ou + guidance_scale * (oc - ou)
-                outs.append(jnp.where(guidance_rescale > 0, rescale_noise_cfg(g, oc, guidance_rescale), g))
-            v, ea, es = outs
-        # v-parameterisation: ε = √ᾱ·v + √(1−ᾱ)·x, x0 = √ᾱ·x − √(1−ᾱ)·v.
-        e_t = inp["sqrt_a"] * v + inp["sqrt_1ma"] * x
-        x0 = (inp["sqrt_a"] * x - inp["sqrt_1ma"] * v) * inp["rescale"]
-        # At t = 999 (ᾱ = 0) with eta 1 the direction's weight is 0 in exact arithmetic: clamp rounding.
-        dir_xt = jnp.sqrt(jnp.maximum(1.0 - inp["a_prev"] - inp["sigma"] ** 2, 0.0)) * e_t
-        x = jnp.sqrt(inp["a_prev"]) * x0 + dir_xt + inp["sigma"] * inp["noise"]
-        action = _head_step(ea, t, action, inp["h_a"], inp["h_a_prev"], clip)
-        st = _head_step(es, t, st, inp["h_a"], inp["h_a_prev"], clip)
-        return (x, action, st), None
+        return ddim_step(unet, cond, *carry, inp, guidance_scale, guidance_rescale, clip, uncond), None
 
-    xs = dict(tables, noise=step_noise)
-    (x, action, st), _ = jax.lax.scan(step, (x, action, st), xs)
+    (x, action, st), _ = jax.lax.scan(step, (x, action, st), dict(tables, noise=step_noise))
     return x, action, st
 
 
