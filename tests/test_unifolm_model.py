@@ -12,11 +12,9 @@ from __future__ import annotations
 import json
 import os
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from flax import nnx
 
 from unifolm_golden import A, B, CLIP_DIM, D, IMG, LAT, MAP_SHAPES, T, assert_close, golden, jitted, write_tiny
 from unifolm_weights import det
@@ -64,6 +62,7 @@ def test_action_head(tiny):
     assert_close(out, golden("parts")["head/action"], 1e-5)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("with_action_tokens", [True, False])
 def test_unet_forward_with_heads(tiny, with_action_tokens):
     """Their WMAModel.forward: per-frame context expansion (incl. the output blocks' slicing quirk and
@@ -79,6 +78,7 @@ def test_unet_forward_with_heads(tiny, with_action_tokens):
         assert_close(ours, g[f"{key}/{name}"], 1e-5, name)
 
 
+@pytest.mark.slow
 def test_base_unet_without_heads(tmp_path):
     base = load_unifolm(write_tiny(str(tmp_path / "base"), base=True))
     assert base.diffusion_model.action_unet is None

@@ -19,7 +19,7 @@ import pytest
 import torch
 from flax import nnx
 
-from unifolm_golden import A, CLIP_DIM, D, IMG, LAT, T, assert_close, golden, jitted, write_tiny
+from unifolm_golden import A, CLIP_DIM, D, IMG, LAT, T, assert_close, golden, write_tiny
 from unifolm_weights import det
 from wan_tpu.configs.unifolm import CONFIGS
 from wan_tpu.models.unifolm import ddim_step, load_unifolm, sample, schedule_tables
@@ -42,8 +42,7 @@ def conditions(model, world: bool, clip_zero: bool = False, text: str | None = N
     obs_img = np.tanh(det("in:obs_img", (2, 3, 2, IMG, IMG)))[:1]
     obs_state = det("in:obs_state", (2, 2, A))[:1]
     actions = det("in:actions", (1, 16, A)) if world else None
-    prep = jitted(model, "prepare")
-    return prep(text_emb, clip, det("in:cond_latent", (1, 4, LAT, LAT)), obs_img, obs_state, actions, 7)
+    return model.prepare(text_emb, clip, det("in:cond_latent", (1, 4, LAT, LAT)), obs_img, obs_state, actions, fs=7)
 
 
 def authors_noise(tag: str, steps: int):

@@ -28,7 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from wan_tpu.checkpoint import TensorSource, open_component
+from wan_tpu.checkpoint import open_component
 from wan_tpu.configs.unifolm import config_from_json
 from wan_tpu.errors import WanInputError
 from wan_tpu.models.unifolm.model import UnifolmWMA, abstract_unifolm

@@ -16,6 +16,7 @@ Names of parameters follow the authors' modules (`ddpms.py` LatentVisualDiffusio
 
 from __future__ import annotations
 
+import functools
 import itertools
 import zlib
 from typing import NamedTuple
@@ -127,18 +128,31 @@ class UnifolmWMA(nnx.Module):
 
     def prepare(self, text_emb, clip_tokens, cond_latent, obs_images=None, obs_state=None, actions=None, fs=None,
                 keep_action_tokens=True) -> Conditions:
-        """All step-invariant work of one sampling: projectors, Resampler, action tokens, per-frame
-        context, observation encoders (ResNet18 ×2). `fs` int or (B,) (default: the config's)."""
+        """All step-invariant work of one sampling, compiled: projectors, Resampler, action tokens,
+        per-frame context, observation encoders (ResNet18 ×2). `fs` int or (B,) (default: the config's)."""
+        fs = jnp.broadcast_to(jnp.asarray(self.config.unet.default_fs if fs is None else fs, jnp.int32),
+                              (cond_latent.shape[0],))
+        graphdef, state = nnx.split(self)
+        return _prepare_jit(graphdef, state, text_emb, clip_tokens, cond_latent, obs_images, obs_state, actions, fs,
+                            keep_action_tokens=keep_action_tokens)
+
+    def apply_prepare(self, text_emb, clip_tokens, cond_latent, obs_images, obs_state, actions, fs,
+                      keep_action_tokens) -> Conditions:
+        """`prepare` traced op by op (call it under jit)."""
         cfg = self.config
         b, t = cond_latent.shape[0], cfg.unet.temporal_length
         unet = self.diffusion_model
         context = unet.expand_context(self.build_context(text_emb, clip_tokens, obs_state, actions,
                                                          keep_action_tokens))
         concat = jnp.broadcast_to(cond_latent[:, :, None], (b, cond_latent.shape[1], t) + cond_latent.shape[2:])
-        fs = jnp.broadcast_to(jnp.asarray(cfg.unet.default_fs if fs is None else fs, jnp.int32), (b,))
         obs = None
         if unet.action_unet is not None:
             if obs_images is None:
                 raise WanInputError("this model has action/state heads: pass obs_images (B, 3, n_obs, H, W)")
             obs = unet.encode_observations(obs_images.astype(self.dtype), obs_state)
         return Conditions(context, concat.astype(jnp.float32), fs, obs)
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "keep_action_tokens"))
+def _prepare_jit(graphdef, state, *args, keep_action_tokens):
+    return nnx.merge(graphdef, state).apply_prepare(*args, keep_action_tokens)
