@@ -56,3 +56,37 @@ class RMSNorm(nnx.Module):
         xf = x.astype(jnp.float32)
         y = xf * jax.lax.rsqrt(jnp.mean(jnp.square(xf), axis=-1, keepdims=True) + self.eps)
         return (y * self.weight[...].astype(jnp.float32)).astype(x.dtype)
+
+
+def group_norm(x, num_groups: int, eps: float, weight=None, bias=None):
+    """GroupNorm over channels-last `x` (B, ..., C) in float32, returned in float32 (callers cast).
+
+    torch's `nn.GroupNorm` on (B, C, ...): statistics over each group's channels and all other
+    non-batch axes, biased variance.
+    """
+    xf = x.astype(jnp.float32)
+    c = x.shape[-1]
+    g = xf.reshape(x.shape[0], -1, num_groups, c // num_groups)
+    mean = jnp.mean(g, axis=(1, 3), keepdims=True)
+    var = jnp.mean(jnp.square(g - mean), axis=(1, 3), keepdims=True)
+    y = ((g - mean) * jax.lax.rsqrt(var + eps)).reshape(x.shape)
+    if weight is not None:
+        y = y * weight.astype(jnp.float32)
+    if bias is not None:
+        y = y + bias.astype(jnp.float32)
+    return y
+
+
+class GroupNorm(nnx.Module):
+    """`torch.nn.GroupNorm` (affine) on channels-last input: float32 statistics, output in input dtype."""
+
+    def __init__(self, num_groups: int, num_channels: int, eps: float, *, dtype=jnp.float32):
+        if num_channels % num_groups:
+            raise ValueError(f"GroupNorm: {num_channels} channels do not split into {num_groups} groups")
+        self.num_groups = num_groups
+        self.eps = eps
+        self.weight = nnx.Param(jnp.ones((num_channels,), dtype))
+        self.bias = nnx.Param(jnp.zeros((num_channels,), dtype))
+
+    def __call__(self, x):
+        return group_norm(x, self.num_groups, self.eps, self.weight[...], self.bias[...]).astype(x.dtype)
