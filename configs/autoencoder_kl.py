@@ -36,7 +36,7 @@ class AutoencoderKLConfig:
 
 AUTOENCODER_KL_CONFIGS = {
     "unifolm": AutoencoderKLConfig(),
-    "tiny": AutoencoderKLConfig(block_out_channels=(8, 16), layers_per_block=1, norm_num_groups=4),
+    "tiny": AutoencoderKLConfig(block_out_channels=(8, 8, 16, 16), layers_per_block=1, norm_num_groups=4),
 }
 
 # Values of diffusers' AutoencoderKL config.json that this implementation computes (anything else is refused).

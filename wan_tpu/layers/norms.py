@@ -1,4 +1,4 @@
-"""Normalization layers of the Wan DiT, computed in float32 whatever the activation dtype.
+"""Normalization layers (Wan DiT, UniFoLM UNet), computed in float32 whatever the activation dtype.
 
 Parameter names follow diffusers (`weight`, `bias`) so checkpoint names map one to one.
 """
@@ -58,35 +58,21 @@ class RMSNorm(nnx.Module):
         return (y * self.weight[...].astype(jnp.float32)).astype(x.dtype)
 
 
-def group_norm(x, num_groups: int, eps: float, weight=None, bias=None):
-    """GroupNorm over channels-last `x` (B, ..., C) in float32, returned in float32 (callers cast).
-
-    torch's `nn.GroupNorm` on (B, C, ...): statistics over each group's channels and all other
-    non-batch axes, biased variance.
-    """
-    xf = x.astype(jnp.float32)
-    c = x.shape[-1]
-    g = xf.reshape(x.shape[0], -1, num_groups, c // num_groups)
-    mean = jnp.mean(g, axis=(1, 3), keepdims=True)
-    var = jnp.mean(jnp.square(g - mean), axis=(1, 3), keepdims=True)
-    y = ((g - mean) * jax.lax.rsqrt(var + eps)).reshape(x.shape)
-    if weight is not None:
-        y = y * weight.astype(jnp.float32)
-    if bias is not None:
-        y = y + bias.astype(jnp.float32)
-    return y
-
-
 class GroupNorm(nnx.Module):
-    """`torch.nn.GroupNorm` (affine) on channels-last input: float32 statistics, output in input dtype."""
+    """`torch.nn.GroupNorm` on channels-last input (N, ..., C): statistics over every axis but the
+    batch within each group of C/num_groups channels, in float32; output in the input dtype."""
 
-    def __init__(self, num_groups: int, num_channels: int, eps: float, *, dtype=jnp.float32):
+    def __init__(self, num_groups: int, num_channels: int, eps: float = 1e-5):
         if num_channels % num_groups:
             raise ValueError(f"GroupNorm: {num_channels} channels do not split into {num_groups} groups")
-        self.num_groups = num_groups
-        self.eps = eps
-        self.weight = nnx.Param(jnp.ones((num_channels,), dtype))
-        self.bias = nnx.Param(jnp.zeros((num_channels,), dtype))
+        self.num_groups, self.eps = num_groups, eps
+        self.weight = nnx.Param(jnp.ones((num_channels,), jnp.float32))
+        self.bias = nnx.Param(jnp.zeros((num_channels,), jnp.float32))
 
     def __call__(self, x):
-        return group_norm(x, self.num_groups, self.eps, self.weight[...], self.bias[...]).astype(x.dtype)
+        shape = x.shape
+        g = x.astype(jnp.float32).reshape(shape[0], -1, self.num_groups, shape[-1] // self.num_groups)
+        mean = jnp.mean(g, axis=(1, 3), keepdims=True)
+        var = jnp.mean(jnp.square(g - mean), axis=(1, 3), keepdims=True)
+        y = ((g - mean) * jax.lax.rsqrt(var + self.eps)).reshape(shape)
+        return (y * self.weight[...] + self.bias[...]).astype(x.dtype)

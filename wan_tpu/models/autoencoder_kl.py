@@ -51,9 +51,9 @@ def _conv(cin, cout, k, *, dtype, rngs, stride=1, padding=None):
 
 class ResnetBlock2D(nnx.Module):
     def __init__(self, cin, cout, groups, *, dtype, rngs):
-        self.norm1 = GroupNorm(groups, cin, NORM_EPS, dtype=dtype)
+        self.norm1 = GroupNorm(groups, cin, NORM_EPS)
         self.conv1 = _conv(cin, cout, 3, dtype=dtype, rngs=rngs)
-        self.norm2 = GroupNorm(groups, cout, NORM_EPS, dtype=dtype)
+        self.norm2 = GroupNorm(groups, cout, NORM_EPS)
         self.conv2 = _conv(cout, cout, 3, dtype=dtype, rngs=rngs)
         self.conv_shortcut = _conv(cin, cout, 1, dtype=dtype, rngs=rngs) if cin != cout else None
 
@@ -67,7 +67,7 @@ class AttentionBlock(nnx.Module):
     """diffusers' VAE `Attention` (LDM's `AttnBlock`): GroupNorm, one head of width C, residual."""
 
     def __init__(self, c, groups, *, dtype, rngs):
-        self.group_norm = GroupNorm(groups, c, NORM_EPS, dtype=dtype)
+        self.group_norm = GroupNorm(groups, c, NORM_EPS)
         linear = lambda: nnx.Linear(c, c, dtype=dtype, param_dtype=dtype, rngs=rngs)  # noqa: E731
         self.to_q, self.to_k, self.to_v, self.to_out = linear(), linear(), linear(), linear()
 
@@ -142,7 +142,7 @@ class Encoder(nnx.Module):
             ]
         )
         self.mid_block = MidBlock(chans[-1], g, cfg.mid_block_add_attention, dtype=dtype, rngs=rngs)
-        self.conv_norm_out = GroupNorm(g, chans[-1], NORM_EPS, dtype=dtype)
+        self.conv_norm_out = GroupNorm(g, chans[-1], NORM_EPS)
         self.conv_out = _conv(chans[-1], 2 * cfg.latent_channels, 3, dtype=dtype, rngs=rngs)
 
     def __call__(self, x):
@@ -164,7 +164,7 @@ class Decoder(nnx.Module):
                 for i in range(n)
             ]
         )
-        self.conv_norm_out = GroupNorm(g, chans[-1], NORM_EPS, dtype=dtype)
+        self.conv_norm_out = GroupNorm(g, chans[-1], NORM_EPS)
         self.conv_out = _conv(chans[-1], cfg.out_channels, 3, dtype=dtype, rngs=rngs)
 
     def __call__(self, z):
