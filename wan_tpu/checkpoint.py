@@ -135,3 +135,20 @@ def open_checkpoint(path: str, what: str = "model") -> tuple[dict, TensorSource]
         if not files:
             raise WanInputError(f"{path}: no *.safetensors weights; save the {what} with save_pretrained(safe_serialization=True)")
     return config, TensorSource(files)
+
+
+def open_component(folder: str, name: str) -> TensorSource:
+    """The tensors of one component of a multi-component folder: `folder/NAME.safetensors`, or shards
+    listed by `folder/NAME.safetensors.index.json` (UniFoLM: unet, conditioning, vae, ...)."""
+    index = os.path.join(folder, f"{name}.safetensors.index.json")
+    if os.path.isfile(index):
+        with open(index) as f:
+            shards = sorted(set(json.load(f)["weight_map"].values()))
+        missing = [s for s in shards if not os.path.isfile(os.path.join(folder, s))]
+        if missing:
+            raise WanInputError(f"{folder}: shard {missing[0]} named by {os.path.basename(index)} is missing; re-convert the checkpoint")
+        return TensorSource([os.path.join(folder, s) for s in shards])
+    path = os.path.join(folder, f"{name}.safetensors")
+    if not os.path.isfile(path):
+        raise WanInputError(f"{folder}: no {name}.safetensors; convert the checkpoint with scripts/convert_unifolm_checkpoint.py")
+    return TensorSource([path])

@@ -1,0 +1,98 @@
+"""`UnifolmWMA`: everything of UniFoLM-WMA-0 that is not an encoder or the VAE — the video UNet with its
+heads (`diffusion_model`), the image Resampler (`image_proj_model`), the state/action MLP projectors and
+their position embeddings — and `prepare`, the step-invariant half of a sampling.
+
+    model = UnifolmWMA(CONFIGS["unifolm-tiny"], dtype=jnp.float32, rngs=nnx.Rngs(0))   # or load_unifolm(path)
+    cond = model.prepare(text_emb, clip_tokens, cond_latent, obs_images, obs_state, actions=None, fs=7)
+    latents, actions, states = sample(model, cond, num_steps=50, key=jax.random.key(123))
+
+Inputs come from the encoders (helper-side of the pipeline): `text_emb` (B, 77, 1024) OpenCLIP text
+tokens, `clip_tokens` (B, 257, 1280) OpenCLIP image tokens of the last observed frame, `cond_latent`
+(B, 4, h, w) its VAE latent × scale_factor; `obs_images` (B, 3, n_obs, H, W) in [-1, 1] and
+`obs_state` (B, n_obs, 16) min-max normalised states; `actions` (B, 16, 16) normalised (world-model
+mode) or None (decision-making: the action embeddings are zeroed, as in `world_model_interaction.py`).
+Names of parameters follow the authors' modules (`ddpms.py` LatentVisualDiffusion).
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from wan_tpu.configs.unifolm import UnifolmConfig
+from wan_tpu.errors import WanInputError
+from wan_tpu.layers.embeddings import TextProjection
+from wan_tpu.models.unifolm.perceiver import Perceiver
+from wan_tpu.models.unifolm.unet import WMAModel
+
+
+class Conditions(NamedTuple):
+    """Everything a denoising step reads that does not change from step to step (a pytree)."""
+
+    context: jax.Array  # (B·T, L, D) per-frame context
+    concat: jax.Array  # (B, 4, T, h, w) condition latent repeated over frames
+    fs: jax.Array  # (B,) int32
+    obs: tuple | None  # (action head, state head) observation features, each (B, n_obs·obs_dim); None: no heads
+
+
+class UnifolmWMA(nnx.Module):
+    def __init__(self, config: UnifolmConfig, *, dtype=jnp.float32, rngs: nnx.Rngs, attention_impl=None):
+        self.config = config
+        self.dtype = dtype
+        d, n_obs = config.unet.context_dim, config.unet.n_obs_steps
+        self.diffusion_model = WMAModel(config, dtype=dtype, rngs=rngs, attention_impl=attention_impl)
+        self.image_proj_model = Perceiver(config.resampler, dtype=dtype, rngs=rngs, attention_impl=attention_impl)
+        # MLPProjector("gelu-mlp") = Linear → GELU(tanh) → Linear; built for every config (the base
+        # checkpoint carries them too).
+        self.state_projector = TextProjection(config.agent_state_dim, d, dtype=dtype, rngs=rngs)
+        self.action_projector = TextProjection(config.agent_action_dim, d, dtype=dtype, rngs=rngs)
+        self.agent_action_pos_emb = nnx.Param(jax.random.normal(rngs.params(), (1, 16, d), dtype))
+        self.agent_state_pos_emb = nnx.Param(jax.random.normal(rngs.params(), (1, n_obs, d), dtype))
+
+    def build_context(self, text_emb, clip_tokens, obs_state=None, actions=None, keep_action_tokens=True):
+        """The cross-attention context of their sampling scripts (B, L, D) — per frame already for a
+        base model ([text ‖ 16 image tokens], (B·T, 93, D)).
+
+        With heads: [state (n_obs), action (16), text (77), image (T·16)]; `actions=None` zeroes the
+        action embeddings (decision-making in the interaction loop); `keep_action_tokens=False` drops
+        them (the authors' `real_eval_server.py`)."""
+        cfg = self.config
+        img = self.image_proj_model(clip_tokens.astype(self.dtype))
+        text = text_emb.astype(img.dtype)
+        if cfg.unet.base_model_gen_only:
+            t, n = cfg.unet.temporal_length, cfg.unet.image_tokens_per_frame
+            b = img.shape[0]
+            return jnp.concatenate([jnp.repeat(text, t, axis=0), img.reshape(b * t, n, -1)], axis=1)
+        if obs_state is None:
+            raise WanInputError("this model has action/state heads: pass obs_state (B, n_obs, 16)")
+        state = self.state_projector(obs_state.astype(img.dtype)) + self.agent_state_pos_emb[...]
+        parts = [state]
+        if keep_action_tokens:
+            if actions is None:
+                parts.append(jnp.zeros((img.shape[0], 16, img.shape[-1]), img.dtype))
+            else:
+                parts.append(self.action_projector(actions.astype(img.dtype)) + self.agent_action_pos_emb[...])
+        elif actions is not None:
+            raise WanInputError("actions were given but keep_action_tokens=False drops them; keep the tokens")
+        return jnp.concatenate(parts + [text, img], axis=1)
+
+    def prepare(self, text_emb, clip_tokens, cond_latent, obs_images=None, obs_state=None, actions=None, fs=None,
+                keep_action_tokens=True) -> Conditions:
+        """All step-invariant work of one sampling: projectors, Resampler, action tokens, per-frame
+        context, observation encoders (ResNet18 ×2). `fs` int or (B,) (default: the config's)."""
+        cfg = self.config
+        b, t = cond_latent.shape[0], cfg.unet.temporal_length
+        unet = self.diffusion_model
+        context = unet.expand_context(self.build_context(text_emb, clip_tokens, obs_state, actions,
+                                                         keep_action_tokens))
+        concat = jnp.broadcast_to(cond_latent[:, :, None], (b, cond_latent.shape[1], t) + cond_latent.shape[2:])
+        fs = jnp.broadcast_to(jnp.asarray(cfg.unet.default_fs if fs is None else fs, jnp.int32), (b,))
+        obs = None
+        if unet.action_unet is not None:
+            if obs_images is None:
+                raise WanInputError("this model has action/state heads: pass obs_images (B, 3, n_obs, H, W)")
+            obs = unet.encode_observations(obs_images.astype(self.dtype), obs_state)
+        return Conditions(context, concat.astype(jnp.float32), fs, obs)
