@@ -207,7 +207,11 @@ class OpenCLIPTextEncoder:
         return out
 
     def encode(self, prompts: list[str]) -> jax.Array:
-        return self._forward(self.state, self.tokenize(prompts))
+        return self.encode_tokens(self.tokenize(prompts))
+
+    def encode_tokens(self, input_ids) -> jax.Array:
+        """(B, 77) token ids (as `tokenize` makes them) → (B, 77, width)."""
+        return self._forward(self.state, jnp.asarray(input_ids, jnp.int32))
 
     def _hidden(self, state, input_ids):
         # A causal mask: the SDPA swap leaves it on torch's exact math path.
