@@ -120,14 +120,18 @@ def preprocess_images(images, size: int = 224) -> jax.Array:
 
 
 def _load_checked(model_class, folder, dtype):
-    """`from_pretrained`, but a missing, unexpected or mis-shaped tensor is an error naming it (transformers
-    would initialise a missing one at random and only warn)."""
+    """`from_pretrained` of safetensors only (never a pickled `.bin`), with a missing, unexpected or
+    mis-shaped tensor an error naming it (transformers would initialise a missing one at random and warn)."""
+    from wan_tpu.checkpoint import open_checkpoint
+
+    open_checkpoint(os.fspath(folder), model_class.__name__)  # config.json + readable *.safetensors headers
     try:
         model, info = model_class.from_pretrained(
-            folder, dtype=torchax_compat.torch_dtype(dtype), attn_implementation="sdpa", output_loading_info=True
+            folder, dtype=torchax_compat.torch_dtype(dtype), attn_implementation="sdpa", output_loading_info=True,
+            use_safetensors=True,
         )
-    except RuntimeError as e:  # transformers' size-mismatch report
-        raise WanInputError(f"{folder}: {str(e).splitlines()[0]}; the weights do not match config.json") from None
+    except (RuntimeError, OSError, ValueError) as e:  # e.g. transformers' size-mismatch report
+        raise WanInputError(f"{folder}: {str(e).splitlines()[0][:200]}; the weights do not match config.json") from None
     for kind in ("missing_keys", "unexpected_keys", "mismatched_keys"):
         if info.get(kind):
             key = sorted(map(str, info[kind]))[0]
