@@ -31,7 +31,7 @@ from flax import nnx
 from wan_tpu.checkpoint import TensorSource, open_component
 from wan_tpu.configs.unifolm import config_from_json
 from wan_tpu.errors import WanInputError
-from wan_tpu.models.unifolm.model import UnifolmWMA
+from wan_tpu.models.unifolm.model import UnifolmWMA, abstract_unifolm
 
 # Our module path → the authors' (applied in order, each once, to the dotted module path).
 _RULES = [
@@ -59,7 +59,7 @@ _RULES = [
     (r"\.temporal_conv\.conv1$", ".temopral_conv.conv1.2"),
     (r"\.temporal_conv\.conv([234])$", r".temopral_conv.conv\1.3"),
     # Transformer blocks.
-    (r"\.to_out$", ".to_out.0"),
+    (r"\.(attn\d)\.to_out$", r".\1.to_out.0"),
     (r"\.ff\.proj_in$", ".ff.net.0.proj"),
     (r"\.ff\.proj_out$", ".ff.net.2"),
     # Heads: observation encoder (ResNet18 as a Sequential of its children), 1-D UNet.
@@ -85,9 +85,12 @@ _RULES = [
 _RULES = [(re.compile(p), r) for p, r in _RULES]
 
 # Checkpoint tensors with no parameter of ours: spatial-softmax grids (recomputed from the feature
-# size), the mirrored keypoint modules 4–8 (the same objects as 3, 3, 2, 1, 0 in theirs) and the
-# horizon projections their forward never uses (use_linear_act_proj).
-_IGNORED = re.compile(r"(\.pos_[xy]$|\.spatial_softmax_blocks\.[4-8]\.|\.proj_(in|out)_horizon\.)")
+# size), the mirrored keypoint modules 4–8 (the same objects as 3, 3, 2, 1, 0 in theirs), the
+# horizon projections their forward never uses (use_linear_act_proj) and the observation encoder's
+# `_dummy_variable` (a device/dtype probe of their ModuleAttrMixin).
+_IGNORED = re.compile(r"(\.pos_[xy]$|\.spatial_softmax_blocks\.[4-8]\.|\.proj_(in|out)_horizon\.|\._dummy_variable$)")
+# A base (generation-only) checkpoint still carries the heads its config builds; they never run.
+_HEADS = re.compile(r"^(action_unet|state_unet|action_token_projector)\.")
 
 
 def torch_name(path: str) -> tuple[str, str]:
@@ -127,7 +130,7 @@ def load_unifolm(path: str, dtype=jnp.float32, mesh=None, attention_impl=None) -
     except json.JSONDecodeError as e:
         raise WanInputError(f"{cfg_path}: not valid JSON ({e}); re-convert the checkpoint") from None
     sources = {c: open_component(path, c) for c in ("unet", "conditioning")}
-    abstract = nnx.eval_shape(lambda: UnifolmWMA(cfg, dtype=dtype, rngs=nnx.Rngs(0), attention_impl=attention_impl))
+    abstract = abstract_unifolm(cfg, dtype, attention_impl)
     graphdef, state = nnx.split(abstract)
     flat = nnx.to_flat_state(state)
 
@@ -144,7 +147,8 @@ def load_unifolm(path: str, dtype=jnp.float32, mesh=None, attention_impl=None) -
         elif not _fits(tuple(src.shape(name)), leaf, shape):
             misshaped.append(f"{component}:{name} {tuple(src.shape(name))} (model needs {shape})")
         plan.append((ours, component, name, leaf, var))
-    unexpected = [f"{c}:{n}" for c, src in sources.items() for n in src if n not in expected[c] and not _IGNORED.search("." + n)]
+    unused = lambda c, n: _IGNORED.search("." + n) or (not cfg.has_heads and c == "unet" and _HEADS.match(n))
+    unexpected = [f"{c}:{n}" for c, src in sources.items() for n in src if n not in expected[c] and not unused(c, n)]
     if missing or unexpected or misshaped:
         parts = [f"{label} ({len(v)}): {', '.join(v[:8])}{' …' if len(v) > 8 else ''}"
                  for label, v in (("missing", missing), ("unexpected", unexpected), ("mis-shaped", misshaped)) if v]

@@ -2,7 +2,7 @@
 heads (`diffusion_model`), the image Resampler (`image_proj_model`), the state/action MLP projectors and
 their position embeddings — and `prepare`, the step-invariant half of a sampling.
 
-    model = UnifolmWMA(CONFIGS["unifolm-tiny"], dtype=jnp.float32, rngs=nnx.Rngs(0))   # or load_unifolm(path)
+    model = random_unifolm(CONFIGS["unifolm-tiny"], dtype=jnp.float32, seed=0)        # or load_unifolm(path)
     cond = model.prepare(text_emb, clip_tokens, cond_latent, obs_images, obs_state, actions=None, fs=7)
     latents, actions, states = sample(model, cond, num_steps=50, key=jax.random.key(123))
 
@@ -16,10 +16,13 @@ Names of parameters follow the authors' modules (`ddpms.py` LatentVisualDiffusio
 
 from __future__ import annotations
 
+import itertools
+import zlib
 from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from wan_tpu.configs.unifolm import UnifolmConfig
@@ -36,6 +39,49 @@ class Conditions(NamedTuple):
     concat: jax.Array  # (B, 4, T, h, w) condition latent repeated over frames
     fs: jax.Array  # (B,) int32
     obs: tuple | None  # (action head, state head) observation features, each (B, n_obs·obs_dim); None: no heads
+
+
+class KeyCounter:
+    """Stands in for `nnx.Rngs` while building: `params()` gives key(seed) folded with a Python counter.
+
+    nnx.Rngs counts in a traced variable, and every count update under `eval_shape`/`jit` costs time
+    linear in the trace so far (flax probes the tracer's sharding, which builds an error message over
+    all equations): quadratic for the UNet's ~2,200 parameters (minutes). A host-side counter keeps
+    tracing linear (seconds)."""
+
+    def __init__(self, seed: int = 0):
+        self.seed, self._count = seed, itertools.count()
+
+    def params(self):
+        return jax.random.fold_in(jax.random.key(self.seed), next(self._count))
+
+
+def abstract_unifolm(config: UnifolmConfig, dtype=jnp.float32, attention_impl=None) -> "UnifolmWMA":
+    """The model with `ShapeDtypeStruct` leaves (no memory): for loaders, sharding plans, `jax.export`."""
+    return nnx.eval_shape(lambda: UnifolmWMA(config, dtype=dtype, rngs=KeyCounter(0), attention_impl=attention_impl))
+
+
+def random_unifolm(config: UnifolmConfig, dtype=jnp.float32, seed: int = 0, attention_impl=None) -> "UnifolmWMA":
+    """Random weights (presets, tests, benchmarks), drawn on the host per parameter: fan-in scaled
+    normal weights, unit norm scales, zero biases — no per-shape device compile."""
+    model = abstract_unifolm(config, dtype, attention_impl)
+    graphdef, state = nnx.split(model)
+    flat = nnx.to_flat_state(state)
+    for key, var in flat:
+        path = ".".join(str(k) for k in key)
+        target = var.get_value()
+        rng = np.random.default_rng([seed, zlib.crc32(path.encode())])
+        leaf, shape = path.rsplit(".", 1)[-1], tuple(target.shape)
+        if leaf == "kernel":
+            value = rng.standard_normal(shape) / np.sqrt(max(int(np.prod(shape[:-1])), 1))
+        elif leaf in ("weight", "temperature"):
+            value = np.ones(shape)
+        elif leaf == "bias":
+            value = np.zeros(shape)
+        else:
+            value = rng.standard_normal(shape) * 0.5
+        var.set_value(jnp.asarray(value.astype(np.dtype(target.dtype))))
+    return nnx.merge(graphdef, nnx.from_flat_state(flat))
 
 
 class UnifolmWMA(nnx.Module):
