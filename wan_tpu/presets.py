@@ -187,26 +187,3 @@ def save_diffusers_checkpoint(path: str, transformer, vae, *, transformer_2=None
         cls = diffusers.WanImageToVideoPipeline if image_encoder is not None else diffusers.WanPipeline
         pipe = cls(**parts, boundary_ratio=boundary_ratio, expand_timesteps=expand_timesteps)
         pipe.save_pretrained(path)
-
-
-class PlainRngs:
-    """A stand-in for `nnx.Rngs(seed)` for building modules abstractly (`nnx.eval_shape`): its counter is
-    a Python int. `nnx.Rngs` writes its counter Variable on every draw, and each write to a traced value
-    makes jax build an origin message by walking the whole trace so far: quadratic in the number of
-    parameters (minutes for UnifoLM's ~2,200 tensors; seconds with this). Draws `fold_in(key, n)`."""
-
-    def __init__(self, seed: int = 0):
-        import jax
-
-        self._key, self._count = jax.random.key(seed), 0
-
-    def __call__(self):
-        import jax
-
-        self._count += 1
-        return jax.random.fold_in(self._key, self._count)
-
-    def __getattr__(self, stream: str):
-        if stream.startswith("__"):
-            raise AttributeError(stream)
-        return self.__call__  # every stream (params, dropout, ...) draws from the one counter

@@ -43,11 +43,12 @@ def tiny_pipeline(name: str, dtype=jnp.float32, attention_impl=None, stats=None,
     from wan_tpu.configs.unifolm import CONFIGS
     from wan_tpu.models.autoencoder_kl import AutoencoderKL
     from wan_tpu.models.unifolm import UnifolmWMA
-    from wan_tpu.presets import PlainRngs, random_module
+    from wan_tpu.models.unifolm.model import KeyCounter
+    from wan_tpu.presets import random_module
     from wan_tpu.unifolm import UnifolmPipeline
 
     cfg = CONFIGS[name]
-    model = random_module(lambda: UnifolmWMA(cfg, dtype=dtype, rngs=PlainRngs(), attention_impl=attention_impl), seed)
-    vae = random_module(lambda: AutoencoderKL(AUTOENCODER_KL_CONFIGS["tiny"], rngs=PlainRngs()), seed + 1)
+    model = random_module(lambda: UnifolmWMA(cfg, dtype=dtype, rngs=KeyCounter(0), attention_impl=attention_impl), seed)
+    vae = random_module(lambda: AutoencoderKL(AUTOENCODER_KL_CONFIGS["tiny"], rngs=KeyCounter(0)), seed + 1)
     image_encoder, text_encoder = tiny_towers(cfg.unet.context_dim, cfg.resampler.embedding_dim, seed + 2)
     return UnifolmPipeline(model, vae, image_encoder, text_encoder, stats, name=name)

@@ -24,7 +24,7 @@ from wan_tpu.checkpoint import open_checkpoint
 from wan_tpu.configs.autoencoder_kl import config_from_json
 from wan_tpu.errors import WanInputError
 from wan_tpu.models.autoencoder_kl import AutoencoderKL
-from wan_tpu.presets import PlainRngs
+from wan_tpu.models.unifolm.model import KeyCounter  # nnx.Rngs' traced counter makes eval_shape quadratic
 
 _RENAMES = (
     (".downsampler.", ".downsamplers.0."),
@@ -62,7 +62,7 @@ def load_autoencoder_kl(path: str, dtype=jnp.float32, mesh=None) -> AutoencoderK
     """Load a diffusers `AutoencoderKL` folder; with a mesh, weights are replicated on all its devices."""
     config_dict, tensors = open_checkpoint(path, "VAE")
     config = config_from_json(config_dict)
-    abstract = nnx.eval_shape(lambda: AutoencoderKL(config, dtype=dtype, rngs=PlainRngs()))
+    abstract = nnx.eval_shape(lambda: AutoencoderKL(config, dtype=dtype, rngs=KeyCounter(0)))
     graphdef, state = nnx.split(abstract)
     sharding = None if mesh is None else NamedSharding(mesh, PartitionSpec())
     flat = nnx.to_flat_state(state)
