@@ -107,7 +107,6 @@ def install_stubs():
 def build_theirs(ref: str, size: str, device):
     """Their `LatentVisualDiffusion` with random weights (no download), on `device`, eval mode."""
     import open_clip
-    import torch
     from omegaconf import OmegaConf
 
     sys.path.insert(0, os.path.join(ref, "src"))

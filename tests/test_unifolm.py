@@ -163,3 +163,15 @@ def test_server_speaks_the_authors_protocol(pipe):
     finally:
         server.shutdown()
         server.server_close()
+
+
+@pytest.mark.slow
+def test_cli_generate_with_a_base_model(tmp_path):
+    obs = _obs_file(tmp_path)
+    out = tmp_path / "gen.mp4"
+    assert main(["--model", "unifolm-tiny-base", "--mode", "generate", "--instruction", "open the drawer",
+                 "--observation", obs, "--output", str(out), *STEPS]) == 0
+    frames, _ = read_video(str(out))
+    assert frames.shape == (16, 128, 128, 3) and not list(tmp_path.glob("gen.npz"))
+    assert main(["--model", "unifolm-tiny-base", "--mode", "decision", "--observation", obs,
+                 "--output", str(tmp_path / "d.mp4"), *STEPS]) == 2
