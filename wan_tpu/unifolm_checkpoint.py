@@ -155,9 +155,14 @@ def save_safetensors_shards(tensors: dict, folder: str, name: str, shard_bytes: 
     than `shard_bytes` (the layout `wan_tpu.checkpoint.open_component` reads)."""
     from safetensors.torch import save_file
 
-    shards, current, size = [], {}, 0
+    shards, current, size, seen = [], {}, 0, set()
     for key in sorted(tensors):
         t = tensors[key].contiguous()
+        # Their keypoint modules 4–8 are modules 3–0 again: one storage under two names, which
+        # safetensors refuses to write; each name gets its own copy (the loader ignores 4–8 anyway).
+        if t.untyped_storage().data_ptr() in seen:
+            t = t.clone()
+        seen.add(t.untyped_storage().data_ptr())
         nbytes = t.numel() * t.element_size()
         if current and size + nbytes > shard_bytes:
             shards.append(current)
