@@ -1,7 +1,11 @@
 """UnifoLM-WMA speed and memory: the authors' code and ours, in one process, on the same random weights.
 
     # device (H100/H200): the authors' checkout carried as third_party/ (ignored by git)
-    XLA_PYTHON_CLIENT_PREALLOCATE=false python scripts/bench_unifolm.py --ref third_party/unifolm-world-model-action
+    XLA_PYTHON_CLIENT_PREALLOCATE=false python scripts/bench_unifolm.py --ref third_party/unifolm-world-model-action \
+        --workdir /tmp/unifolm-bench --variants theirs-fp32,ours-bf16,ours-fp32 --steps 50,16
+    # torch.compile compiles for minutes: its comparison in a second call (same converted weights)
+    XLA_PYTHON_CLIENT_PREALLOCATE=false python scripts/bench_unifolm.py --ref third_party/unifolm-world-model-action \
+        --workdir /tmp/unifolm-bench --variants theirs-bf16-compile,ours-bf16 --steps 16
     # CPU smoke test (reduced configs, 2 steps, no torch.compile)
     python scripts/bench_unifolm.py --ref /work/refs/unifolm-world-model-action --size tiny --steps 2 \
         --variants theirs-fp32,theirs-bf16,ours-fp32,ours-bf16
@@ -260,7 +264,9 @@ def main(argv=None):
     ap.add_argument("--steps", default="50,16", help="comma-separated DDIM step counts (first: the interaction's)")
     ap.add_argument("--variants", default=",".join(VARIANTS))
     ap.add_argument("--repeats", type=int, default=1, help="warm repetitions (median)")
-    ap.add_argument("--workdir", default=None, help="where the converted checkpoint goes (default: a temp folder)")
+    ap.add_argument("--workdir", default=None,
+                    help="where the converted checkpoint goes (default: a temp folder); an existing one is reused, "
+                         "and with only ours-* variants their model is not even built")
     args = ap.parse_args(argv)
     os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # torch and JAX share the GPU
     steps_list = [int(s) for s in args.steps.split(",")]
@@ -276,17 +282,22 @@ def main(argv=None):
     torch.set_grad_enabled(False)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     results, notes = {}, []
-    cwd = os.getcwd()
-    os.chdir(args.ref)  # their obs encoder reads configs/train/meta.json from the working directory
-    try:
-        install_stubs()
-        model, load_theirs = timed(lambda: build_theirs(os.path.abspath("."), args.size, device))
-        notes.append("their load = instantiate + .to(device) (random init; a .ckpt read would add torch.load)")
-    finally:
-        os.chdir(cwd)
+    folder = args.workdir if args.size == "real" else None
+    reuse = folder is not None and os.path.isfile(os.path.join(folder, "config.json"))
+    model = None
+    if not (reuse and all(v.startswith("ours") for v in variants)):
+        cwd = os.getcwd()
+        os.chdir(args.ref)  # their obs encoder reads configs/train/meta.json from the working directory
+        try:
+            install_stubs()
+            model, load_theirs = timed(lambda: build_theirs(os.path.abspath("."), args.size, device))
+            notes.append("their load = instantiate + .to(device) (random init; a .ckpt read would add torch.load)")
+        finally:
+            os.chdir(cwd)
+    if reuse:
+        notes.append(f"ours loaded the converted folder {folder} of an earlier run (the same weights as that run's)")
 
-    folder = None
-    if args.size == "real":
+    if args.size == "real" and not reuse:
         from wan_tpu.unifolm_checkpoint import split_components, write_image_encoder, write_text_encoder, write_tokenizer, write_vae
         from wan_tpu.unifolm_checkpoint import save_safetensors_shards
         from wan_tpu.configs.unifolm import CONFIGS, config_to_json
