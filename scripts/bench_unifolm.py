@@ -290,6 +290,7 @@ def main(argv=None):
         os.chdir(args.ref)  # their obs encoder reads configs/train/meta.json from the working directory
         try:
             install_stubs()
+            torch.manual_seed(0)  # their init runs on the CPU: the same weights in every run (and --workdir reuse)
             model, load_theirs = timed(lambda: build_theirs(os.path.abspath("."), args.size, device))
             notes.append("their load = instantiate + .to(device) (random init; a .ckpt read would add torch.load)")
         finally:
