@@ -96,6 +96,23 @@ class WanVAE(nnx.Module):
             return self._tiled_decode(z, tile_sample_size, tile_sample_stride)
         return self._decode(z, wmesh, strips=strips)
 
+    def decode_chunk(self, z, caches=None):
+        """Streaming decode: the next latent frames (B, z_dim, F, h, w) of a video → (video frames
+        (B, C, T, H, W) in [-1, 1], the caches for the next call).
+
+        `caches=None` starts a video: its first latent frame gives 1 video frame, every later one 4, and
+        the chunks' frames concatenated equal `decode` of the whole latent video (the same causal caches,
+        carried across calls instead of across frames). The caches keep one shape from the first call on,
+        so a video takes two traces (its first chunk and all later ones of the same size); the function is
+        pure, so a caller's jitted program can include it and carry and donate the caches. Full width on
+        one device: no strips, tiles or mesh (a streamed chunk is a few frames)."""
+        z = jnp.asarray(z)
+        if z.ndim != 5 or z.shape[1] != self.config.z_dim or z.shape[2] < 1:
+            raise WanInputError(f"decode_chunk expects latents (B, {self.config.z_dim}, F ≥ 1, h, w), got shape {tuple(z.shape)}")
+        graphdef, state = nnx.split(self)
+        caches, video = _decode_chunk(graphdef, state, z.astype(self.dtype), caches)
+        return video, caches
+
     def normalize_latents(self, z):
         """diffusers WanPipeline's encode-side scaling: (z - mean) * (1 / std)."""
         mean, inv_std = self._latent_stats(z)
@@ -356,6 +373,35 @@ def _decode_strip(graphdef, state, mid, caches, wmesh, raw, crops, final):
     if not raw:
         x = jnp.clip(unpatchify(x, model.config.patch_size), -1.0, 1.0)
     return st.out, x.transpose(0, 4, 1, 2, 3)
+
+
+@partial(jax.jit, static_argnums=(0,), donate_argnums=(3,))
+def _decode_chunk(graphdef, state, z, caches):
+    """`WanVAE.decode_chunk`: each latent frame through the stem and then the up blocks and head (one
+    strip as wide as the frame), the first frame of a video alone (its own trace), the rest scanned."""
+    model: WanVAE = nnx.merge(graphdef, state)
+    w = z.shape[-1]
+    _, crops, final = model.decoder.strip_plan(w, 0, w)
+    levels = _nested(model.decoder.levels(crops, final), None)
+
+    def frame(caches, zf):
+        stem_caches, level_caches = (None, None) if caches is None else caches
+        st = ChunkState(stem_caches)
+        mid = model.decoder.stem(model.post_quant_conv(zf.transpose(0, 2, 3, 4, 1), st), st)
+        lst = ChunkState(level_caches)
+        x = jnp.clip(unpatchify(levels(mid, lst), model.config.patch_size), -1.0, 1.0)
+        return (st.out, lst.out), x.transpose(0, 4, 1, 2, 3)
+
+    videos = []
+    if caches is None:
+        caches, first = frame(None, z[:, :, :1])
+        videos.append(first)
+        z = z[:, :, 1:]
+    if z.shape[2]:
+        caches, rest = lax.scan(lambda c, zf: frame(c, zf[:, :, None]), caches, jnp.moveaxis(z, 2, 0))
+        rest = jnp.moveaxis(rest, 0, 2)  # (B, C, F, T per frame, H, W)
+        videos.append(rest.reshape(*rest.shape[:2], -1, *rest.shape[4:]))
+    return caches, jnp.concatenate(videos, axis=2)
 
 
 @partial(jax.jit, static_argnums=(2, 3))
