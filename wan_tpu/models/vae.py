@@ -96,6 +96,21 @@ class WanVAE(nnx.Module):
             return self._tiled_decode(z, tile_sample_size, tile_sample_stride)
         return self._decode(z, wmesh, strips=strips)
 
+    def encode_chunk(self, video, caches=None):
+        """Streaming encode: the next frames of a video → (posterior mean of their latent frame
+        (B, z_dim, 1, h, w), the caches for the next call). `caches=None` starts a video with its first
+        frame alone (B, C, 1, H, W); every later call takes 4 frames. The latents of the calls
+        concatenated equal `encode` of the whole video (the same chunk function). Pure: a caller's jitted
+        program can include it."""
+        video = jnp.asarray(video)
+        want = 1 if caches is None else 4
+        if video.ndim != 5 or video.shape[1] != self.config.video_channels or video.shape[2] != want:
+            raise WanInputError(f"encode_chunk expects video (B, {self.config.video_channels}, {want}, H, W) "
+                                f"({'the first frame' if caches is None else 'the next 4 frames'}), got shape {tuple(video.shape)}")
+        graphdef, state = nnx.split(self)
+        caches, mu = _encode_chunk(graphdef, state, video.astype(self.dtype), caches, None)
+        return mu, caches
+
     def decode_chunk(self, z, caches=None):
         """Streaming decode: the next latent frames (B, z_dim, F, h, w) of a video → (video frames
         (B, C, T, H, W) in [-1, 1], the caches for the next call).
