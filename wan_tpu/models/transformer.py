@@ -62,18 +62,27 @@ class WanAttention(nnx.Module):
         else:
             self.add_k_proj = self.add_v_proj = self.norm_added_k = None
 
+    def query(self, x):
+        """Normalised queries (B, S, H, D)."""
+        return _heads(self.norm_q(self.to_q(x)), self.num_heads)
+
+    def key_value(self, x):
+        """Normalised keys and values (B, S, H, D) of `x`; a cross-attention's K/V depend only on its context."""
+        return _heads(self.norm_k(self.to_k(x)), self.num_heads), _heads(self.to_v(x), self.num_heads)
+
+    def qkv(self, x, rope):
+        """Self-attention inputs: q and k rotated by `rope`, v; separate from attending so a causal
+        model can cache k and v."""
+        k, v = self.key_value(x)
+        return apply_rope(self.query(x), *rope), apply_rope(k, *rope), v
+
     def self_attention(self, x, rope, attn_fn):
-        q = apply_rope(_heads(self.norm_q(self.to_q(x)), self.num_heads), *rope)
-        k = apply_rope(_heads(self.norm_k(self.to_k(x)), self.num_heads), *rope)
-        v = _heads(self.to_v(x), self.num_heads)
-        out = attn_fn(q, k, v)
+        out = attn_fn(*self.qkv(x, rope))
         return self.to_out(out.reshape(x.shape[0], x.shape[1], -1))
 
     def cross_attention(self, x, context, context_image, attn_fn):
-        q = _heads(self.norm_q(self.to_q(x)), self.num_heads)
-        k = _heads(self.norm_k(self.to_k(context)), self.num_heads)
-        v = _heads(self.to_v(context), self.num_heads)
-        out = attn_fn(q, k, v)
+        q = self.query(x)
+        out = attn_fn(q, *self.key_value(context))
         if context_image is not None:
             k_img = _heads(self.norm_added_k(self.add_k_proj(context_image)), self.num_heads)
             v_img = _heads(self.add_v_proj(context_image), self.num_heads)
@@ -172,14 +181,9 @@ class WanTransformer(nnx.Module):
     def apply(self, hidden_states, timestep, encoder_hidden_states, encoder_hidden_states_image=None):
         """The forward computation, traced op by op; call it under jit (see `forward`)."""
         cfg = self.config
-        b, c, f, h, w = hidden_states.shape
-        pt, ph, pw = cfg.patch_size
+        b = hidden_states.shape[0]
         _check_inputs(cfg, hidden_states, timestep, encoder_hidden_states, encoder_hidden_states_image)
-        grid = (f // pt, h // ph, w // pw)
-        seq = grid[0] * grid[1] * grid[2]
-
-        patches = hidden_states.astype(self.dtype).reshape(b, c, grid[0], pt, grid[1], ph, grid[2], pw)
-        patches = patches.transpose(0, 2, 4, 6, 1, 3, 5, 7).reshape(b, seq, c * pt * ph * pw)
+        patches, grid = patchify(hidden_states.astype(self.dtype), cfg.patch_size)
         x = self.shard_activation(self.patch_embedding(patches), "tokens")
 
         emb = self.condition_embedder
@@ -212,10 +216,25 @@ class WanTransformer(nnx.Module):
         mod = self.scale_shift_table[...][None] + temb_out.astype(jnp.float32)
         shift, scale = mod[:, :, 0], mod[:, :, 1]
         x = (layer_norm(x, cfg.eps) * (1 + scale) + shift).astype(x.dtype)
-        x = self.proj_out(x)
+        return unpatchify(self.proj_out(x), grid, cfg.patch_size)
 
-        x = x.reshape(b, grid[0], grid[1], grid[2], pt, ph, pw, cfg.out_channels)
-        return x.transpose(0, 7, 1, 4, 2, 5, 3, 6).reshape(b, cfg.out_channels, f, h, w)
+
+def patchify(x, patch_size):
+    """(B, C, F, H, W) → tokens (B, S, C·pt·ph·pw) in (f, h, w) order, features (c, pt, ph, pw) — the
+    Conv3d patch embedding as a matmul — and the token grid (F/pt, H/ph, W/pw)."""
+    b, c, f, h, w = x.shape
+    pt, ph, pw = patch_size
+    grid = (f // pt, h // ph, w // pw)
+    x = x.reshape(b, c, grid[0], pt, grid[1], ph, grid[2], pw).transpose(0, 2, 4, 6, 1, 3, 5, 7)
+    return x.reshape(b, grid[0] * grid[1] * grid[2], c * pt * ph * pw), grid
+
+
+def unpatchify(x, grid, patch_size):
+    """Tokens (B, S, pt·ph·pw·C) → (B, C, F, H, W): the original "bfhwpqrc->bcfphqwr"."""
+    b = x.shape[0]
+    pt, ph, pw = patch_size
+    x = x.reshape(b, *grid, pt, ph, pw, -1).transpose(0, 7, 1, 4, 2, 5, 3, 6)
+    return x.reshape(b, x.shape[1], grid[0] * pt, grid[1] * ph, grid[2] * pw)
 
 
 def _identity(x, name):

@@ -24,7 +24,7 @@ from wan_tpu.models.transformer import WanTransformer
 _IGNORED_SEGMENTS = ("norm_added_q",)
 
 
-def _diffusers_name(our_path: tuple[str, ...]) -> str:
+def diffusers_name(our_path: tuple[str, ...]) -> str:
     """Our parameter path (without the leaf) → diffusers module path."""
     out = []
     for i, seg in enumerate(our_path):
@@ -40,6 +40,49 @@ def _diffusers_name(our_path: tuple[str, ...]) -> str:
     return ".".join(out)
 
 
+# Original Wan (Wan-Video/Wan2.1 `WanModel`) module names → diffusers', segment by segment.
+_ORIGINAL_TOP = {
+    ("time_embedding", "0"): "condition_embedder.time_embedder.linear_1",
+    ("time_embedding", "2"): "condition_embedder.time_embedder.linear_2",
+    ("text_embedding", "0"): "condition_embedder.text_embedder.linear_1",
+    ("text_embedding", "2"): "condition_embedder.text_embedder.linear_2",
+    ("time_projection", "1"): "condition_embedder.time_proj",
+    ("img_emb", "proj", "0"): "condition_embedder.image_embedder.norm1",
+    ("img_emb", "proj", "1"): "condition_embedder.image_embedder.ff.net.0.proj",
+    ("img_emb", "proj", "3"): "condition_embedder.image_embedder.ff.net.2",
+    ("img_emb", "proj", "4"): "condition_embedder.image_embedder.norm2",
+    ("img_emb", "emb_pos"): "condition_embedder.image_embedder.pos_embed",
+    ("head", "head"): "proj_out",
+    ("head", "modulation"): "scale_shift_table",
+}
+_ORIGINAL_ATTN = {"q": "to_q", "k": "to_k", "v": "to_v", "o": "to_out.0", "norm_q": "norm_q", "norm_k": "norm_k",
+                  "k_img": "add_k_proj", "v_img": "add_v_proj", "norm_k_img": "norm_added_k"}
+# The original block applies norm1 (self-attention), norm3 (cross-attention), norm2 (FFN); diffusers
+# numbers them in that order.
+_ORIGINAL_BLOCK = {("norm1",): "norm1", ("norm3",): "norm2", ("norm2",): "norm3", ("ffn", "0"): "ffn.net.0.proj",
+                   ("ffn", "2"): "ffn.net.2", ("modulation",): "scale_shift_table"}
+
+
+def original_wan_to_diffusers(name: str) -> str:
+    """An original-format Wan parameter name (`blocks.0.self_attn.q.weight`, `head.head.bias`, …) → its
+    diffusers name (`blocks.0.attn1.to_q.weight`, `proj_out.bias`); names it does not know (a
+    model's own additions, e.g. Matrix-Game's `blocks.0.action_model.…`) come back unchanged."""
+    parts = name.split(".")
+    for key, new in _ORIGINAL_TOP.items():
+        if tuple(parts[: len(key)]) == key:
+            return ".".join([new, *parts[len(key):]])
+    if len(parts) < 3 or parts[0] != "blocks":
+        return name
+    head, rest = parts[:2], parts[2:]
+    if rest[0] in ("self_attn", "cross_attn") and len(rest) > 1 and rest[1] in _ORIGINAL_ATTN:
+        attn = "attn1" if rest[0] == "self_attn" else "attn2"
+        return ".".join([*head, attn, _ORIGINAL_ATTN[rest[1]], *rest[2:]])
+    for key, new in _ORIGINAL_BLOCK.items():
+        if tuple(rest[: len(key)]) == key:
+            return ".".join([*head, new, *rest[len(key):]])
+    return name
+
+
 class _Source:
     """How one of our parameters is read: checkpoint names (one per layer if stacked) and a layout fix."""
 
@@ -48,7 +91,7 @@ class _Source:
         self.path = ".".join(path)
         self.stacked = bool(module) and module[0] == "blocks"
         layer_shape = target.shape[1:] if self.stacked else target.shape
-        base = _diffusers_name(tuple(module))
+        base = diffusers_name(tuple(module))
         self.transform = None
         if leaf == "kernel" and base == "patch_embedding":
             # Conv3d (out, in, pt, ph, pw) with stride == kernel is a matmul over flattened (in, pt, ph, pw).
