@@ -10,6 +10,8 @@ commit is recorded in each file. Writes, under `tests/data/`:
   frames as `inference.py` encodes them (`WanVAE.encode`, tiled with one tile as at 352×640); and
   random latents decoded by the streaming decoder `demo_utils/vae_block3.VAEDecoderWrapper` in chunks
   of 3 latent frames with its feature cache carried, exactly as `pipeline/causal_inference.py` calls it.
+- `matrix_game_actions.safetensors`: the authors' random benchmark actions (`utils/conditions.py`
+  `Bench_actions_{universal,gta_drive,templerun}(597)` after `random.seed(0)`, as `inference.py` seeds).
 - `matrix_game_clip.safetensors`: a small random `XLMRobertaCLIP` (every tensor of the `.pth`, text
   tower included, in its original names) and the visual tokens `CLIPModel.encode_video` gives for an
   image (bicubic resize to the tower's size, CLIP normalisation, the first n-1 of n blocks).
@@ -151,6 +153,21 @@ def make_clip(clip, seed: int) -> dict:
     return {**{f"clip.{k}": v for k, v in state.items()}, "image": image, "tokens": tokens.float()}
 
 
+def make_actions() -> dict:
+    import random
+
+    import utils.conditions as conditions
+
+    out = {}
+    for family in ("universal", "gta_drive", "templerun"):
+        random.seed(0)
+        data = getattr(conditions, f"Bench_actions_{family}")(597)
+        out[f"{family}.keyboard"] = data["keyboard_condition"].float()
+        if "mouse_condition" in data:
+            out[f"{family}.mouse"] = data["mouse_condition"].float()
+    return out
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--ref", required=True, help="checkout of SkyworkAI/Matrix-Game")
@@ -162,7 +179,9 @@ def main(argv=None) -> None:
     meta = {"reference": "SkyworkAI/Matrix-Game", "reference_commit": commit or "unknown",
             "script": "scripts/make_golden_matrix_game_vae_clip.py"}
     os.makedirs(args.out, exist_ok=True)
-    for name, tensors in (("matrix_game_vae", make_vae(wanx_vae, vae_block3, 0)), ("matrix_game_clip", make_clip(clip, 1))):
+    goldens = (("matrix_game_vae", make_vae(wanx_vae, vae_block3, 0)), ("matrix_game_clip", make_clip(clip, 1)),
+               ("matrix_game_actions", make_actions()))
+    for name, tensors in goldens:
         path = os.path.join(args.out, f"{name}.safetensors")
         stored = {k: (v.half() if k.startswith(("vae.", "clip.")) and v.is_floating_point() else v).contiguous()
                   for k, v in tensors.items()}

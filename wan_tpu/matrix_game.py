@@ -40,11 +40,11 @@ chunk) / `VAE_Decode_Frame` (the scanned frames), `VAE_Decode_Postprocessing`.
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import os
 import time
-from functools import partial
 
 import jax
 import jax.numpy as jnp
@@ -128,6 +128,14 @@ class MatrixGamePipeline:
                 self._loaded[name] = self._loaders[name]()
         return self._loaded[name]
 
+    def split(self, name: str):
+        """`nnx.split` of a component, made once: a new split is a new static argument of the compiled
+        chunk program, which would trace and compile it again for every stream."""
+        key = f"{name}/split"
+        if key not in self._loaded:
+            self._loaded[key] = nnx.split(self.component(name))
+        return self._loaded[key]
+
     transformer = property(lambda self: self.component("transformer"))
     vae = property(lambda self: self.component("vae"))
     image_encoder = property(lambda self: self.component("image_encoder"))
@@ -167,9 +175,13 @@ class MatrixGamePipeline:
         x = np.asarray(pil, np.float32) / np.float32(255)
         return ((x - np.float32(0.5)) / np.float32(0.5)).transpose(2, 0, 1)[None]
 
-    def encode_image(self, image: np.ndarray, max_latent_frames: int) -> ImageCondition:
-        """The condition latents of `image` (from `preprocess_image`) followed by gray frames."""
-        return ImageCondition.encode(self.vae, image, max_latent_frames, self.frames_per_chunk)
+    def encode_image(self, image: np.ndarray) -> ImageCondition:
+        """The condition latents of `image` (from `preprocess_image`) followed by gray frames, up to where
+        they repeat, whatever the video's length: so every stream of this model runs the same compiled
+        chunk program (the latents are one of its inputs) and a one-shot call equals a stream."""
+        from wan_tpu.models.matrix_game.model import MAX_FRAMES
+
+        return ImageCondition.encode(self.vae, self.split("vae"), image, MAX_FRAMES, self.frames_per_chunk)
 
     def encode_clip(self, image: np.ndarray) -> jax.Array:
         """CLIP tokens (1, N, image_dim) of `image` (from `preprocess_image`), as the authors' `encode_video`."""
@@ -193,7 +205,7 @@ class MatrixGamePipeline:
             with scope("1.1_Image_Loading_Resize"):
                 pixels = self.preprocess_image(image)
             with scope("1.2_VAE_Encode_FirstFrame"):
-                condition = self.encode_image(pixels, max_latents)
+                condition = self.encode_image(pixels)
             with scope("1.4_CLIP_Visual_Context"):
                 visual = self.encode_clip(pixels)
         return MatrixGameSession(self, condition, visual, seed, max_latents)
@@ -231,8 +243,8 @@ class ImageCondition:
         self.repeat_len = repeat_len
 
     @classmethod
-    def encode(cls, vae, image: np.ndarray, max_latent_frames: int, frames_per_chunk: int) -> ImageCondition:
-        graphdef, state = nnx.split(vae)
+    def encode(cls, vae, split, image: np.ndarray, max_latent_frames: int, frames_per_chunk: int) -> ImageCondition:
+        graphdef, state = split
         mu, caches = vae.encode_chunk(jnp.asarray(image[:, :, None], vae.dtype))
         means, count, repeat = [mu], 1, None
         run = frames_per_chunk * 3 // math.gcd(frames_per_chunk, 3)
@@ -253,7 +265,7 @@ class ImageCondition:
         return jnp.where(i < self.repeat_start, i, self.repeat_start + (i - self.repeat_start) % self.repeat_len)
 
 
-@partial(jax.jit, static_argnums=(0, 3, 4))
+@functools.partial(jax.jit, static_argnums=(0, 3, 4))
 def _gray_latents(graphdef, state, caches, count, frame_shape):
     """`count` latent frames of gray video (chunks of 4 zero frames, `frame_shape`) after `caches` →
     (caches, latents, whether the caches after equal those before, bitwise)."""
@@ -273,8 +285,6 @@ class MatrixGameSession:
     `chunk_frames` their frame counts; `fps` is frames over time per chunk."""
 
     def __init__(self, pipe: MatrixGamePipeline, condition: ImageCondition, visual_context, seed: int, max_latents: int):
-        from wan_tpu.models.matrix_game.model import init_cache
-
         self.pipe = pipe
         self.condition = condition
         self.max_latents = max_latents
@@ -285,10 +295,9 @@ class MatrixGameSession:
         self.chunk_seconds: list[float] = []
         self.chunk_frames: list[int] = []
         with scope("2.1_KV_Cache_Initialization"):
-            graphdef, state = nnx.split(pipe.transformer)
-            self._dit = (graphdef, state)
-            self.cache = init_cache(graphdef, state, visual_context, tuple(pipe.variant.latent_size))
-        self._vae = nnx.split(pipe.vae)
+            self._dit = pipe.split("transformer")
+            self.cache = _init_cache(*self._dit, visual_context, tuple(pipe.variant.latent_size))
+        self._vae = pipe.split("vae")
         self.vae_caches = None
         with scope("1.5_Noise_Sampling"):
             self.key = jax.random.key(seed)
@@ -322,11 +331,19 @@ class MatrixGameSession:
                 *self._dit, *self._vae, self.cache, self.vae_caches, self.condition.latents, *windows,
                 jnp.int32(k), self.key, schedule=pipe.schedule, frames_per_chunk=f,
                 repeat=(self.condition.repeat_start, self.condition.repeat_len))
-            frames = np.asarray(frames)[0]
+            with scope("3_Video_Postprocessing"):
+                frames = np.asarray(frames)[0]
         self.chunk_seconds.append(time.perf_counter() - start)
         self.chunk_frames.append(n)
         self.chunk += 1
         return frames
+
+
+@functools.partial(jax.jit, static_argnums=(0, 3))
+def _init_cache(graphdef, state, visual_context, latent_size):
+    from wan_tpu.models.matrix_game.model import init_cache
+
+    return init_cache(graphdef, state, visual_context, latent_size)
 
 
 def _chunk_rows(keyboard, mouse, n: int, space: actions.ActionSpace):
@@ -339,7 +356,7 @@ def _chunk_rows(keyboard, mouse, n: int, space: actions.ActionSpace):
     return keyboard, mouse
 
 
-@partial(jax.jit, static_argnums=(0, 2), static_argnames=("schedule", "frames_per_chunk", "repeat"),
+@functools.partial(jax.jit, static_argnums=(0, 2), static_argnames=("schedule", "frames_per_chunk", "repeat"),
          donate_argnums=(4, 5))
 def _chunk_program(dit_graph, dit_state, vae_graph, vae_state, cache, vae_caches, latents, keyboard, mouse,
                    chunk_index, key, *, schedule, frames_per_chunk, repeat):
@@ -390,8 +407,10 @@ def _read_index(path: str) -> dict:
     return index
 
 
+@functools.lru_cache(maxsize=4)
 def _tiny(dtype, vae_dtype, attention_impl) -> MatrixGamePipeline:
-    """The `matrix-game-tiny` preset: random weights from fixed seeds (see `wan_tpu.presets.random_module`)."""
+    """The `matrix-game-tiny` preset: random weights from fixed seeds (see `wan_tpu.presets.random_module`).
+    One pipeline per setting and process, so its compiled chunk programs serve every later request."""
     from wan_tpu.presets import TINY_SEED, TINY_VAE, random_module
 
     variant = get_variant(PRESET)
