@@ -19,7 +19,7 @@ horizontal] camera motion per frame (up = +, right = +; the authors use ±0.1):
 `inference_streaming.py`, also accepted spelled out). Items are separated by spaces or `+`:
 - universal: `w` `s` `a` `d` (forward, back, left, right; several may combine, `a+d`), `q` no key;
   camera `i` `k` `j` `l` (up, down, left, right) or `mouse up|down|left|right`, `u` / `mouse none` still.
-- gta_drive: `w` `s` (forward, back), `a` `d` steer left/right (the mouse's horizontal ∓0.1), `q` nothing.
+- gta_drive: `w` `s` (forward, back), `a` `d` steer left/right (the mouse's horizontal -0.1 / +0.1), `q` nothing.
 - templerun: `w` jump, `s` slide, `a` leftside, `d` rightside, `z` turnleft, `c` turnright, `q` nomove.
 An empty line repeats the previous chunk's action; `quit`, `exit`, `n` or end of input stops.
 """

@@ -70,11 +70,12 @@ def scripted_actions(args, pipe):
     return keyboard, mouse
 
 
-def interactive_lines(space, stream=sys.stdin, prompt=sys.stderr):
+def interactive_lines(space, stream=None, prompt=None):
     """Parsed (keyboard, mouse) per chunk from the lines of `stream`, until a stop word or its end; a line
     the grammar rejects is reported and the next one read, an empty line repeats the last action."""
     from wan_tpu import matrix_game_actions as actions
 
+    stream, prompt = stream or sys.stdin, prompt or sys.stderr
     last = ""
     chunk = 0
     while True:
