@@ -132,8 +132,8 @@ class MatrixGameTransformerConfig:
         if self.model_type != "i2v":
             _bad(w, "model_type", self.model_type, '"i2v" (the only type CausalWanModel accepts)')
         object.__setattr__(self, "patch_size", _int_tuple(w, "patch_size", self.patch_size, 3))
-        if not all(p > 0 for p in self.patch_size):
-            _bad(w, "patch_size", self.patch_size, "three positive integers")
+        if self.patch_size[0] != 1 or not all(p > 0 for p in self.patch_size):
+            _bad(w, "patch_size", self.patch_size, "(1, h, w) with positive h, w (the model is causal per latent frame)")
         for name in ("in_dim", "dim", "ffn_dim", "freq_dim", "out_dim", "num_heads", "num_layers", "image_dim"):
             if not _pos_int(getattr(self, name)):
                 _bad(w, name, getattr(self, name), "a positive integer")

@@ -32,7 +32,7 @@ from wan_tpu.configs.matrix_game import MatrixGameTransformerConfig, config_from
 from wan_tpu.errors import WanInputError
 from wan_tpu.models.matrix_game.cache import MatrixGameCache
 from wan_tpu.models.matrix_game.model import MatrixGameTransformer
-from wan_tpu.models.transformer_loading import diffusers_name, original_wan_to_diffusers
+from wan_tpu.models.transformer_loading import diffusers_name, diffusers_to_original_wan, original_wan_to_diffusers
 
 PREFIX = "model."
 # Our action-module submodules → the authors' (`nn.Sequential` indices).
@@ -124,7 +124,7 @@ def _check(params: list[_Param], tensors: TensorSource, names: dict[str, str], p
             return ", ".join(xs[:6]) + (f" (+{len(xs) - 6} more)" if len(xs) > 6 else "")
 
         problems = [f"{label}: {few(xs)}" for label, xs in
-                    (("missing", [PREFIX + n for n in missing]), ("unexpected", extra), ("wrong shape", wrong)) if xs]
+                    (("missing", [PREFIX + diffusers_to_original_wan(n) for n in missing]), ("unexpected", extra), ("wrong shape", wrong)) if xs]
         raise WanInputError(f"{path}: the weights do not match the Matrix-Game config — " + "; ".join(problems)
                             + "; pass the variant these weights belong to")
 

@@ -135,6 +135,9 @@ def block_runs(cfg: MatrixGameTransformerConfig) -> tuple[tuple[int, int, bool],
 
 
 class MatrixGameTransformer(nnx.Module):
+    """The causal DiT; see the module docstring. `block_runs` names which blocks each entry of
+    `blocks` stacks (and `MatrixGameCache.blocks` follows the same runs)."""
+
     def __init__(self, config: MatrixGameTransformerConfig, *, dtype=jnp.float32, rngs: nnx.Rngs,
                  attention_impl=None):
         cfg = config
@@ -196,7 +199,6 @@ class MatrixGameTransformer(nnx.Module):
         _check_inputs(cfg, latents, cond_concat, keyboard, mouse, cache, valid_frames)
         x = jnp.concatenate([latents, cond_concat], axis=1).astype(self.dtype)
         patches, grid = patchify(x, cfg.patch_size)
-        b, n = patches.shape[:2]
         x = self.shard_activation(self.patch_embedding(patches), "tokens")
         rope = rope_tables(cfg.head_dim, grid, frame_offset=frame_offset, max_frames=MAX_FRAMES)
         step = _Step(grid, frame_offset, valid_frames, rope, keyboard, mouse, self.self_attention,

@@ -23,8 +23,9 @@ every chunk of every stream:
     cond_concat      (B, in_dim − C, F, H, W) mask + image latents of the chunk's frames
     keyboard, mouse  (B, 4F + 8, dim) raw action windows (`chunk_action_window`); None where absent
     chunk_index      int32 scalar (traced): the chunk's first latent frame is chunk_index·F
-    step_noise       a PRNG key (ε of step i = normal(fold_in(key, i))), or the injected ε of the
-                     steps before the last, (steps − 1, B, C, F, H, W)
+    step_noise       a PRNG key (ε after step i = normal(fold_in(key, i))), or (B,) keys, one per
+                     sample (then a sample's result does not depend on its batch), or the injected ε
+                     of the steps before the last, (steps − 1, B, C, F, H, W)
     → x0             (B, C, F, H, W) float32, and the cache
 
 The attention window holds min(window, (k+1)·F) frames at chunk k, a static size per compiled
@@ -150,7 +151,7 @@ def denoise_chunk(graphdef, state, cache, noise, cond_concat, keyboard, mouse, c
                 x, cond_concat, temb_i, tproj_i, keyboard, mouse, cache, frame_offset, valid_frames)
             x0 = x - sigma_i * flow.astype(jnp.float32)
             if not injected:
-                eps_i = jax.random.normal(jax.random.fold_in(step_noise, eps_i), x.shape, jnp.float32)
+                eps_i = _draw(step_noise, eps_i, x.shape)
             return (((1 - sigma_next_i) * x0 + sigma_next_i * eps_i), cache), x0
 
         (_, cache), x0 = jax.lax.scan(body, (noise.astype(jnp.float32), cache), (temb, tproj, sigma, sigma_next, eps))
@@ -163,6 +164,16 @@ def denoise_chunk(graphdef, state, cache, noise, cond_concat, keyboard, mouse, c
     return jax.lax.switch(jnp.minimum(chunk_index, len(branches) - 1), branches, cache)
 
 
+def _draw(key, i, shape):
+    """ε after step i: from one key for the batch, or per sample from a (B,) array of keys (then a
+    sample's noise does not depend on the batch it runs in)."""
+    if key.ndim == 0:
+        return jax.random.normal(jax.random.fold_in(key, i), shape, jnp.float32)
+    return jax.vmap(lambda k: jax.random.normal(jax.random.fold_in(k, i), shape[1:], jnp.float32))(key)
+
+
 def _is_key(x) -> bool:
     dtype = getattr(x, "dtype", None)
-    return dtype is not None and (jnp.issubdtype(dtype, jax.dtypes.prng_key) or dtype == jnp.uint32)
+    if dtype == jnp.uint32:
+        raise WanInputError("step_noise is a raw uint32 key; pass a typed key, jax.random.key(seed) (or keys split from it)")
+    return dtype is not None and jnp.issubdtype(dtype, jax.dtypes.prng_key)
