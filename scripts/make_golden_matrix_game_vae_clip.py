@@ -33,7 +33,6 @@ import subprocess
 import sys
 import types
 
-import numpy as np
 import torch
 from safetensors.torch import save_file
 
