@@ -409,11 +409,13 @@ def _decode_chunk(graphdef, state, z, caches):
 
     videos = []
     if caches is None:
-        caches, first = frame(None, z[:, :, :1])
+        with jax.named_scope("VAE_Decode_Frame_0"):
+            caches, first = frame(None, z[:, :, :1])
         videos.append(first)
         z = z[:, :, 1:]
     if z.shape[2]:
-        caches, rest = lax.scan(lambda c, zf: frame(c, zf[:, :, None]), caches, jnp.moveaxis(z, 2, 0))
+        with jax.named_scope("VAE_Decode_Frame"):
+            caches, rest = lax.scan(lambda c, zf: frame(c, zf[:, :, None]), caches, jnp.moveaxis(z, 2, 0))
         rest = jnp.moveaxis(rest, 0, 2)  # (B, C, F, T per frame, H, W)
         videos.append(rest.reshape(*rest.shape[:2], -1, *rest.shape[4:]))
     return caches, jnp.concatenate(videos, axis=2)
