@@ -19,6 +19,7 @@ g ≤ 1 there is no unconditional pass (diffusers' `do_classifier_free_guidance 
 from __future__ import annotations
 
 import dataclasses
+import math
 import time
 from typing import NamedTuple
 
@@ -28,6 +29,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
+from wan_tpu import interrupt, step_cache
 from wan_tpu.models.transformer import forward
 from wan_tpu.profiling import scope
 
@@ -79,7 +81,8 @@ def _shard_batch(x, mesh):
     return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec))
 
 
-def _step(sched_cls, graphdef, patch_size, mesh, params, sched_fields, sched_state, latents, i, cond, guidance):
+def _step(sched_cls, graphdef, patch_size, mesh, params, sched_fields, sched_state, latents, i, cond, guidance,
+          cache=None):
     sched = sched_cls(**sched_fields)
     b = latents.shape[0]
     x = model_input(latents, cond).astype(cond.prompt_embeds.dtype)
@@ -99,19 +102,23 @@ def _step(sched_cls, graphdef, patch_size, mesh, params, sched_fields, sched_sta
     else:
         timestep = jnp.full((x.shape[0],), t, jnp.float32)
     with jax.named_scope("dit_forward"):
-        noise = forward(graphdef, params, x, timestep, context, image).astype(jnp.float32)
+        if cache is None:
+            noise = forward(graphdef, params, x, timestep, context, image)
+        else:
+            noise, cache = step_cache.cached_forward(graphdef, params, cache, i, x, timestep, context, image)
+        noise = noise.astype(jnp.float32)
     if cfg:
         noise_cond, noise_uncond = noise[:b], noise[b:]
         noise = noise_uncond + guidance * (noise_cond - noise_uncond)
     with jax.named_scope("scheduler_step"):
         latents, sched_state = sched.step(sched_state, noise, latents, i)
-    return latents, sched_state, jnp.all(jnp.isfinite(latents))
+    return latents, sched_state, jnp.all(jnp.isfinite(latents)), cache
 
 
 _STATIC = (0, 1, 2, 3)
 _step_jit = jax.jit(_step, static_argnums=_STATIC)
 # CPU cannot reuse donated buffers (and warns about it), so only accelerators donate.
-_step_jit_donated = jax.jit(_step, static_argnums=_STATIC, donate_argnums=(6, 7))
+_step_jit_donated = jax.jit(_step, static_argnums=_STATIC, donate_argnums=(6, 7, 11))
 
 
 def denoise(
@@ -124,12 +131,15 @@ def denoise(
     mesh=None,
     progress: bool = True,
     step_seconds: list | None = None,
+    cache=None,
+    cache_stats: list | None = None,
 ) -> jax.Array:
     """Run the whole schedule from the initial noise `latents` (B, z, F, h, w); returns the final latents.
 
     `transformers`: the DiT, or the (high-noise, low-noise) experts of Wan 2.2 A14B with their
     `guidance_scales` and `boundary_ratio`. `step_seconds`, if given, receives each step's wall time
-    (the first includes compilation).
+    (the first includes compilation). `cache`: a resolved step cache (`wan_tpu.step_cache.resolve`);
+    `cache_stats`, if given, receives its `CacheStats`.
     """
     from tqdm.auto import tqdm
 
@@ -150,6 +160,12 @@ def denoise(
     latents = jnp.array(latents, dtype=jnp.float32, copy=True)
     # Copies, so that no two donated state leaves share a buffer.
     state = jax.tree.map(lambda a: jnp.array(a, copy=True), scheduler.init_state(latents))
+    carry = None
+    if cache is not None:
+        cfg = transformers[0].config
+        tokens = math.prod(d // p for d, p in zip(latents.shape[2:], cfg.patch_size))
+        carry = step_cache.start(cache, n, 1 + (cond.negative_prompt_embeds is not None), switch, latents.shape[0],
+                                 tokens, cfg.inner_dim, dtype, per_token_time=cond.first_frame_mask is not None)
     step_fn = _step_jit if jax.default_backend() == "cpu" else _step_jit_donated
     pending = None
     last = time.perf_counter()
@@ -172,14 +188,17 @@ def denoise(
             e = 0 if i < switch else 1
             graphdef, params = experts[e]
             with scope(f"step_{i}"):
-                latents, state, finite = step_fn(
+                latents, state, finite, carry = step_fn(
                     type(scheduler), graphdef, transformers[e].config.patch_size, mesh, params, fields, state,
-                    latents, jnp.int32(i), cond, jnp.float32(guidance_scales[e]),
+                    latents, jnp.int32(i), cond, jnp.float32(guidance_scales[e]), carry,
                 )
             if pending is not None:
                 finish(*pending)
             pending = (i, finite)
+            interrupt.check("denoise")
         finish(*pending)
+    if cache_stats is not None and carry is not None:
+        cache_stats.append(step_cache.stats(cache, carry))
     if cond.first_frame is not None:
         latents = model_input(latents, cond)
     return latents

@@ -97,6 +97,7 @@ def interactive_lines(space, stream=None, prompt=None):
 def play(args) -> None:
     import jax.numpy as jnp
 
+    from wan_tpu import interrupt
     from wan_tpu.conditioning import load_image
     from wan_tpu.matrix_game import MatrixGamePipeline
     from wan_tpu.profiling import StageTimer, scope, trace
@@ -127,12 +128,14 @@ def play(args) -> None:
             session = pipe.stream(image, seed=args.seed, max_frames=max_frames)
         with scope("2_Pipeline_Inference"):
             for keyboard, mouse in _chunks(args, pipe, session, scripted):
+                interrupt.check("denoise")
                 with timer.stage("first chunk" if session.chunk == 0 else "chunks"):
                     frames = session.step(keyboard, mouse)
                 with timer.stage("export"), scope("4_Video_Export"):
                     video.append(frames)
         if not video.frames:
             raise WanInputError("no action was given, so no chunk was made; type one action line per chunk (see --help)")
+    interrupt.record(args.output)
     h, w = pipe.size
     print(f"wrote {args.output} ({video.frames} frames, {w}x{h}, {pipe.variant.fps} fps)")
     print(report(timer, session))

@@ -2,7 +2,8 @@
 
 Encoding goes through `imageio` + `imageio-ffmpeg`, which carries its own ffmpeg binary, so nothing
 has to be installed on the host. The file is written under a temporary name beside the target and
-renamed into place, so an interrupted run never leaves a truncated mp4 under the requested name.
+renamed into place, so an interrupted run never leaves a truncated mp4 under the requested name
+(a Ctrl-C stops between frames: `wan_tpu.interrupt`).
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import warnings
 
 import numpy as np
 
+from wan_tpu import interrupt
 from wan_tpu.errors import WanInputError
 from wan_tpu.stages import check_output_path
 
@@ -29,7 +31,7 @@ def write_video(path: str, frames: np.ndarray, fps: int, overwrite: bool = False
 
 class VideoWriter:
     """An mp4 written as frames arrive (a stream's chunks), renamed into place when the `with` block ends
-    without an error; on an error, or when no frame came, nothing is left behind.
+    without an error; on an error or an interrupt, or when no frame came, nothing is left behind.
 
         with VideoWriter("out.mp4", fps=12) as video:
             for chunk in chunks:
@@ -43,8 +45,10 @@ class VideoWriter:
         # The temporary name keeps the .mp4 suffix because ffmpeg picks the container from it.
         self._tmp = os.path.join(parent, f".{name}.{os.getpid()}.partial.mp4")
         self._writer = None
+        self._stack = contextlib.ExitStack()
 
     def __enter__(self) -> VideoWriter:
+        self._stack.enter_context(interrupt.temporary(self._tmp))
         return self
 
     def append(self, frames: np.ndarray) -> None:
@@ -63,7 +67,8 @@ class VideoWriter:
                                                   macro_block_size=1, pixelformat="yuv420p")
             for frame in frames:
                 self._writer.append_data(frame)
-        self.frames += len(frames)
+                self.frames += 1
+                interrupt.check("write")
 
     def __exit__(self, exc_type, exc, tb) -> None:
         try:
@@ -75,6 +80,7 @@ class VideoWriter:
         finally:
             if os.path.exists(self._tmp):
                 os.remove(self._tmp)
+            self._stack.close()
 
 
 def read_video(path: str) -> tuple[np.ndarray, float]:

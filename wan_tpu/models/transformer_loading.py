@@ -6,9 +6,14 @@ linear weights are transposed to (in, out), the patch-embedding Conv3d becomes a
 per-layer tensors `blocks.{i}.…` are stacked on the leading layer axis. All names and shapes are
 checked against config.json before any data is read. Tensors stream one parameter at a time from
 memory-mapped files, so the host holds at most one (stacked) parameter besides the mapping.
+`checkpoint_origin(dit)` re-reads one parameter exactly as it was loaded (how `wan_tpu.lora` restores
+the weights a LoRA changed), and `param_sources(dit)` maps each parameter to its diffusers tensor names.
 """
 
 from __future__ import annotations
+
+import os
+import weakref
 
 import jax
 import jax.numpy as jnp
@@ -104,8 +109,12 @@ def diffusers_to_original_wan(name: str) -> str:
     return _convert_wan_name(name, reverse=True)
 
 
-class _Source:
-    """How one of our parameters is read: checkpoint names (one per layer if stacked) and a layout fix."""
+class ParamSource:
+    """How one of our parameters is read: checkpoint names (one per layer if stacked) and a layout fix.
+
+    `names`: the diffusers tensor names (`blocks.{i}.…` per layer when `stacked`); `source_shape`: one
+    of them as stored (diffusers layout); `transform`: that layout → ours (None: the same).
+    """
 
     def __init__(self, path: tuple[str, ...], target: jax.ShapeDtypeStruct, cfg: WanTransformerConfig):
         *module, leaf = path
@@ -171,7 +180,7 @@ def load_transformer(path: str, dtype=jnp.float32, mesh=None) -> WanTransformer:
     graphdef, state = nnx.split(abstract)
     flat = nnx.to_flat_state(state)
 
-    sources = [_Source(tuple(str(p) for p in key), var.get_value(), cfg) for key, var in flat]
+    sources = [ParamSource(tuple(str(p) for p in key), var.get_value(), cfg) for key, var in flat]
     for s in sources:
         s.check(tensors, path)
     expected = {n for s in sources for n in s.names}
@@ -193,9 +202,55 @@ def load_transformer(path: str, dtype=jnp.float32, mesh=None) -> WanTransformer:
             var.set_value(place_param(mesh, "dit", s.path, host, num_heads=cfg.num_attention_heads))
         del host
     dit = nnx.merge(graphdef, nnx.from_flat_state(flat))
+    _ORIGINS[dit] = CheckpointOrigin(path, tensors, {s.path: s for s in sources},
+                                     {s.path: np.dtype(var.get_value().dtype) for s, (_, var) in zip(sources, flat)})
 
     if mesh is not None:
         from wan_tpu.sharding import shard_transformer
 
         shard_transformer(dit, mesh)
     return dit
+
+
+def param_sources(module: WanTransformer) -> list[ParamSource]:
+    """How every parameter of a (possibly abstract, `nnx.eval_shape`) DiT maps to diffusers tensor names."""
+    flat = nnx.to_flat_state(nnx.state(module, nnx.Param))
+    return [ParamSource(tuple(str(p) for p in key), var.get_value(), module.config) for key, var in flat]
+
+
+class CheckpointOrigin:
+    """Where a loaded DiT's weights came from, so that one parameter can be read again exactly as loaded.
+
+    The files' sizes and modification times are noted at load time: a file replaced since then
+    cannot give back the loaded values, and `read` says so instead of returning other weights.
+    """
+
+    def __init__(self, path: str, tensors: TensorSource, sources: dict[str, ParamSource], dtypes: dict[str, np.dtype]):
+        self.path, self._tensors, self._sources, self._dtypes = path, tensors, sources, dtypes
+        self._stamps = {f: _stamp(f) for f in tensors.files}
+
+    def read(self, param_path: str) -> np.ndarray:
+        """The host array that `load_transformer` placed for `param_path` (same dtype, same bits)."""
+        for f, stamp in self._stamps.items():
+            if _stamp(f) != stamp:
+                raise WanInputError(f"{f} changed on disk since the transformer was loaded, so its weights cannot be "
+                                    "restored exactly; load the transformer again")
+        return self._sources[param_path].read(self._tensors, self._dtypes[param_path])
+
+
+def _stamp(path: str):
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return st.st_size, st.st_mtime_ns
+
+
+# DiT → CheckpointOrigin; weak, so that a dropped model frees its entry. A side table rather than an
+# attribute: attributes of an nnx module are part of its graphdef, which keys compiled code.
+_ORIGINS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def checkpoint_origin(dit: WanTransformer) -> CheckpointOrigin | None:
+    """The checkpoint `dit` was loaded from by `load_transformer` (None for models built otherwise)."""
+    return _ORIGINS.get(dit)
