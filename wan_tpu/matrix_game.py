@@ -30,8 +30,9 @@ and a one-shot call with the same image, seed and actions give identical frames:
 is a stream. Noise: chunk k draws its initial noise and its re-noising from `fold_in(key(seed), k)`.
 
 Trace scopes (`--profile`) follow the authors' PROFILING_TAGS_GUIDE: host regions `1_Data_Preparation`
-(`1.1_Image_Loading_Resize`, `1.2_VAE_Encode_FirstFrame`, `1.3_Condition_Preparation`,
-`1.4_CLIP_Visual_Context`, `1.5_Noise_Sampling`, `1.6_Action_Conditions_Setup`), `2_Pipeline_Inference`,
+(`1.1_Image_Loading_Resize`, `1.2_VAE_Encode_FirstFrame`, `1.4_CLIP_Visual_Context`,
+`1.5_Noise_Sampling`, `1.6_Action_Conditions_Setup`; the mask and condition slicing of `1.3` happen
+inside the chunk program), `2_Pipeline_Inference`,
 `2.1_KV_Cache_Initialization`, `2.3_Block_{i}` per chunk, `3_Video_Postprocessing`, `4_Video_Export`;
 inside the compiled chunk (one program serves every chunk, so names carry no chunk index):
 `2.3_Denoise` (the DiT's steps and cache update), `2.3_VAE_Decode` → `VAE_Decode_Frame_0` (first
@@ -42,7 +43,6 @@ from __future__ import annotations
 
 import functools
 import json
-import math
 import os
 import time
 
@@ -181,7 +181,7 @@ class MatrixGamePipeline:
         chunk program (the latents are one of its inputs) and a one-shot call equals a stream."""
         from wan_tpu.models.matrix_game.model import MAX_FRAMES
 
-        return ImageCondition.encode(self.vae, self.split("vae"), image, MAX_FRAMES, self.frames_per_chunk)
+        return ImageCondition.encode(self.vae, self.split("vae"), image, MAX_FRAMES)
 
     def encode_clip(self, image: np.ndarray) -> jax.Array:
         """CLIP tokens (1, N, image_dim) of `image` (from `preprocess_image`), as the authors' `encode_video`."""
@@ -234,8 +234,8 @@ class ImageCondition:
     `latents` (1, z, K, h, w) holds latent frames 0 … K-1; frames from `repeat_start` on repeat with
     period `repeat_len` (`index`): the encoder's state (its causal caches) after a run of `repeat_len`
     gray latent frames was bitwise the state before it, so every later run computes the same latents.
-    The run length is a multiple of 3 because the caches' 3-slot rings rotate with every frame; with 3
-    latent frames per chunk, one run is one chunk's worth."""
+    A run is 3 latent frames: the caches' 3-slot rings turn by 1, 2 or 4 slots per latent frame, so
+    their layout, and with it the exact arithmetic, repeats every 3."""
 
     def __init__(self, latents, repeat_start: int, repeat_len: int):
         self.latents = latents
@@ -243,11 +243,10 @@ class ImageCondition:
         self.repeat_len = repeat_len
 
     @classmethod
-    def encode(cls, vae, split, image: np.ndarray, max_latent_frames: int, frames_per_chunk: int) -> ImageCondition:
+    def encode(cls, vae, split, image: np.ndarray, max_latent_frames: int) -> ImageCondition:
         graphdef, state = split
         mu, caches = vae.encode_chunk(jnp.asarray(image[:, :, None], vae.dtype))
-        means, count, repeat = [mu], 1, None
-        run = frames_per_chunk * 3 // math.gcd(frames_per_chunk, 3)
+        means, count, repeat, run = [mu], 1, None, 3
         frame = (image.shape[0], vae.config.video_channels, 4, *image.shape[2:])
         while count < max_latent_frames:
             caches, mus, same = _gray_latents(graphdef, state, caches, run, frame)
