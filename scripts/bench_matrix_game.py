@@ -15,8 +15,9 @@ so a later call can run the rest while the machine still holds WORKDIR):
   their tiled VAE encode of the image + 4·(N-1) gray frames, CLIP `encode_video`, `Bench_actions_universal`).
   Runtime patches, only where their code cannot run here: no flash-attn on the machine, so their
   `flash_attn_func` / `flash_attention` calls go to torch SDPA (same layout, same scale) and their
-  `attention` takes its own SDPA fallback; `torchvision` absent: their CLIP's `Normalize` stand-in
-  and our image preprocessing (the same centre crop + bilinear resize) feed both pipelines.
+  `attention` takes its own SDPA fallback; where `torchvision` is absent, a stand-in for the one
+  transform their CLIP runs (`Normalize`); our image preprocessing (the same centre crop + bilinear
+  resize as their `_resizecrop` + `Resize`) feeds both pipelines.
 - `ours`: `MatrixGamePipeline` on the converted folder (DiT bf16, VAE `--vae-dtype`), the same image,
   seed and actions, through a stream, with the compile cache warm from the first-frame runs when
   they ran first.
@@ -82,17 +83,21 @@ def import_reference(ref: str):
     flash.flash_attn_func = sdpa_bshd
     sys.modules["flash_attn"] = flash
 
-    class Normalize:
-        def __init__(self, mean, std):
-            self.mean, self.std = torch.tensor(mean), torch.tensor(std)
+    try:
+        import torchvision.transforms  # noqa: F401
+    except ImportError:
+        class Normalize:
+            def __init__(self, mean, std):
+                self.mean, self.std = torch.tensor(mean), torch.tensor(std)
 
-        def __call__(self, x):
-            return (x - self.mean.to(x)[:, None, None]) / self.std.to(x)[:, None, None]
+            def __call__(self, x):
+                return (x - self.mean.to(x)[:, None, None]) / self.std.to(x)[:, None, None]
 
-    transforms = types.ModuleType("torchvision.transforms")
-    transforms.Normalize = Normalize
-    sys.modules.setdefault("torchvision", types.ModuleType("torchvision")).transforms = transforms
-    sys.modules["torchvision.transforms"] = transforms
+        transforms = types.ModuleType("torchvision.transforms")
+        transforms.Normalize = Normalize
+        vision = types.ModuleType("torchvision")
+        vision.transforms = transforms
+        sys.modules.update({"torchvision": vision, "torchvision.transforms": transforms})
     for name in ("wan", "wan.modules", "wan.vae", "wan.vae.wanx_vae_src"):
         package = types.ModuleType(name)
         package.__path__ = [os.path.join(root, *name.split("."))]
