@@ -15,6 +15,7 @@ _EXPORTS = {
     "load_vae": "wan_tpu.models.vae_loading",
     "WanPipeline": "wan_tpu.pipeline",
     "MatrixGamePipeline": "wan_tpu.matrix_game",
+    "quantize_transformer": "wan_tpu.quantize",
     "WanInputError": "wan_tpu.errors",
 }
 
