@@ -24,6 +24,7 @@ from wan_tpu.errors import WanInputError
 from wan_tpu.models import vae as vae_module
 from wan_tpu.models.vae import WanVAE
 from wan_tpu.models.vae_loading import load_vae, original_wan21_vae_config, original_wan21_vae_name
+from wan_tpu.presets import random_module
 
 GOLDEN = os.path.join(os.path.dirname(__file__), "data", "matrix_game_vae.safetensors")
 TOL = 1e-5  # float32, max |ours - reference| / max |reference|
@@ -44,7 +45,8 @@ def stream(vae, z, sizes):
 
 @pytest.fixture(scope="module")
 def tiny_vae():
-    return WanVAE(VAE_PRESETS["tiny"], rngs=nnx.Rngs(0))
+    # Weights drawn on the host: eager initialisation costs tens of seconds on a small CPU.
+    return random_module(lambda: WanVAE(VAE_PRESETS["tiny"], rngs=nnx.Rngs(0)), 0)
 
 
 def test_stream_equals_whole_decode_and_traces_once(tiny_vae, monkeypatch):
