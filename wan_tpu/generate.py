@@ -39,6 +39,8 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", choices=DTYPES, default="bfloat16", help="DiT and text encoder dtype (VAE: float32)")
     p.add_argument("--mesh", default=None, help="device mesh dp,sp,tp (product = number of devices; default: one device)")
     p.add_argument("--attention", default=None, help="DiT attention kernel (reference, splash_exp2, pallas_gpu, cudnn)")
+    p.add_argument("--no-compile-cache", action="store_true",
+                   help="neither read nor write the persistent compilation cache (see wan_tpu.compile_cache)")
 
 
 def add_run_args(p: argparse.ArgumentParser) -> None:
@@ -119,7 +121,8 @@ def load_pipeline(args):
                                 f"choose one of {', '.join(choices)} or leave --attention out")
     mesh = parse_mesh(args.mesh)
     dtype = {"bfloat16": jnp.bfloat16, "float32": jnp.float32}[args.dtype]
-    return WanPipeline.from_pretrained(args.model, mesh=mesh, dtype=dtype, attention_impl=args.attention)
+    return WanPipeline.from_pretrained(args.model, mesh=mesh, dtype=dtype, attention_impl=args.attention,
+                                       compile_cache=not args.no_compile_cache)
 
 
 def run_settings(pipe, args):
@@ -230,9 +233,11 @@ def report(pipe, s, timer, step_seconds, out=sys.stdout) -> None:
     """Per-stage times, s/step (compile excluded: the first step is left out when there are more) and MFU."""
     import jax
 
+    from wan_tpu import compile_cache
     from wan_tpu.profiling import dit_forward_flops, mfu
 
-    extra = []
+    extra = [("compile cache", f"{compile_cache.stats()}  ({compile_cache.cache_dir()})" if compile_cache.is_enabled()
+              else "off")]
     if step_seconds:
         steady = step_seconds[1:] or step_seconds
         per_step = sorted(steady)[len(steady) // 2]
@@ -243,7 +248,7 @@ def report(pipe, s, timer, step_seconds, out=sys.stdout) -> None:
         flops = dit_forward_flops(pipe.variant.transformer, tokens, image_len=image_len) * (2 if s.do_cfg else 1)
         n = pipe.mesh.devices.size if pipe.mesh is not None else 1
         value, basis = mfu(flops, per_step, n, jax.devices()[0])
-        extra = [("s/step (median)", f"{per_step:9.3f} s"), ("MFU", f"{value:>9}  ({basis})")]
+        extra += [("s/step (median)", f"{per_step:9.3f} s"), ("MFU", f"{value:>9}  ({basis})")]
     print(timer.table(extra), file=out)
 
 
@@ -279,13 +284,13 @@ def stage_paths(folder: str | None, overwrite: bool) -> tuple[str, str] | None:
 
 
 def generate(args) -> None:
-    from wan_tpu.profiling import StageTimer, scope, trace
+    from wan_tpu.profiling import StageTimer, process_start, scope, trace
     from wan_tpu.stages import save_stage
     from wan_tpu.stages import check_output_path
 
     check_output_path(args.output, args.overwrite, ".mp4")
     stages = stage_paths(args.keep_stages, args.overwrite)
-    timer = StageTimer()
+    timer = StageTimer(since=process_start())
     step_seconds: list[float] = []
     pipe = load_pipeline(args)
     s = run_settings(pipe, args)

@@ -59,14 +59,18 @@ class WanPipeline:
 
     @classmethod
     def from_pretrained(cls, path_or_preset: str, mesh=None, dtype=jnp.bfloat16, attention_impl: str | None = None,
-                        vae_dtype=jnp.float32) -> WanPipeline:
+                        vae_dtype=jnp.float32, compile_cache: bool = True) -> WanPipeline:
         """A pipeline over a diffusers-format folder or a built-in preset name (`tiny`).
 
         `dtype` is the DiT and text encoder dtype; the VAE runs in `vae_dtype` (float32 by default,
         as the official Wan code runs it). `attention_impl` names the DiT's attention kernel
-        (default: the fastest for the backend).
+        (default: the fastest for the backend). `compile_cache` turns the persistent compilation
+        cache on (the default) or off for the whole process (see `wan_tpu.compile_cache`).
         """
+        from wan_tpu import compile_cache as cache
         from wan_tpu import presets
+
+        cache.enable() if compile_cache else cache.disable()
 
         if path_or_preset in presets.PRESETS:
             return presets.PRESETS[path_or_preset](dtype=dtype, mesh=mesh, attention_impl=attention_impl,
