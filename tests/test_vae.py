@@ -280,11 +280,11 @@ def test_caches_are_updated_in_place(pair):
     z = jnp.ones((1, vae.config.z_dim, 2, *(n // s for n in SIZES[name])), jnp.float32) * 0.1
     graphdef, state = nnx.split(vae)
     _, mid = vae_module._decode_stem(graphdef, state, z[:, :, :1], None, None)
-    (lo, hi), crops, final = vae.decoder.strip_plan(z.shape[-1], 0, z.shape[-1])
-    caches, _ = vae_module._decode_strip(graphdef, state, mid[:, :, :, lo:hi], None, None, False, crops, final)
+    (lo, hi), widths, offsets = vae.decoder.strip_plan(z.shape[-1], 0, z.shape[-1])
+    caches, _ = vae_module._decode_strip(graphdef, state, mid[:, :, :, lo:hi], None, None, False, widths, offsets)
     rings = {tuple(x.shape) for x in jax.tree.leaves(caches) if x.ndim == 4}
     assert rings, "no ring caches found"
-    hlo = vae_module._decode_strip.lower(graphdef, state, mid[:, :, :, lo:hi], caches, None, False, crops, final).compile().as_text()
+    hlo = vae_module._decode_strip.lower(graphdef, state, mid[:, :, :, lo:hi], caches, None, False, widths, offsets).compile().as_text()
     copied = [m.group(1) for m in re.finditer(r"= f32\[([\d,]+)\]\{[^}]*\} copy\(", hlo)
               if tuple(int(d) for d in m.group(1).split(",")) in rings]
     assert not copied, f"caches copied: {copied}"
@@ -298,13 +298,13 @@ def test_decode_and_encode_steps_export_for_tpu(pair):
     graphdef, state = nnx.split(vae)
     z = jnp.ones((1, vae.config.z_dim, 1, h, w))
     caches, mid = vae_module._decode_stem(graphdef, state, z, None, None)
-    (lo, hi), crops, final = vae.decoder.strip_plan(w, 0, w)
-    strip_caches, _ = vae_module._decode_strip(graphdef, state, mid, None, None, False, crops, final)
+    (lo, hi), widths, offsets = vae.decoder.strip_plan(w, 0, w)
+    strip_caches, _ = vae_module._decode_strip(graphdef, state, mid, None, None, False, widths, offsets)
     video = jnp.zeros((1, vae.config.video_channels, 5, *SIZES[name]))
     enc_caches, _ = vae_module._encode_chunk(graphdef, state, video[:, :, :1], None, None)
     steps = {
         "stem": (lambda st, z, c: vae_module._decode_stem(graphdef, st, z, c, None), (state, z, caches)),
-        "strip": (lambda st, m, c: vae_module._decode_strip(graphdef, st, m, c, None, False, crops, final),
+        "strip": (lambda st, m, c: vae_module._decode_strip(graphdef, st, m, c, None, False, widths, offsets),
                   (state, mid, strip_caches)),
         "encode": (lambda st, v, c: vae_module._encode_chunk(graphdef, st, v, c, None), (state, video[:, :, 1:], enc_caches)),
     }

@@ -298,6 +298,9 @@ def generate(args) -> None:
         os.makedirs(args.keep_stages, exist_ok=True)
     if args.model == "tiny":
         print("note: --model tiny has random weights; pass --model PATH (a diffusers-format Wan checkpoint) for a real video")
+    # Read every component and compile the denoise step and the decode in background threads; the
+    # stages below wait only for what they need.
+    pipe.prepare(s, scheduler=args.scheduler, image=args.image is not None)
     with trace(args.profile), scope("pipeline"):
         with scope("data_preparation"):
             embeds = encode_stage(pipe, args, s, timer)

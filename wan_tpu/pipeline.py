@@ -46,14 +46,16 @@ class WanPipeline:
     """A Wan model ready to generate; see the module docstring."""
 
     def __init__(self, variant: WanVariant, vae_config: WanVAEConfig, loaders: dict[str, Callable[[], object]], *,
-                 name: str, dtype, mesh=None):
+                 name: str, dtype, mesh=None, weight_bytes: dict[str, int] | None = None):
         self.variant = variant
         self.vae_config = vae_config
         self.name = name
         self.dtype = dtype
         self.mesh = mesh
+        self.weight_bytes = weight_bytes or {}  # component → bytes of its weight files (prepare's memory check)
         self._loaders = loaders
         self._loaded: dict[str, object] = {}
+        self._warmup = None
 
     # ---- construction -------------------------------------------------------------------------
 
@@ -89,22 +91,28 @@ class WanPipeline:
                     f"checkpoint {path} has no {part}/ folder, which {variant.name} needs; download the complete "
                     f"diffusers-format checkpoint ({variant.repo or 'model_index.json lists the parts'})"
                 )
+        from wan_tpu.warmup import folder_bytes
+
         return cls(variant, vae_config, _folder_loaders(path, parts, dtype, mesh, attention_impl, vae_dtype),
-                   name=os.path.abspath(path), dtype=dtype, mesh=mesh)
+                   name=os.path.abspath(path), dtype=dtype, mesh=mesh,
+                   weight_bytes={n: folder_bytes(os.path.join(path, part)) for n, part in parts.items()})
 
     def component(self, name: str):
-        """The component `name`, loaded on first use."""
+        """The component `name`, loaded on first use (or taken from `prepare`'s background load)."""
         if name not in self._loaded:
             if name not in self._loaders:
                 raise WanInputError(f"{self.variant.name} has no {name}; it is not part of this model")
             with scope(f"load_{name}"):
-                self._loaded[name] = self._loaders[name]()
+                loaded = self._warmup.take_load(name) if self._warmup is not None else None
+                self._loaded[name] = loaded if loaded is not None else self._loaders[name]()
         return self._loaded[name]
 
     def release(self, *names: str) -> None:
         """Drop loaded components, freeing their device memory (unless the caller still holds them)."""
         for name in names:
             self._loaded.pop(name, None)
+            if self._warmup is not None:
+                self._warmup.loads.pop(name, None)
         # The encoders keep jitted bound methods of themselves: a reference cycle only the cyclic
         # collector frees, and 11 GB of UMT5 weights should not wait for it.
         gc.collect()
@@ -124,6 +132,71 @@ class WanPipeline:
     def settings(self, **kwargs) -> RunSettings:
         """Validated run settings; None values take the model's official defaults."""
         return resolve_settings(self.variant, self.vae_config, **kwargs)
+
+    def prepare(self, settings: RunSettings | None = None, *, scheduler: str = "unipc", image: bool = False):
+        """Start reading every component a run with `settings` needs and compiling its denoise step and VAE
+        decode, in background threads; returns at once (a `wan_tpu.warmup.Warmup` of futures).
+
+        `component()`, `denoise()` and `decode()` then wait for what they need only. `image`: the run
+        conditions on an image (I2V/TI2V). Results are bit-identical with and without it; see
+        `wan_tpu.warmup` for what runs when and what it does to peak memory.
+        """
+        from wan_tpu.warmup import Warmup, weights_fit
+
+        s = settings or self.settings()
+        warmup = self._warmup = Warmup()
+        dits = [n for n in ("transformer", "transformer_2") if n in self._loaders]
+        encoders = ["text_encoder"] + (["image_encoder"] if image and "image_encoder" in self._loaders else [])
+        todo = [n for n in (*encoders, *dits, "vae") if n not in self._loaded]
+        ahead = weights_fit(self.weight_bytes, todo, self.mesh)
+        for name in todo:
+            if ahead or name not in dits:
+                warmup.start(name, self._loaders[name])
+        if ahead:
+            sources = [self._loaded.get(n) or warmup.loads[n] for n in dits]
+            warmup.start("denoise", self._compile_denoise, s, scheduler, image, sources, kind="compile")
+        warmup.start("decode", self._compile_decode, s, self._loaded.get("vae") or warmup.loads["vae"], kind="compile")
+        return warmup
+
+    def _compile_denoise(self, s: RunSettings, scheduler: str, image: bool, sources) -> None:
+        from wan_tpu.denoise import compile_steps
+
+        shape = self.latent_shape(s.height, s.width, s.num_frames)
+        cond = self._abstract_conditioning(s, shape, image)
+        if cond is None:
+            return
+        transformers = [src.result() if hasattr(src, "result") else src for src in sources]
+        self.prepare_latents(0, s.height, s.width, s.num_frames)  # compiles the noise sampler (any seed: one program)
+        compile_steps(transformers, shape, cond, make_scheduler(scheduler, s.num_inference_steps, s.flow_shift),
+                      self.variant.boundary_ratio, mesh=self.mesh)
+
+    def _abstract_conditioning(self, s: RunSettings, shape, image: bool) -> Conditioning | None:
+        """The shapes of what `_conditioning` builds for this run (None for Wan 2.1 I2V, whose CLIP token
+        count comes from the image encoder's own config: that step compiles on use)."""
+        from wan_tpu.text_encoder import MAX_SEQUENCE_LENGTH
+
+        if self.variant.uses_clip_image:
+            return None
+        text = jax.ShapeDtypeStruct((1, MAX_SEQUENCE_LENGTH, self.variant.transformer.text_dim), self.dtype)
+        _, z, f, h, w = shape
+        cond = Conditioning(prompt_embeds=text, negative_prompt_embeds=text if s.do_cfg else None)
+        if self.variant.task == "i2v":
+            temporal = self.vae_config.scale_factor_temporal
+            cond = cond._replace(condition=jax.ShapeDtypeStruct((1, temporal + z, f, h, w), jnp.float32))
+        if self.variant.expand_timesteps:
+            cond = cond._replace(first_frame_mask=conditioning.ti2v_mask(shape, conditioned=image),
+                                 first_frame=jax.ShapeDtypeStruct((1, z, 1, h, w), jnp.float32) if image else None)
+        return cond
+
+    def _compile_decode(self, s: RunSettings, source) -> None:
+        from wan_tpu.models import vae as vae_lib
+        from wan_tpu.warmup import free_bytes_after_release
+
+        vae = source.result() if hasattr(source, "result") else source
+        shape = self.latent_shape(s.height, s.width, s.num_frames)
+        video = vae.compile_decode(shape, free_bytes=free_bytes_after_release(vae))
+        if video is not None:
+            vae_lib._to_uint8.lower(video).compile()
 
     # ---- stage 1 ------------------------------------------------------------------------------
 
@@ -197,6 +270,8 @@ class WanPipeline:
         if self.variant.boundary_ratio is not None:
             experts.append(self.transformer_2)
             guidance.append(s.guidance_scale_2)
+        if self._warmup is not None:
+            self._warmup.wait_compiled("denoise")
         with scope("denoise"):
             return denoise(experts, jnp.asarray(latents), cond, sched, guidance, self.variant.boundary_ratio,
                            mesh=self.mesh, progress=progress, step_seconds=step_seconds)
@@ -229,6 +304,8 @@ class WanPipeline:
     def decode(self, latents) -> np.ndarray:
         """uint8 frames `(T, H, W, 3)` from normalized latents `(1, z, F, h, w)`."""
         vae = self.vae
+        if self._warmup is not None:
+            self._warmup.wait_compiled("decode")
         with scope("vae_decode"):
             z = vae.denormalize_latents(jnp.asarray(latents, jnp.float32)).astype(vae.dtype)
             video = vae.decode(z)
