@@ -76,8 +76,34 @@ def test_chunk_steps_trace_once_whatever_the_frame_count(pair, monkeypatch):
     for frames in (5, 9, 13):
         vae.decode(jnp.ones((1, vae.config.z_dim, (frames - 1) // 4 + 1, h // s, w // s)) * 0.1, tiling=False)
         vae.encode(jnp.zeros((1, 3, frames, h, w)))
-    # one trace for the first chunk, one for the step shared by every later chunk and every length
+    # levels/encoder: one trace for the first chunk, one for the step shared by every later chunk and every
+    # length; stem: one abstract trace for the shapes of its start caches, one for its single program
     assert calls == {"stem": 2, "levels": 2, "encoder": 2}
+
+
+def test_decode_compiles_one_program_per_strip_width():
+    """The stem is one program for every latent frame (given zero start caches); strips of one width share
+    their programs (traced crop offsets): 2 strips → 2 strip programs (first frame, the rest), 4 strips →
+    4 (outer and middle widths), as many as with one strip per width."""
+    vae = WanVAE(VAE_PRESETS["tiny"], dtype=jnp.float32, rngs=nnx.Rngs(3))
+    z = jnp.ones((1, vae.config.z_dim, 2, 3, 12 * vae.decoder.halos[0])) * 0.1  # no other test decodes this shape
+    for strips, programs in ((2, 2), (4, 4)):
+        strip, stem = vae_module._decode_strip._cache_size(), vae_module._decode_stem._cache_size()
+        vae.decode(z, strips=strips)
+        assert vae_module._decode_strip._cache_size() - strip == programs, strips
+        assert vae_module._decode_stem._cache_size() - stem == (1 if strips == 2 else 0)
+
+
+def test_compile_decode_leaves_nothing_big_to_compile():
+    """`compile_decode` (abstract latents, e.g. from a background thread) compiles exactly what `decode` then
+    runs: the decode itself compiles no stem or strip program."""
+    vae = WanVAE(VAE_PRESETS["tiny"], dtype=jnp.float32, rngs=nnx.Rngs(4))
+    shape = (1, vae.config.z_dim, 3, 3, 6 * vae.decoder.halos[0])
+    out = vae.compile_decode(shape)
+    strip, stem = vae_module._decode_strip._cache_size(), vae_module._decode_stem._cache_size()
+    video = vae.decode(jnp.full(shape, 0.1))
+    assert (out.shape, out.dtype) == (video.shape, video.dtype)
+    assert (vae_module._decode_strip._cache_size(), vae_module._decode_stem._cache_size()) == (strip, stem)
 
 
 @pytest.mark.parametrize("frames", [1, 5, 9])

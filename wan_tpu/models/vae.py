@@ -168,8 +168,8 @@ class WanVAE(nnx.Module):
             (lo, hi), widths, offsets = self.decoder.strip_plan(w, 0, -(-w // strips))
             mids = jax.ShapeDtypeStruct((b, f, h, w, self.config.decoder_dim * self.config.dim_mult[-1]), z.dtype)
             strip = jax.ShapeDtypeStruct((b, 1, h, hi - lo, mids.shape[-1]), z.dtype)
-            caches, first = jax.eval_shape(lambda st, m: _decode_strip(graphdef, st, m, None, None, False, widths, offsets),
-                                           state, strip)
+            # The jit's own eval_shape: the trace is cached, and the decode's first strip call reuses it.
+            caches, first = _decode_strip.eval_shape(graphdef, state, strip, None, None, False, widths, offsets)
             cache_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(caches))
             video_frame = first.size // first.shape[-1] * w * self.config.scale_factor_spatial
             frame = video_frame // first.shape[1] * self.config.decoder_dim * first.dtype.itemsize
@@ -280,7 +280,19 @@ def _place(x, wmesh):
 
 
 def _zeros(shape, dtype, wmesh):
-    return _place(jnp.zeros(shape, dtype), wmesh)
+    return _place(_filled(tuple(shape), 0, dtype), wmesh)
+
+
+@partial(jax.jit, static_argnums=(0, 1, 2))
+def _filled(shape, value, dtype):
+    # A named program rather than jnp.full's: `_Run` compiles it ahead of time with the rest.
+    return jnp.full(shape, value, dtype)
+
+
+@jax.jit
+def _frame(z, i):
+    """Latent frame i of (B, C, F, h, w), kept as a length-1 axis."""
+    return lax.dynamic_slice_in_dim(z, i, 1, axis=2)
 
 
 def patchify(x, p):
@@ -358,7 +370,7 @@ def _encode_chunk(graphdef, state, video, caches, wmesh):
 def _stem_start_caches(graphdef, state, z, wmesh, run):
     """The stem's caches before the first latent frame: zero rings, exactly what `_decode_stem` builds
     itself when given None. Passing them makes the first frame run the same program as the others."""
-    caches, _ = jax.eval_shape(lambda st, x: _decode_stem(graphdef, st, x, None, wmesh), state, z)
+    caches, _ = _decode_stem.eval_shape(graphdef, state, z, None, wmesh)  # traced once per shape (jit's cache)
     return [RingCache(run.zeros(c.frames.shape, c.frames.dtype, wmesh), run.full((), 2, jnp.int32)) for c in caches]
 
 
@@ -381,15 +393,13 @@ class _Run:
         return range(min(count, distinct) if self.compile_only else count)
 
     def frame(self, z, i: int):
-        if self.compile_only:
-            return jax.ShapeDtypeStruct((*z.shape[:2], 1, *z.shape[3:]), z.dtype)
-        return z[:, :, i : i + 1]
+        return self(_frame, z, i)
 
     def zeros(self, shape, dtype, wmesh):
-        return jax.ShapeDtypeStruct(shape, dtype) if self.compile_only else _zeros(shape, dtype, wmesh)
+        return self(_filled, tuple(shape), 0, dtype) if self.compile_only else _zeros(shape, dtype, wmesh)
 
     def full(self, shape, value, dtype):
-        return jax.ShapeDtypeStruct(shape, dtype) if self.compile_only else jnp.full(shape, value, dtype)
+        return self(_filled, tuple(shape), value, dtype)
 
 
 _RUN, _COMPILE = _Run(False), _Run(True)
