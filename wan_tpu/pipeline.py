@@ -13,7 +13,9 @@ A checkpoint is a diffusers-format folder (`model_index.json`, `transformer/` (+
 for Wan 2.2 A14B), `vae/`, `text_encoder/`, `tokenizer/`, `scheduler/`; for Wan 2.1 I2V also
 `image_encoder/`, `image_processor/`). The variant comes from the transformer's config.json and
 model_index.json (`boundary_ratio`, `expand_timesteps`). Nothing is downloaded. Components load
-lazily, on first use, so a stage only loads what it needs; `release(...)` drops one.
+lazily, on first use, so a stage only loads what it needs; `release(...)` drops one. `prepare(settings)`
+instead reads them all at once and compiles the denoise step and the decode in background threads
+(`wan_tpu.warmup`), which is what `python -m wan_tpu.generate` does.
 
 Same seed, same model, same settings, same devices and mesh → identical latents: the initial noise
 is `jax.random.normal(jax.random.key(seed), (1, z, F, h, w), float32)`.
@@ -153,12 +155,13 @@ class WanPipeline:
             if ahead or name not in dits:
                 warmup.start(name, self._loaders[name])
         if ahead:
-            sources = [self._loaded.get(n) or warmup.loads[n] for n in dits]
-            warmup.start("denoise", self._compile_denoise, s, scheduler, image, sources, kind="compile")
-        warmup.start("decode", self._compile_decode, s, self._loaded.get("vae") or warmup.loads["vae"], kind="compile")
+            sources = [self._loaded[n] if n in self._loaded else warmup.loads[n] for n in dits]
+            warmup.start("denoise", self._compile_denoise, warmup, s, scheduler, image, sources, kind="compile")
+        vae = self._loaded["vae"] if "vae" in self._loaded else warmup.loads["vae"]
+        warmup.start("decode", self._compile_decode, warmup, s, vae, kind="compile")
         return warmup
 
-    def _compile_denoise(self, s: RunSettings, scheduler: str, image: bool, sources) -> None:
+    def _compile_denoise(self, warmup, s: RunSettings, scheduler: str, image: bool, sources) -> None:
         from wan_tpu.denoise import compile_steps
 
         shape = self.latent_shape(s.height, s.width, s.num_frames)
@@ -166,6 +169,8 @@ class WanPipeline:
         if cond is None:
             return
         transformers = [src.result() if hasattr(src, "result") else src for src in sources]
+        if warmup.cancelled.is_set():
+            return
         self.prepare_latents(0, s.height, s.width, s.num_frames)  # compiles the noise sampler (any seed: one program)
         compile_steps(transformers, shape, cond, make_scheduler(scheduler, s.num_inference_steps, s.flow_shift),
                       self.variant.boundary_ratio, mesh=self.mesh)
@@ -188,13 +193,13 @@ class WanPipeline:
                                  first_frame=jax.ShapeDtypeStruct((1, z, 1, h, w), jnp.float32) if image else None)
         return cond
 
-    def _compile_decode(self, s: RunSettings, source) -> None:
+    def _compile_decode(self, warmup, s: RunSettings, source) -> None:
         from wan_tpu.models import vae as vae_lib
         from wan_tpu.warmup import free_bytes_after_release
 
         vae = source.result() if hasattr(source, "result") else source
         shape = self.latent_shape(s.height, s.width, s.num_frames)
-        video = vae.compile_decode(shape, free_bytes=free_bytes_after_release(vae))
+        video = vae.compile_decode(shape, free_bytes=free_bytes_after_release(vae), stop=warmup.cancelled)
         if video is not None:
             vae_lib._to_uint8.lower(video).compile()
 

@@ -31,17 +31,28 @@ import concurrent.futures
 import os
 import threading
 import warnings
+import weakref
 
 import jax
 
 
 class Warmup:
-    """Background loads (`loads[name]`) and compiles (`compiles["denoise"|"decode"]`) for one run."""
+    """Background loads (`loads[name]`) and compiles (`compiles["denoise"|"decode"]`) for one run.
+
+    `cancel()` (called by itself when the interpreter exits, e.g. after an error or Ctrl-C) lets the
+    threads stop at the next program boundary: the process then waits for one program's compile at
+    most, not for all of them.
+    """
 
     def __init__(self):
         self.loads: dict[str, concurrent.futures.Future] = {}
         self.compiles: dict[str, concurrent.futures.Future] = {}
+        self.cancelled = threading.Event()
         self._lock = threading.Lock()
+        _live.add(self)
+
+    def cancel(self) -> None:
+        self.cancelled.set()
 
     def start(self, name: str, fn, *args, kind: str = "load") -> concurrent.futures.Future:
         """Run `fn(*args)` in a new thread; its future goes under `kind` ("load" or "compile").
@@ -76,9 +87,28 @@ class Warmup:
             return
         try:
             future.result()
+        except Cancelled:
+            pass
         except Exception as e:  # noqa: BLE001 - compiling ahead is an optimisation only
             warnings.warn(f"compiling {name} ahead of time failed ({type(e).__name__}: {e}); it compiles on use",
                           stacklevel=3)
+
+
+class Cancelled(Exception):
+    """Raised in a warmup thread that stops early (`Warmup.cancel`)."""
+
+
+_live: weakref.WeakSet = weakref.WeakSet()
+
+
+def _cancel_all() -> None:
+    for warmup in list(_live):
+        warmup.cancel()
+
+
+# Runs before the interpreter joins its threads at exit (public `atexit` handlers run after): what
+# concurrent.futures uses for the same purpose.
+getattr(threading, "_register_atexit", lambda fn: None)(_cancel_all)
 
 
 def folder_bytes(path: str) -> int:

@@ -97,19 +97,20 @@ class WanVAE(nnx.Module):
         return self._decode(z, wmesh, strips=strips)
 
     def compile_decode(self, shape, *, mesh: Mesh | None = None, strips: int | None = None,
-                       free_bytes: int | None = None) -> jax.ShapeDtypeStruct | None:
+                       free_bytes: int | None = None, stop=None) -> jax.ShapeDtypeStruct | None:
         """Compile, without running, the programs `decode` runs on latents of `shape` (B, z_dim, F, h, w),
         so that a later `decode` (same shape, strips, mesh) starts at once; e.g. in a background thread
         while the DiT denoises. `free_bytes` stands for the free device memory `decode` will see (the
         strip count depends on it; default: what is free now). Returns the video's shape and dtype, or
-        None where `decode` would tile (many tile shapes: they compile on use)."""
+        None where `decode` would tile (many tile shapes: they compile on use). `stop`: a
+        `threading.Event`; once set, the next program is not compiled (`warmup.Cancelled` is raised)."""
         wmesh = _width_mesh(mesh or self.mesh)
         z = jax.ShapeDtypeStruct(tuple(shape), self.dtype)
         if strips is None:
             strips = 1 if wmesh is not None else self._auto_strips(z, free_bytes)
         if wmesh is None and self._needs_tiling(z, strips, free_bytes):
             return None
-        out = self._decode(z, wmesh, strips=strips, run=_COMPILE)
+        out = self._decode(z, wmesh, strips=strips, run=_Run(True, stop))
         return jax.ShapeDtypeStruct(out.shape, out.dtype)
 
     def normalize_latents(self, z):
@@ -131,7 +132,7 @@ class WanVAE(nnx.Module):
 
     def _decode(self, z, wmesh, raw=False, strips=1, run=None):
         """The mid block's output for every latent frame first (its attention sees whole frames), then
-        the rest of the decoder over all frames, one strip after another. `run=_COMPILE`: compile every
+        the rest of the decoder over all frames, one strip after another. `run=_Run(True)`: compile every
         program on the way instead (z abstract), visiting each distinct call once."""
         run = run or _RUN
         graphdef, state = nnx.split(self)
@@ -376,14 +377,19 @@ def _stem_start_caches(graphdef, state, z, wmesh, run):
 
 class _Run:
     """How `WanVAE._decode` makes its calls: run them (`_RUN`), or compile them for abstract inputs
-    (`_COMPILE`: each jitted call is lowered and compiled, its abstract outputs feed the next call)."""
+    (`_Run(True)`: each jitted call is lowered and compiled, its abstract outputs feed the next call)."""
 
-    def __init__(self, compile_only: bool):
+    def __init__(self, compile_only: bool, stop=None):
         self.compile_only = compile_only
+        self.stop = stop
 
     def __call__(self, fn, *args):
         if not self.compile_only:
             return fn(*args)
+        if self.stop is not None and self.stop.is_set():
+            from wan_tpu.warmup import Cancelled
+
+            raise Cancelled
         lowered = fn.lower(*args)
         lowered.compile()
         return lowered.out_info
@@ -402,7 +408,7 @@ class _Run:
         return self(_filled, tuple(shape), value, dtype)
 
 
-_RUN, _COMPILE = _Run(False), _Run(True)
+_RUN = _Run(False)
 
 
 @partial(jax.jit, static_argnums=(0, 4), donate_argnums=(3,))
