@@ -1,7 +1,8 @@
 """`WanPipeline.prepare` (`wan_tpu.warmup`): components load and the denoise step and the VAE decode
 compile in background threads, so the calls compile none of the big programs themselves; latents and
 frames are bit-identical to a run without `prepare` in a fresh process (reference: that run; tolerance:
-none). Load errors surface where the component is used; a failed ahead-of-time compile is a warning."""
+none). Load errors surface where the component is used; a failed ahead-of-time compile is a warning;
+no thread outlives the `with` block; torch-based components never load at the same time."""
 
 import json
 import os
@@ -52,11 +53,11 @@ def test_prepare_compiles_ahead_and_changes_no_bit(tmp_path):
     seen = _compiles()
     pipe = wan_tpu.WanPipeline.from_pretrained("tiny")
     s = pipe.settings(**{k: RUN[k] for k in ("height", "width", "num_frames", "num_inference_steps", "guidance_scale")})
-    prepared = pipe.prepare(s)
-    assert set(prepared.loads) == {"text_encoder", "transformer", "vae"}
-    assert set(prepared.compiles) == {"denoise", "decode"}
-    latents = pipe("a red kite", **RUN, output_type="latent", progress=False)
-    frames = pipe.decode(latents)
+    with pipe.prepare(s) as prepared:
+        assert set(prepared.loads) == {"text_encoder", "transformer", "vae"}
+        assert set(prepared.compiles) == {"denoise", "decode"}
+        latents = pipe("a red kite", **RUN, output_type="latent", progress=False)
+        frames = pipe.decode(latents)
 
     main = [f for f, thread in seen if thread == threading.main_thread().name and f in BIG]
     assert not main, f"compiled on the caller's thread: {main}"
@@ -74,11 +75,37 @@ def test_load_errors_surface_where_the_component_is_used():
 
     pipe._loaders["vae"] = broken
     with pytest.warns(UserWarning, match="compiling decode ahead of time failed"):
-        pipe.prepare(pipe.settings(height=32, width=32, num_frames=5, num_inference_steps=2))
-        with pytest.raises(WanInputError, match="damaged"):
-            pipe.vae
-        pipe._warmup.wait_compiled("decode")
-    pipe.release("text_encoder", "transformer")
+        with pipe.prepare(pipe.settings(height=32, width=32, num_frames=5, num_inference_steps=2)) as prepared:
+            with pytest.raises(WanInputError, match="damaged"):
+                pipe.vae
+            prepared.wait_compiled("decode")
+    assert not [t for t in threading.enumerate() if t.name.startswith("wan_tpu-")]  # none outlives the block
+
+
+def test_torch_components_load_one_at_a_time():
+    """transformers' loading sets process-wide torch state (default dtype, meta init): the text and image
+    encoders' loaders hold one lock, whichever threads call them."""
+    pipe = wan_tpu.WanPipeline.from_pretrained("tiny")
+    inside, overlaps = [], []
+
+    def slow(name):
+        def load():
+            overlaps.append(len(inside))
+            inside.append(name)
+            threading.Event().wait(0.2)
+            inside.remove(name)
+            return name
+
+        return load
+
+    loaders = {"text_encoder": slow("text_encoder"), "image_encoder": slow("image_encoder"), "vae": slow("vae")}
+    pipe = type(pipe)(pipe.variant, pipe.vae_config, loaders, name="t", dtype=pipe.dtype)
+    threads = [threading.Thread(target=pipe._loaders[n]) for n in ("text_encoder", "image_encoder")]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert overlaps == [0, 0]
 
 
 def test_weights_fit_against_free_device_memory(monkeypatch):

@@ -5,7 +5,8 @@ scheduler step). Everything that changes between steps is an argument (the step 
 guidance scale, the latents, the scheduler state and its tables, the DiT weights), so the function
 is traced and compiled once per run shape (latent size, step count) and per DiT (the two Wan 2.2
 A14B experts compile once each). On accelerators latents and scheduler state are donated, so a
-step updates them in place.
+step updates them in place. `compile_steps` compiles that program ahead of time from shapes alone
+(what `WanPipeline.prepare` runs in a background thread), with the arguments `denoise` will pass.
 
 Driving the loop from Python (rather than `lax.fori_loop`) gives a per-step progress bar with s/it
 and a NaN/Inf check without stalling the device: the finite flag of step i is read only after step

@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import time
 
 from wan_tpu.errors import WanInputError
 
@@ -284,13 +285,13 @@ def stage_paths(folder: str | None, overwrite: bool) -> tuple[str, str] | None:
 
 
 def generate(args) -> None:
-    from wan_tpu.profiling import StageTimer, process_start, scope, trace
+    from wan_tpu.profiling import StageTimer, scope, trace
     from wan_tpu.stages import save_stage
     from wan_tpu.stages import check_output_path
 
     check_output_path(args.output, args.overwrite, ".mp4")
     stages = stage_paths(args.keep_stages, args.overwrite)
-    timer = StageTimer(since=process_start())
+    timer = StageTimer(since=getattr(args, "started", None))
     step_seconds: list[float] = []
     pipe = load_pipeline(args)
     s = run_settings(pipe, args)
@@ -299,9 +300,9 @@ def generate(args) -> None:
     if args.model == "tiny":
         print("note: --model tiny has random weights; pass --model PATH (a diffusers-format Wan checkpoint) for a real video")
     # Read every component and compile the denoise step and the decode in background threads; the
-    # stages below wait only for what they need.
-    pipe.prepare(s, scheduler=args.scheduler, image=args.image is not None)
-    with trace(args.profile), scope("pipeline"):
+    # stages below wait only for what they need, and no thread outlives them (an error cancels the rest).
+    with pipe.prepare(s, scheduler=args.scheduler, image=args.image is not None), trace(args.profile), \
+            scope("pipeline"):
         with scope("data_preparation"):
             embeds = encode_stage(pipe, args, s, timer)
         if stages is not None:
@@ -317,14 +318,19 @@ def generate(args) -> None:
 
 def cli(run, parser: argparse.ArgumentParser, argv=None) -> int:
     """Run `run(args)`; user errors → one line on stderr and status 2, NaN latents → status 1."""
+    called = time.perf_counter()
     import warnings
 
     from wan_tpu.denoise import NonFiniteLatentsError
+    from wan_tpu.profiling import process_start
 
     # torchax and jax warn that int64 token ids become int32 (x64 is off); harmless for ids < 2^31.
     warnings.filterwarnings("ignore", message="Explicitly requested dtype int64")
     try:
-        run(parser.parse_args(argv))
+        args = parser.parse_args(argv)
+        # `startup` counts from the process start for a command line, from this call for a call from Python.
+        args.started = process_start() if argv is None else called
+        run(args)
     except WanInputError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

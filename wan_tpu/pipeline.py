@@ -27,6 +27,7 @@ import dataclasses
 import functools
 import gc
 import os
+import threading
 from collections.abc import Callable
 
 import jax
@@ -55,7 +56,7 @@ class WanPipeline:
         self.dtype = dtype
         self.mesh = mesh
         self.weight_bytes = weight_bytes or {}  # component → bytes of its weight files (prepare's memory check)
-        self._loaders = loaders
+        self._loaders = {n: _one_torch_load_at_a_time(f) if n in TORCH_COMPONENTS else f for n, f in loaders.items()}
         self._loaded: dict[str, object] = {}
         self._warmup = None
 
@@ -137,11 +138,13 @@ class WanPipeline:
 
     def prepare(self, settings: RunSettings | None = None, *, scheduler: str = "unipc", image: bool = False):
         """Start reading every component a run with `settings` needs and compiling its denoise step and VAE
-        decode, in background threads; returns at once (a `wan_tpu.warmup.Warmup` of futures).
+        decode, in background threads; returns at once (a `wan_tpu.warmup.Warmup` of futures; as a
+        context manager, leaving it waits for the threads, cancelling what has not started).
 
         `component()`, `denoise()` and `decode()` then wait for what they need only. `image`: the run
         conditions on an image (I2V/TI2V). Results are bit-identical with and without it; see
-        `wan_tpu.warmup` for what runs when and what it does to peak memory.
+        `wan_tpu.warmup` for what runs when and what it does to peak memory. With a mesh, components
+        are read ahead but compile on first use.
         """
         from wan_tpu.warmup import Warmup, weights_fit
 
@@ -154,6 +157,11 @@ class WanPipeline:
         for name in todo:
             if ahead or name not in dits:
                 warmup.start(name, self._loaders[name])
+        if self.mesh is not None:
+            # On a mesh the calls' arguments carry shardings that only the previous stage decides (the
+            # text encoder's output, the sharded latents): a program compiled ahead from shapes would
+            # not be the one they run. Loading ahead still helps.
+            return warmup
         if ahead:
             sources = [self._loaded[n] if n in self._loaded else warmup.loads[n] for n in dits]
             warmup.start("denoise", self._compile_denoise, warmup, s, scheduler, image, sources, kind="compile")
@@ -343,6 +351,22 @@ class WanPipeline:
         if output_type == "latent":
             return out
         return self.decode(out)
+
+
+# Loading a transformers model sets process-wide torch state for a while (the default dtype, meta-device
+# initialisation, the RNG of the tiny preset): two such loads in parallel threads (`prepare`) would see
+# each other's, so they take turns.
+TORCH_COMPONENTS = ("text_encoder", "image_encoder")
+_TORCH_LOADING = threading.Lock()
+
+
+def _one_torch_load_at_a_time(loader):
+    @functools.wraps(loader)
+    def load():
+        with _TORCH_LOADING:
+            return loader()
+
+    return load
 
 
 def check_prompts(prompt: str, negative_prompt: str, do_cfg: bool) -> None:

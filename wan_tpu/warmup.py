@@ -2,8 +2,8 @@
 
     pipe = wan_tpu.WanPipeline.from_pretrained("Wan2.1-T2V-1.3B-Diffusers")
     s = pipe.settings(height=480, width=832, num_frames=81)
-    pipe.prepare(s)                                   # returns at once
-    frames = pipe("a cat walks on the grass", height=480, width=832, num_frames=81)   # waits only where needed
+    with pipe.prepare(s):                             # returns at once
+        frames = pipe("a cat walks on the grass", height=480, width=832, num_frames=81)   # waits only where needed
 
 What runs, each in its own thread:
   * every component the run needs is read at the same time (text encoder, transformer(s), VAE, image
@@ -12,8 +12,11 @@ What runs, each in its own thread:
     run's latent and prompt shapes, while the text encoder loads and encodes;
   * once the VAE is in, its decode programs (`WanVAE.compile_decode`) and the uint8 conversion are
     compiled, typically while the DiT denoises.
-`component()`, `denoise()` and `decode()` of the pipeline wait for the piece they need and for nothing
-else; a compile that fails is reported as a warning and the call compiles as it always did. Compiling
+On a device mesh only the reading runs ahead (the calls' shardings come from the previous stage, so
+programs compiled from shapes would not be theirs). `component()`, `denoise()` and `decode()` of the
+pipeline wait for the piece they need and for nothing else; a compile that fails is reported as a warning and the call compiles as it always did. Leaving the
+`with` block (or `close()`) cancels what has not started and waits for what runs, so that no thread
+outlives it (an error or Ctrl-C then costs at most one load or one program's compile). Compiling
 ahead of time runs the very programs the calls would compile (same functions, same arguments' shapes
 and placements), so results are bit-identical with and without `prepare`.
 
@@ -48,11 +51,24 @@ class Warmup:
         self.loads: dict[str, concurrent.futures.Future] = {}
         self.compiles: dict[str, concurrent.futures.Future] = {}
         self.cancelled = threading.Event()
+        self._threads: list[threading.Thread] = []
         self._lock = threading.Lock()
         _live.add(self)
 
     def cancel(self) -> None:
         self.cancelled.set()
+
+    def close(self) -> None:
+        """Cancel what has not started and wait for what runs (one load or one program at most per thread)."""
+        self.cancel()
+        for thread in self._threads:
+            thread.join()
+
+    def __enter__(self) -> Warmup:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
     def start(self, name: str, fn, *args, kind: str = "load") -> concurrent.futures.Future:
         """Run `fn(*args)` in a new thread; its future goes under `kind` ("load" or "compile").
@@ -64,13 +80,18 @@ class Warmup:
         def target():
             if not future.set_running_or_notify_cancel():
                 return
+            if self.cancelled.is_set():
+                future.set_exception(Cancelled())
+                return
             try:
                 future.set_result(fn(*args))
             except BaseException as e:  # noqa: BLE001 - handed to whoever waits on it
                 future.set_exception(e)
 
         (self.loads if kind == "load" else self.compiles)[name] = future
-        threading.Thread(target=target, name=f"wan_tpu-{kind}-{name}").start()
+        thread = threading.Thread(target=target, name=f"wan_tpu-{kind}-{name}")
+        self._threads.append(thread)
+        thread.start()
         return future
 
     def take_load(self, name: str):
@@ -78,7 +99,9 @@ class Warmup:
         being loaded. Taken once: the pipeline holds it from then on."""
         with self._lock:
             future = self.loads.pop(name, None)
-        return None if future is None else future.result()
+        if future is None or isinstance(future.exception(), Cancelled):
+            return None  # the caller loads it itself
+        return future.result()
 
     def wait_compiled(self, name: str) -> None:
         """Wait for the compile `name` if one was started; a failure becomes a warning (the call compiles)."""
