@@ -77,4 +77,11 @@ CLIP = (
     (r"(^|\.)embeddings\.(class_embedding|patch_embedding\.weight|position_embedding\.weight|position_ids)$", REPLICATED),
 )
 
-RULES = {"dit": DIT, "vae": VAE, "umt5": UMT5, "clip": CLIP}
+# Matrix-Game-2's causal DiT: the DiT rules for its runs of stacked blocks (`blocks.{run}.…`), plus its
+# action modules (≤ 3072 wide, used whole by every token: FSDP-stored, not split by heads).
+MATRIX_GAME = tuple((pattern.replace(r"^blocks\.", r"^blocks\.\d+\."), spec) for pattern, spec in DIT) + (
+    (r"^blocks\.\d+\.action_model\..*\.kernel$", P(None, FSDP, None)),
+    (r"^blocks\.\d+\.action_model\.", REPLICATED),
+)
+
+RULES = {"dit": DIT, "vae": VAE, "umt5": UMT5, "clip": CLIP, "matrix_game": MATRIX_GAME}

@@ -97,7 +97,7 @@ def bad(argv, capsys, tmp_path, match):
     (["--frames", "6"], "not 4n+1"),
     (["--steps", "0"], "positive integer"),
     (["--prompt", "", "--negative-prompt", ""], "prompt is empty"),
-    (["--model", "no-such-preset"], "neither a checkpoint folder nor a preset"),
+    (["--model", "no-such-preset"], "is neither a checkpoint folder"),
     (["--mesh", "3,1,1"], "needs 3 devices"),
     (["--mesh", "2,2"], "not dp,sp,tp"),
     (["--image", "missing.png"], "takes no image"),
@@ -115,6 +115,42 @@ def test_existing_output_is_kept(capsys, tmp_path):
     out.write_bytes(b"precious")
     bad(["--prompt", "a cat", *FAST, "--output", str(out)], capsys, tmp_path, "--overwrite")
     assert out.read_bytes() == b"precious"
+
+
+@pytest.mark.parametrize("flags,match", [
+    (["--timesteps", "1000,500"], "UniPC takes a schedule as --sigmas"),
+    (["--sigmas", "1,x"], "--sigmas '1,x' is not a comma-separated list"),
+    (["--sigmas", "0.5,0.9", "--scheduler", "euler"], "must decrease strictly"),
+    (["--sigmas", "1,0.5", "--steps", "3"], "2 sigmas/timesteps but 3 steps"),
+    (["--cache-threshold", "0.1"], "a cache threshold needs a cache"),
+    (["--cache", "teacache", "--cache-threshold", "-1"], "threshold must be a number >= 0"),
+    (["--lora", "missing.safetensors"], "LoRA file 'missing.safetensors' does not exist"),
+    (["--lora-low", "missing.safetensors"], "has one transformer, not two experts"),
+])
+def test_bad_few_step_lora_and_cache_flags(flags, match, capsys, tmp_path):
+    argv = ["--prompt", "a cat", *FAST, "--output", str(tmp_path / "out.mp4"), *flags]
+    bad(argv, capsys, tmp_path, match)
+
+
+def test_lora_few_step_and_cache_flags(capsys, tmp_path):
+    """A LoRA with a scale, a given 4-sigma Euler schedule, no CFG and a step cache: the run says how
+    many steps skipped the DiT blocks."""
+    import torch
+    from safetensors.torch import save_file
+
+    from wan_tpu.configs.models import VARIANTS
+
+    d = VARIANTS["tiny"].transformer.inner_dim
+    lora = tmp_path / "style.safetensors"
+    save_file({"diffusion_model.blocks.0.self_attn.q.lora_down.weight": torch.randn(4, d) * 0.1,
+               "diffusion_model.blocks.0.self_attn.q.lora_up.weight": torch.randn(d, 4) * 0.1}, str(lora))
+    argv = ["--prompt", "a cat", "--model", "tiny", "--quiet", "--size", "32*32", "--frames", "5",
+            "--lora", f"{lora}:0.5", "--scheduler", "euler", "--sigmas", "1,0.75,0.5,0.25", "--shift", "5",
+            "--guidance", "1", "--cache", "fbcache", "--output", str(tmp_path / "v.mp4")]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert "steps skipped" in out and "of 4  (fbcache, threshold 0.05)" in out
+    assert read_video(str(tmp_path / "v.mp4"))[0].shape == (5, 32, 32, 3)
 
 
 def test_missing_checkpoint_part(capsys, tmp_path):
@@ -215,3 +251,27 @@ def test_image_to_video_cli(capsys, tmp_path):
     assert main([*common, "--image", str(image), "--output", str(tmp_path / "v.mp4")]) == 0
     assert read_video(str(tmp_path / "v.mp4"))[0].shape == (5, 32, 48, 3)
     bad([*common, "--output", str(tmp_path / "w.mp4")], capsys, tmp_path, "pass the first frame with --image")
+
+
+def test_stage_files_carry_their_settings(tmp_path, monkeypatch):
+    """Stage 2 with only --input takes the model, size, frames, guidance and dtype from the stage-1
+    file; stage 3 with only --input takes the model, size and frames from the stage-2 file. The result
+    equals stage 2 run with every flag spelled out."""
+    monkeypatch.chdir(tmp_path)
+    settings = ["--model", "tiny", "--size", "32*48", "--frames", "5", "--guidance", "3", "--dtype", "float32"]
+    assert script("stage1_encode")(["--prompt", "a cat", *settings, "--output", "s1.safetensors"]) == 0
+    assert script("stage2_denoise")(["--input", "s1.safetensors", "--quiet"]) == 0
+    _, meta = load_stage("stage2.safetensors")
+    assert (meta.model, meta.size, meta.frames, meta.guidance, meta.dtype, meta.seed, meta.scheduler) == (
+        "tiny", "32*48", 5, 3.0, "float32", 0, "unipc")
+    assert meta.steps == 4 and meta.prompt == "a cat"  # the tiny model's default steps
+    assert script("stage2_denoise")([*settings, "--seed", "0", "--input", "s1.safetensors", "--output",
+                                     "spelled.safetensors", "--quiet"]) == 0
+    assert np.array_equal(load_stage("stage2.safetensors")[0]["latents"], load_stage("spelled.safetensors")[0]["latents"])
+    assert script("stage3_decode")(["--input", "stage2.safetensors"]) == 0
+    assert read_video("output.mp4")[0].shape == (5, 48, 32, 3)
+
+
+def test_prompt_may_be_empty_with_guidance(tmp_path):
+    """An empty prompt runs with CFG against the (official) negative prompt, as the README says."""
+    assert main(["--prompt", "", *FAST, "--size", "32*32", "--output", str(tmp_path / "v.mp4")]) == 0

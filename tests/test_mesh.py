@@ -34,6 +34,13 @@ def test_minus_one_takes_the_rest():
     assert dict(wan_tpu.make_mesh(dp=-1, tp=2).shape) == {"dp": 4, "sp": 1, "tp": 2}
 
 
+def test_default_fits_any_device_count():
+    """make_mesh() with no sizes spreads the sequence over every device (README's snippet on any machine)."""
+    assert dict(wan_tpu.make_mesh().shape) == {"dp": 1, "sp": 8, "tp": 1}
+    assert dict(wan_tpu.make_mesh(devices=jax.devices()[:1]).shape) == {"dp": 1, "sp": 1, "tp": 1}
+    assert dict(wan_tpu.make_mesh(dp=2).shape) == {"dp": 2, "sp": 4, "tp": 1}
+
+
 def test_order_is_honoured():
     mesh = wan_tpu.make_mesh(dp=2, sp=2, tp=2, order=("tp", "dp", "sp"))
     assert mesh.axis_names == ("tp", "dp", "sp")

@@ -103,6 +103,75 @@ def test_latents_match_diffusers(checkpoints, name, guidance, with_image):
     assert np.abs(ref - noise).max() > 0.1
 
 
+def few_step_scheduler(kind, sigmas, timesteps):
+    """diffusers' scheduler whose `set_timesteps` (called by WanPipeline with the step count) takes the
+    given schedule, as pipelines with `retrieve_timesteps(..., sigmas=, timesteps=)` pass it."""
+    import diffusers
+
+    base = diffusers.UniPCMultistepScheduler if kind == "unipc" else diffusers.FlowMatchEulerDiscreteScheduler
+
+    class Given(base):
+        def set_timesteps(self, num_inference_steps=None, device=None, **_):
+            if kind == "unipc":
+                super().set_timesteps(device=device, sigmas=np.asarray(sigmas))
+            else:
+                super().set_timesteps(device=device, sigmas=sigmas, timesteps=timesteps)
+
+    if kind == "unipc":
+        return Given(prediction_type="flow_prediction", use_flow_sigmas=True, num_train_timesteps=1000, flow_shift=5.0)
+    return Given(shift=5.0)
+
+
+@pytest.mark.parametrize("kind,sigmas,timesteps", [
+    ("euler", [1.0, 0.75, 0.5, 0.25], None),  # lightx2v's 4-step list as sigmas, shifted by 5
+    ("euler", None, [1000.0, 750.0, 500.0, 250.0]),  # given timesteps: the model sees them unshifted
+    ("unipc", [1.0, 0.75, 0.5, 0.25], None),
+])
+def test_few_step_latents_with_a_given_schedule_match_diffusers(checkpoints, kind, sigmas, timesteps):
+    """4 steps, guidance 1 (no uncond pass): WanPipeline with the schedule given to its scheduler, as above."""
+    import diffusers
+
+    path = checkpoints["t2v"]
+    pipe = WanPipeline.from_pretrained(path, dtype=jnp.float32)
+    noise = np.random.default_rng(4).standard_normal(pipe.latent_shape(HEIGHT, WIDTH, FRAMES)).astype(np.float32)
+    ref_pipe = diffusers.WanPipeline.from_pretrained(path, dtype=torch.float32)
+    ref_pipe.scheduler = few_step_scheduler(kind, sigmas, timesteps)
+    with torch.no_grad():
+        ref = ref_pipe(prompt=PROMPT, height=HEIGHT, width=WIDTH, num_frames=FRAMES, num_inference_steps=4,
+                       guidance_scale=1.0, latents=torch.from_numpy(noise), output_type="latent",
+                       max_sequence_length=512, return_dict=False)[0].numpy()
+    out = np.asarray(pipe(PROMPT, height=HEIGHT, width=WIDTH, num_frames=FRAMES, guidance_scale=1.0, flow_shift=5.0,
+                          scheduler=kind, sigmas=sigmas, timesteps=timesteps, latents=jnp.asarray(noise),
+                          output_type="latent", progress=False))
+    err = np.abs(out - ref).max() / np.abs(ref).max()
+    assert err <= TOL, f"{kind}: max rel. error {err:.2e} > {TOL}"
+    assert np.abs(ref - noise).max() > 0.1
+
+
+def test_guidance_one_runs_one_forward_per_step():
+    """Without CFG the DiT batch is the latents alone: no unconditional pass, no negative prompt encoded."""
+    from wan_tpu import denoise as denoise_lib
+
+    pipe = WanPipeline.from_pretrained("tiny", dtype=jnp.float32)
+    embeds = pipe.encode_prompt(PROMPT, NEGATIVE, guidance_scale=1.0)
+    assert set(embeds) == {"prompt_embeds"}
+    seen = []
+    original = denoise_lib.forward
+
+    def spy(graphdef, state, x, *args):
+        seen.append(x.shape[0])
+        return original(graphdef, state, x, *args)
+
+    denoise_lib.forward = spy
+    try:
+        denoise_lib._step_jit.clear_cache()
+        pipe.denoise(embeds, num_inference_steps=2, guidance_scale=1.0, progress=False)
+    finally:
+        denoise_lib.forward = original
+        denoise_lib._step_jit.clear_cache()
+    assert seen == [1]  # traced once, batch 1 (with CFG it is 2)
+
+
 def test_a14b_switches_experts_inside_the_run(checkpoints):
     from wan_tpu.denoise import expert_switch_index
     from wan_tpu.schedulers import make_scheduler

@@ -65,6 +65,78 @@ def test_timesteps_and_sigmas_equal_diffusers(kind):
             assert ours.num_inference_steps == n
 
 
+# Few-step schedules as step-distilled LoRAs use them (lightx2v: 1000, 750, 500, 250 before a shift of 5).
+CUSTOM = {"sigmas": [1.0, 0.75, 0.5, 0.25], "timesteps": [1000.0, 750.0, 500.0, 250.0],
+          "both": ([0.9, 0.6, 0.3], [950.0, 700.0, 120.0])}
+
+
+def _custom(kind, given, shift, float64=False):
+    """(diffusers scheduler after `set_timesteps(sigmas=..., timesteps=...)`, ours)."""
+    from wan_tpu.schedulers import make_custom_scheduler
+
+    sigmas, timesteps = {"sigmas": (CUSTOM["sigmas"], None), "timesteps": (None, CUSTOM["timesteps"]),
+                         "both": CUSTOM["both"]}[given]
+    ref = _reference(kind, 1, shift)
+    if kind == "unipc":  # takes sigmas only, as a numpy array
+        ref.set_timesteps(sigmas=np.asarray(sigmas))
+    else:
+        ref.set_timesteps(sigmas=sigmas, timesteps=timesteps)
+    ref.set_begin_index(0)
+    if float64:
+        ref.sigmas = ref.sigmas.double()
+    return ref, make_custom_scheduler(kind, shift, sigmas=sigmas, timesteps=timesteps)
+
+
+@pytest.mark.parametrize("kind,given", [("unipc", "sigmas"), ("euler", "sigmas"), ("euler", "timesteps"),
+                                        ("euler", "both")])
+def test_custom_schedules_match_diffusers(kind, given):
+    """Given sigmas / timesteps: the same timesteps and sigmas as diffusers exactly, and each step of a
+    trajectory within 1e-6 of diffusers run in float64."""
+    for shift in (1.0, 5.0, 8.0):
+        ref, ours = _custom(kind, given, shift)
+        np.testing.assert_array_equal(ours.timesteps, ref.timesteps.numpy().astype(np.float32))
+        np.testing.assert_array_equal(ours.sigmas, ref.sigmas.numpy())
+        ref64 = _custom(kind, given, shift, float64=True)[0]
+        x0, vs = _inputs(ours.num_inference_steps, seed=1)
+        x64, y = torch.from_numpy(x0).double(), jnp.asarray(x0)
+        state = ours.init_state(y)
+        for i, t in enumerate(ref64.timesteps):
+            x64 = ref64.step(torch.from_numpy(vs[i]).double(), t, x64).prev_sample
+            y, state = ours.step(state, jnp.asarray(vs[i]), y, i)
+            assert _rel(y, x64.numpy()) <= RTOL, (shift, i)
+
+
+def test_custom_schedule_model_timesteps():
+    """What the model sees: given sigmas are shifted (lightx2v's 4-step list at shift 5 → 1000, 937.5,
+    833.3, 625); given timesteps are used as they are."""
+    from wan_tpu.schedulers import make_custom_scheduler
+
+    euler = make_custom_scheduler("euler", 5.0, sigmas=[1.0, 0.75, 0.5, 0.25])
+    np.testing.assert_allclose(euler.timesteps, [1000.0, 937.5, 833.3333, 625.0], rtol=1e-6)
+    np.testing.assert_allclose(euler.sigmas, [1.0, 0.9375, 0.8333333, 0.625, 0.0], rtol=1e-6)
+    unipc = make_custom_scheduler("unipc", 5.0, sigmas=[1.0, 0.75, 0.5, 0.25])
+    np.testing.assert_array_equal(unipc.timesteps, [999.0, 937.0, 833.0, 625.0])  # sigma_0 nudged off 1, truncated
+    given = make_custom_scheduler("euler", 5.0, timesteps=[1000, 750, 500, 250])
+    np.testing.assert_array_equal(given.timesteps, [1000.0, 750.0, 500.0, 250.0])
+
+
+@pytest.mark.parametrize("kind,kwargs,match", [
+    ("unipc", {"timesteps": [900, 500]}, "UniPC takes a schedule as --sigmas"),
+    ("euler", {"sigmas": [0.5, 0.7]}, "--sigmas must decrease strictly"),
+    ("euler", {"sigmas": [1.5, 0.7]}, "--sigmas must be one or more numbers in \\(0, 1\\]"),
+    ("euler", {"timesteps": [1000, 0]}, "--timesteps must be one or more numbers in \\(0, 1000\\]"),
+    ("euler", {"timesteps": []}, "--timesteps must be one or more"),
+    ("euler", {"sigmas": [0.9, 0.5], "timesteps": [900]}, "one per step"),
+    ("euler", {}, "pass sigmas or timesteps"),
+    ("ddim", {"sigmas": [0.5]}, "works with --scheduler euler or unipc"),
+])
+def test_bad_custom_schedules_raise_input_errors(kind, kwargs, match):
+    from wan_tpu.schedulers import make_custom_scheduler
+
+    with pytest.raises(WanInputError, match=match):
+        make_custom_scheduler(kind, 5.0, **kwargs)
+
+
 def test_unipc_each_step_matches_diffusers():
     """Each step from diffusers' own state (history, last sample) gives diffusers' next sample."""
     for n in STEPS:
@@ -154,3 +226,38 @@ def test_bad_arguments_raise_input_errors():
     with pytest.raises(WanInputError, match="unipc, euler"):
         make_scheduler("ddim", 10, 3.0)
     assert isinstance(make_scheduler("euler", 4, 3.0), FlowEuler)
+
+
+def _dpm_reference(n, shift, float64=False):
+    from diffusers import DPMSolverMultistepScheduler
+
+    ref = DPMSolverMultistepScheduler(use_flow_sigmas=True, prediction_type="flow_prediction", flow_shift=shift,
+                                      algorithm_type="dpmsolver++", solver_order=2, num_train_timesteps=1000)
+    ref.set_timesteps(n)
+    if float64:
+        ref.sigmas = ref.sigmas.double()
+    return ref
+
+
+def test_dpm_solver_matches_diffusers():
+    """FlowDPMSolverMultistep against diffusers' DPMSolverMultistepScheduler (flow sigmas, dpmsolver++,
+    order 2): timesteps and sigmas exactly; every step of a trajectory within 1e-6 of diffusers run in
+    float64 and 1e-5 of stock diffusers (float32 coefficients there, float64 here)."""
+    from wan_tpu.schedulers import FlowDPMSolverMultistep
+
+    for n in STEPS:
+        for shift in SHIFTS:
+            ref, ref64 = _dpm_reference(n, shift), _dpm_reference(n, shift, float64=True)
+            ours = FlowDPMSolverMultistep.create(n, shift)
+            np.testing.assert_array_equal(ours.timesteps, ref.timesteps.numpy().astype(np.float32))
+            np.testing.assert_array_equal(ours.sigmas, ref.sigmas.numpy())
+            x0, vs = _inputs(n, seed=n)
+            x, x64, y = torch.from_numpy(x0), torch.from_numpy(x0).double(), jnp.asarray(x0)
+            state = ours.init_state(y)
+            for i, t in enumerate(ref.timesteps):
+                x = ref.step(torch.from_numpy(vs[i]), t, x).prev_sample
+                x64 = ref64.step(torch.from_numpy(vs[i]).double(), t, x64).prev_sample
+                y, state = ours.step(state, jnp.asarray(vs[i]), y, i)
+                assert _rel(y, x64.numpy()) <= RTOL, (n, shift, i)
+                assert _rel(y, x.numpy()) <= 1e-5, (n, shift, i)
+    assert isinstance(make_scheduler("dpm++", 4, 3.0), FlowDPMSolverMultistep)

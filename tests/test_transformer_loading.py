@@ -168,3 +168,19 @@ def test_load_onto_a_mesh_matches_single_device(saved):
     assert len(dit.blocks.attn1.to_q.kernel[...].sharding.device_set) == 8
     got = np.asarray(dit(x, t, c, image))
     assert np.linalg.norm(got - expected) / np.linalg.norm(expected) <= 1e-5
+
+
+def test_original_wan_names_round_trip_through_diffusers_converter(saved):
+    """Our original-Wan ↔ diffusers name maps agree with diffusers' own single-file converter
+    (`convert_wan_transformer_to_diffusers`) on every tensor of an I2V transformer."""
+    from diffusers.loaders.single_file_utils import convert_wan_transformer_to_diffusers
+
+    from wan_tpu.models.transformer_loading import diffusers_to_original_wan, original_wan_to_diffusers
+
+    names = list(saved[0].state_dict())
+    original = {diffusers_to_original_wan(n): n for n in names}
+    assert len(original) == len(names) and "blocks.0.self_attn.q.weight" in original
+    assert "blocks.0.norm3.weight" in original and "head.modulation" in original
+    converted = convert_wan_transformer_to_diffusers({n: torch.zeros(1) for n in original})
+    assert sorted(converted) == sorted(names)
+    assert all(original_wan_to_diffusers(o) == n for o, n in original.items())

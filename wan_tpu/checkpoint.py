@@ -55,6 +55,8 @@ def _read_header(path: str) -> dict[str, _Entry]:
             header = json.loads(f.read(n))
         except (UnicodeDecodeError, json.JSONDecodeError) as e:
             raise WanInputError(f"{path}: corrupt safetensors header ({e}); re-download or re-save it") from None
+    if not isinstance(header, dict):
+        raise WanInputError(f"{path}: corrupt safetensors header (not a JSON object); re-download or re-save it")
     start = 8 + n
     entries = {}
     for name, info in header.items():
@@ -94,6 +96,11 @@ class TensorSource(Mapping):
         count = int(np.prod(e.shape, dtype=np.int64))
         return np.memmap(e.file, dtype=e.dtype, mode="r", offset=e.begin, shape=(count,)).reshape(e.shape)
 
+    @property
+    def files(self) -> list[str]:
+        """The safetensors files the tensors live in."""
+        return sorted({e.file for e in self._entries.values()})
+
     def shape(self, name: str) -> tuple[int, ...]:
         return self._entries[name].shape
 
@@ -105,6 +112,52 @@ class TensorSource(Mapping):
 
     def __len__(self) -> int:
         return len(self._entries)
+
+
+def component_files(path: str, what: str = "model") -> list[str]:
+    """The safetensors files of a component folder: the shards its `*.safetensors.index.json` names
+    (each must exist), else every `*.safetensors` in it."""
+    if not os.path.isdir(path):
+        raise WanInputError(f"{what} checkpoint folder {path!r} does not exist; pass a diffusers-format folder")
+    indexes = sorted(n for n in os.listdir(path) if n.endswith(".safetensors.index.json"))
+    if indexes:
+        index = os.path.join(path, indexes[0])
+        try:
+            with open(index) as f:
+                shards = sorted(set(json.load(f)["weight_map"].values()))
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError, AttributeError) as e:
+            raise WanInputError(f"{index}: not a valid safetensors index ({type(e).__name__}: {e}); re-download it") from None
+        missing = [s for s in shards if not os.path.isfile(os.path.join(path, s))]
+        if missing:
+            raise WanInputError(f"{path}: shard {missing[0]} named by {indexes[0]} is missing; re-download the checkpoint")
+        return [os.path.join(path, s) for s in shards]
+    files = sorted(os.path.join(path, n) for n in os.listdir(path) if n.endswith(".safetensors"))
+    if not files:
+        raise WanInputError(f"{path}: no *.safetensors weights; save the {what} with save_pretrained(safe_serialization=True)")
+    return files
+
+
+def check_component(path: str, what: str = "model") -> dict[str, tuple[tuple[int, ...], np.dtype]]:
+    """Check a component folder's weights without reading them: every header parses, every tensor lies
+    inside its file with the byte count its shape and dtype need (a truncated download fails here),
+    and every tensor an index names is in its shard. Returns name → (shape, stored dtype).
+
+    Reads only the headers (kilobytes), so a whole checkpoint is checked in milliseconds."""
+    files = component_files(path, what)
+    entries: dict[str, _Entry] = {}
+    for file in files:
+        entries.update(_read_header(file))
+    indexes = sorted(n for n in os.listdir(path) if n.endswith(".safetensors.index.json"))
+    if indexes:
+        with open(os.path.join(path, indexes[0])) as f:
+            weight_map = json.load(f)["weight_map"]
+        for name, shard in weight_map.items():
+            entry = entries.get(name)
+            if entry is None or os.path.basename(entry.file) != shard:
+                raise WanInputError(
+                    f"{path}: tensor {name!r} is not in shard {shard} as {indexes[0]} says; re-download the checkpoint"
+                )
+    return {name: (e.shape, e.dtype) for name, e in entries.items()}
 
 
 def open_checkpoint(path: str, what: str = "model") -> tuple[dict, TensorSource]:
@@ -122,16 +175,4 @@ def open_checkpoint(path: str, what: str = "model") -> tuple[dict, TensorSource]
             config = json.load(f)
     except json.JSONDecodeError as e:
         raise WanInputError(f"{cfg_path}: not valid JSON ({e}); re-download it") from None
-    indexes = sorted(n for n in os.listdir(path) if n.endswith(".safetensors.index.json"))
-    if indexes:
-        with open(os.path.join(path, indexes[0])) as f:
-            shards = sorted(set(json.load(f)["weight_map"].values()))
-        missing = [s for s in shards if not os.path.isfile(os.path.join(path, s))]
-        if missing:
-            raise WanInputError(f"{path}: shard {missing[0]} named by {indexes[0]} is missing; re-download the checkpoint")
-        files = [os.path.join(path, s) for s in shards]
-    else:
-        files = sorted(os.path.join(path, n) for n in os.listdir(path) if n.endswith(".safetensors"))
-        if not files:
-            raise WanInputError(f"{path}: no *.safetensors weights; save the {what} with save_pretrained(safe_serialization=True)")
-    return config, TensorSource(files)
+    return config, TensorSource(component_files(path, what))

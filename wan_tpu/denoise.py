@@ -20,6 +20,7 @@ g ≤ 1 there is no unconditional pass (diffusers' `do_classifier_free_guidance 
 from __future__ import annotations
 
 import dataclasses
+import math
 import time
 from typing import NamedTuple
 
@@ -29,6 +30,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
+from wan_tpu import interrupt, step_cache
 from wan_tpu.models.transformer import forward
 from wan_tpu.profiling import scope
 
@@ -80,7 +82,8 @@ def _shard_batch(x, mesh):
     return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec))
 
 
-def _step(sched_cls, graphdef, patch_size, mesh, params, sched_fields, sched_state, latents, i, cond, guidance):
+def _step(sched_cls, graphdef, patch_size, mesh, params, sched_fields, sched_state, latents, i, cond, guidance,
+          cache=None):
     sched = sched_cls(**sched_fields)
     b = latents.shape[0]
     x = model_input(latents, cond).astype(cond.prompt_embeds.dtype)
@@ -100,19 +103,23 @@ def _step(sched_cls, graphdef, patch_size, mesh, params, sched_fields, sched_sta
     else:
         timestep = jnp.full((x.shape[0],), t, jnp.float32)
     with jax.named_scope("dit_forward"):
-        noise = forward(graphdef, params, x, timestep, context, image).astype(jnp.float32)
+        if cache is None:
+            noise = forward(graphdef, params, x, timestep, context, image)
+        else:
+            noise, cache = step_cache.cached_forward(graphdef, params, cache, i, x, timestep, context, image)
+        noise = noise.astype(jnp.float32)
     if cfg:
         noise_cond, noise_uncond = noise[:b], noise[b:]
         noise = noise_uncond + guidance * (noise_cond - noise_uncond)
     with jax.named_scope("scheduler_step"):
         latents, sched_state = sched.step(sched_state, noise, latents, i)
-    return latents, sched_state, jnp.all(jnp.isfinite(latents))
+    return latents, sched_state, jnp.all(jnp.isfinite(latents)), cache
 
 
 _STATIC = (0, 1, 2, 3)
 _step_jit = jax.jit(_step, static_argnums=_STATIC)
 # CPU cannot reuse donated buffers (and warns about it), so only accelerators donate.
-_step_jit_donated = jax.jit(_step, static_argnums=_STATIC, donate_argnums=(6, 7))
+_step_jit_donated = jax.jit(_step, static_argnums=_STATIC, donate_argnums=(6, 7, 11))
 
 
 def denoise(
@@ -125,12 +132,15 @@ def denoise(
     mesh=None,
     progress: bool = True,
     step_seconds: list | None = None,
+    cache=None,
+    cache_stats: list | None = None,
 ) -> jax.Array:
     """Run the whole schedule from the initial noise `latents` (B, z, F, h, w); returns the final latents.
 
     `transformers`: the DiT, or the (high-noise, low-noise) experts of Wan 2.2 A14B with their
     `guidance_scales` and `boundary_ratio`. `step_seconds`, if given, receives each step's wall time
-    (the first includes compilation).
+    (the first includes compilation). `cache`: a resolved step cache (`wan_tpu.step_cache.resolve`);
+    `cache_stats`, if given, receives its `CacheStats`.
     """
     from tqdm.auto import tqdm
 
@@ -141,6 +151,7 @@ def denoise(
     latents = jnp.array(latents, dtype=jnp.float32, copy=True)
     # Copies, so that no two donated state leaves share a buffer.
     state = jax.tree.map(lambda a: jnp.array(a, copy=True), scheduler.init_state(latents))
+    carry = _start_carry(cache, transformers, cond, n, switch, latents.shape)
     pending = None
     last = time.perf_counter()
     with tqdm(total=n, unit="step", desc="denoise", disable=not progress) as bar:
@@ -162,33 +173,47 @@ def denoise(
             e = 0 if i < switch else 1
             graphdef, params = experts[e]
             with scope(f"step_{i}"):
-                latents, state, finite = step_fn(
+                latents, state, finite, carry = step_fn(
                     type(scheduler), graphdef, transformers[e].config.patch_size, mesh, params, fields, state,
-                    latents, jnp.int32(i), cond, jnp.float32(guidance_scales[e]),
+                    latents, jnp.int32(i), cond, jnp.float32(guidance_scales[e]), carry,
                 )
             if pending is not None:
                 finish(*pending)
             pending = (i, finite)
+            interrupt.check("denoise")
         finish(*pending)
+    if cache_stats is not None and carry is not None:
+        cache_stats.append(step_cache.stats(cache, carry))
     if cond.first_frame is not None:
         latents = model_input(latents, cond)
     return latents
 
 
 def compile_steps(transformers, latent_shape, cond: Conditioning, scheduler, boundary_ratio: float | None = None,
-                  mesh=None) -> None:
+                  mesh=None, cache=None) -> None:
     """Compile, without running, the step program(s) `denoise` runs for these arguments, so that a later
     `denoise` with the same shapes starts at once (e.g. from a background thread while the prompt is
     encoded). `cond`'s arrays may be `jax.ShapeDtypeStruct`s; each expert that runs a step is lowered
     with the arguments `denoise` passes it (the Wan 2.2 experts share one program)."""
+    n = len(scheduler.timesteps)
     switch, experts, cond, fields, step_fn = _loop_setup(transformers, cond, scheduler, boundary_ratio)
     latents = jax.ShapeDtypeStruct(tuple(latent_shape), jnp.float32)
     state = jax.eval_shape(scheduler.init_state, latents)
-    used = {0 if i < switch else 1 for i in range(len(scheduler.timesteps))}
-    for e in sorted(used):
+    carry = _start_carry(cache, transformers, cond, n, switch, latents.shape)
+    for e in sorted({0 if i < switch else 1 for i in range(n)}):
         graphdef, params = experts[e]
         step_fn.lower(type(scheduler), graphdef, transformers[e].config.patch_size, mesh, params, fields, state, latents,
-                      jax.ShapeDtypeStruct((), jnp.int32), cond, jax.ShapeDtypeStruct((), jnp.float32)).compile()
+                      jax.ShapeDtypeStruct((), jnp.int32), cond, jax.ShapeDtypeStruct((), jnp.float32), carry).compile()
+
+
+def _start_carry(cache, transformers, cond: Conditioning, steps: int, switch: int, latent_shape):
+    """The step cache's carry at the first step (None without a step cache)."""
+    if cache is None:
+        return None
+    cfg = transformers[0].config
+    tokens = math.prod(d // p for d, p in zip(latent_shape[2:], cfg.patch_size))
+    return step_cache.start(cache, steps, 1 + (cond.negative_prompt_embeds is not None), switch, latent_shape[0],
+                            tokens, cfg.inner_dim, transformers[0].dtype, per_token_time=cond.first_frame_mask is not None)
 
 
 def _loop_setup(transformers, cond: Conditioning, scheduler, boundary_ratio: float | None):

@@ -115,11 +115,16 @@ def _arrange(shape: tuple[int, ...], devices: Sequence) -> np.ndarray:
         return np.asarray(list(devices), dtype=object).reshape(shape)
 
 
-def make_mesh(dp: int = 1, sp: int = 1, tp: int = 1, order: Sequence[str] = AXES, devices: Sequence | None = None) -> Mesh:
+def make_mesh(dp: int = 1, sp: int | None = None, tp: int = 1, order: Sequence[str] = AXES,
+              devices: Sequence | None = None) -> Mesh:
     """A `jax.sharding.Mesh` over `devices` (default: all) with axes `dp`, `sp`, `tp` laid out in `order`.
 
-    The sizes must multiply to the device count; one of them may be -1 ("the rest").
+    The sizes must multiply to the device count; one of them may be -1 ("the rest"). `sp` left out
+    takes the rest of the devices (1 when another axis is -1), so `make_mesh()` fits any machine:
+    one device → (1, 1, 1); eight → sp=8. Every call valid with `sp=1` means the same as before.
     """
+    if sp is None:
+        sp = 1 if -1 in (dp, tp) else -1
     order = tuple(order)
     if sorted(order) != sorted(AXES):
         raise WanInputError(f"mesh order {order} must name each of {AXES} exactly once, e.g. order=('dp', 'sp', 'tp')")

@@ -11,9 +11,13 @@ Stages (each usable on its own, e.g. from a notebook or the stage scripts):
 
 A checkpoint is a diffusers-format folder (`model_index.json`, `transformer/` (+ `transformer_2/`
 for Wan 2.2 A14B), `vae/`, `text_encoder/`, `tokenizer/`, `scheduler/`; for Wan 2.1 I2V also
-`image_encoder/`, `image_processor/`). The variant comes from the transformer's config.json and
-model_index.json (`boundary_ratio`, `expand_timesteps`). Nothing is downloaded. Components load
-lazily, on first use, so a stage only loads what it needs; `release(...)` drops one. `prepare(settings)`
+`image_encoder/`, `image_processor/`) or a Hugging Face model id (`Wan-AI/Wan2.1-T2V-1.3B-Diffusers`)
+found in the local HF cache; nothing is downloaded unless `download=True`. The variant comes from
+the transformer's config.json and model_index.json (`boundary_ratio`, `expand_timesteps`).
+`from_pretrained` checks every file the model will read (`wan_tpu.validate`) and the call checks its
+inputs and that the run fits in memory (`wan_tpu.memory`) before anything is loaded: bad input is a
+`WanInputError` within a second, not after minutes. Components load lazily, on first use, so a
+stage only loads what it needs; `release(...)` drops one. `prepare(settings)`
 instead reads them all at once and compiles the denoise step and the decode in background threads
 (`wan_tpu.warmup`), which is what `python -m wan_tpu.generate` does.
 
@@ -34,58 +38,79 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from wan_tpu import conditioning
+from wan_tpu import conditioning, interrupt
 from wan_tpu.configs.models import WanVariant, config_to_json
 from wan_tpu.configs.vae import WanVAEConfig
 from wan_tpu.denoise import Conditioning, denoise
 from wan_tpu.errors import WanInputError
 from wan_tpu.models.vae import frames_to_uint8
 from wan_tpu.profiling import scope
-from wan_tpu.schedulers import make_scheduler
+from wan_tpu.schedulers import make_custom_scheduler, make_scheduler
 from wan_tpu.settings import RunSettings, model_parts, resolve_settings, resolve_variant
+
+
+STAGES = ("text", "image", "denoise", "decode")
 
 
 class WanPipeline:
     """A Wan model ready to generate; see the module docstring."""
 
     def __init__(self, variant: WanVariant, vae_config: WanVAEConfig, loaders: dict[str, Callable[[], object]], *,
-                 name: str, dtype, mesh=None, weight_bytes: dict[str, int] | None = None):
+                 name: str, dtype, mesh=None, vae_dtype=jnp.float32, attention_impl: str | None = None,
+                 weight_elements: dict[str, int] | None = None, check_memory: bool = True):
         self.variant = variant
         self.vae_config = vae_config
         self.name = name
         self.dtype = dtype
+        self.vae_dtype = vae_dtype
+        self.attention_impl = attention_impl
         self.mesh = mesh
-        self.weight_bytes = weight_bytes or {}  # component → bytes of its weight files (prepare's memory check)
+        # Component → weight element count (from the safetensors headers), for the memory checks.
+        self.weight_elements = weight_elements
+        self.check_memory = check_memory
         self._loaders = {n: _one_torch_load_at_a_time(f) if n in TORCH_COMPONENTS else f for n, f in loaders.items()}
         self._loaded: dict[str, object] = {}
+        self._loras: list[tuple[str, float, tuple[str, ...]]] = []  # (path, scale, DiT component names)
+        self.cache_stats = None  # the step cache's `CacheStats` of the last run that used one
         self._warmup = None
 
     # ---- construction -------------------------------------------------------------------------
 
     @classmethod
     def from_pretrained(cls, path_or_preset: str, mesh=None, dtype=jnp.bfloat16, attention_impl: str | None = None,
-                        vae_dtype=jnp.float32, compile_cache: bool = True) -> WanPipeline:
-        """A pipeline over a diffusers-format folder or a built-in preset name (`tiny`).
+                        vae_dtype=jnp.float32, download: bool = False, check_memory: bool = True,
+                        compile_cache: bool = True) -> WanPipeline:
+        """A pipeline over a diffusers-format folder, a Hugging Face model id, or a preset name (`tiny`).
 
         `dtype` is the DiT and text encoder dtype; the VAE runs in `vae_dtype` (float32 by default,
         as the official Wan code runs it). `attention_impl` names the DiT's attention kernel
-        (default: the fastest for the backend). `compile_cache` turns the persistent compilation
-        cache on (the default) or off for the whole process (see `wan_tpu.compile_cache`).
+        (default: the fastest for the backend). A model id is looked up in the local HF cache
+        (`HF_HUB_CACHE`/`HF_HOME`) and fetched only with `download=True`. `check_memory=False` skips
+        the memory estimate that refuses runs too large for the devices (`wan_tpu.memory`).
+        `compile_cache` turns the persistent compilation cache on (the default) or off for the whole
+        process (see `wan_tpu.compile_cache`).
         """
         from wan_tpu import compile_cache as cache
-        from wan_tpu import presets
+        from wan_tpu import hub, presets
+        from wan_tpu.validate import check_checkpoint
 
         cache.enable() if compile_cache else cache.disable()
 
         if path_or_preset in presets.PRESETS:
-            return presets.PRESETS[path_or_preset](dtype=dtype, mesh=mesh, attention_impl=attention_impl,
+            pipe = presets.PRESETS[path_or_preset](dtype=dtype, mesh=mesh, attention_impl=attention_impl,
                                                    vae_dtype=vae_dtype)
-        path = os.fspath(path_or_preset)
+            pipe.check_memory = check_memory
+            return pipe
+        path = hub.resolve_model(os.fspath(path_or_preset), download=download)
         if not os.path.isdir(path):
             raise WanInputError(
-                f"model {path!r} is neither a checkpoint folder nor a preset; pass a diffusers-format folder "
-                f"(e.g. Wan2.1-T2V-1.3B-Diffusers) or one of the presets: {', '.join(presets.PRESETS)}"
+                f"model {path!r} is neither a checkpoint folder, a Hugging Face model id (org/name) nor a preset; pass a "
+                f"diffusers-format folder (e.g. Wan2.1-T2V-1.3B-Diffusers), a model id, or one of the presets: "
+                f"{', '.join(presets.PRESETS)}"
             )
+        hint = hub.original_format_hint(path)
+        if hint is not None:
+            raise WanInputError(hint)
         variant, vae_config = resolve_variant(path)
         parts = model_parts(variant)
         for part in parts.values():
@@ -94,11 +119,10 @@ class WanPipeline:
                     f"checkpoint {path} has no {part}/ folder, which {variant.name} needs; download the complete "
                     f"diffusers-format checkpoint ({variant.repo or 'model_index.json lists the parts'})"
                 )
-        from wan_tpu.warmup import folder_bytes
-
+        weights = check_checkpoint(path, parts)
         return cls(variant, vae_config, _folder_loaders(path, parts, dtype, mesh, attention_impl, vae_dtype),
-                   name=os.path.abspath(path), dtype=dtype, mesh=mesh,
-                   weight_bytes={n: folder_bytes(os.path.join(path, part)) for n, part in parts.items()})
+                   name=os.path.abspath(path), dtype=dtype, mesh=mesh, vae_dtype=vae_dtype, attention_impl=attention_impl,
+                   weight_elements=weights, check_memory=check_memory)
 
     def component(self, name: str):
         """The component `name`, loaded on first use (or taken from `prepare`'s background load)."""
@@ -107,8 +131,17 @@ class WanPipeline:
                 raise WanInputError(f"{self.variant.name} has no {name}; it is not part of this model")
             with scope(f"load_{name}"):
                 loaded = self._warmup.take_load(name) if self._warmup is not None else None
-                self._loaded[name] = loaded if loaded is not None else self._loaders[name]()
+                self._loaded[name] = loaded if loaded is not None else self._load(name)
+            interrupt.check("load")
         return self._loaded[name]
+
+    def _load(self, name: str):
+        """Component `name` read from its loader, with the LoRAs registered for it merged."""
+        component = self._loaders[name]()
+        for path, scale, names in self._loras:
+            if name in names:
+                component.load_lora(path, scale)
+        return component
 
     def release(self, *names: str) -> None:
         """Drop loaded components, freeing their device memory (unless the caller still holds them)."""
@@ -126,6 +159,43 @@ class WanPipeline:
     text_encoder = property(lambda self: self.component("text_encoder"))
     image_encoder = property(lambda self: self.component("image_encoder"))
 
+    # ---- LoRA ---------------------------------------------------------------------------------
+
+    def load_lora_weights(self, path, scale: float = 1.0, expert: str | None = None) -> None:
+        """Merge a LoRA `.safetensors` into the DiT, on device (`wan_tpu.lora`); calls stack.
+
+        Wan 2.2 A14B: `expert="high"` targets the high-noise `transformer`, `"low"` the low-noise
+        `transformer_2`, None both (each expert may take its own file and scale). The file is checked
+        now; a DiT not loaded yet receives it when it loads (and again after a `release`).
+        """
+        from wan_tpu.lora import check_lora
+
+        experts = {"high": "transformer", "low": "transformer_2"}
+        two = self.variant.boundary_ratio is not None
+        if expert is None:
+            names = ("transformer", "transformer_2") if two else ("transformer",)
+        elif expert in experts and two:
+            names = (experts[expert],)
+        elif expert in experts:
+            raise WanInputError(f"{self.variant.name} has one transformer, not two experts; load the LoRA without "
+                                f"expert={expert!r} (--lora, not --lora-{expert})")
+        else:
+            raise WanInputError(f"expert must be 'high', 'low' or None (both), got {expert!r}")
+        configs = {"transformer": self.variant.transformer, "transformer_2": self.variant.transformer_2}
+        for name in names:
+            check_lora(configs[name], path, scale)
+        self._loras.append((os.fspath(path), float(scale), names))
+        for name in names:
+            if name in self._loaded:
+                self._loaded[name].load_lora(path, scale)
+
+    def unload_lora_weights(self) -> None:
+        """Undo every `load_lora_weights`: the DiT weights as loaded, bit for bit."""
+        for name in ("transformer", "transformer_2"):
+            if name in self._loaded:
+                self._loaded[name].unload_lora()
+        self._loras.clear()
+
     @property
     def model_id(self) -> dict:
         """What identifies this model in stage-file metadata (the variant and its architecture)."""
@@ -136,27 +206,31 @@ class WanPipeline:
         """Validated run settings; None values take the model's official defaults."""
         return resolve_settings(self.variant, self.vae_config, **kwargs)
 
-    def prepare(self, settings: RunSettings | None = None, *, scheduler: str = "unipc", image: bool = False):
+    def prepare(self, settings: RunSettings | None = None, *, scheduler: str = "unipc", image: bool = False,
+                sigmas=None, timesteps=None, cache=None, cache_threshold: float | None = None):
         """Start reading every component a run with `settings` needs and compiling its denoise step and VAE
         decode, in background threads; returns at once (a `wan_tpu.warmup.Warmup` of futures; as a
         context manager, leaving it waits for the threads, cancelling what has not started).
 
         `component()`, `denoise()` and `decode()` then wait for what they need only. `image`: the run
-        conditions on an image (I2V/TI2V). Results are bit-identical with and without it; see
+        conditions on an image (I2V/TI2V); `scheduler`, `sigmas`, `timesteps`, `cache`, `cache_threshold`:
+        as the `denoise` call will get them (the step program depends on them). Results are bit-identical with and without it; see
         `wan_tpu.warmup` for what runs when and what it does to peak memory. With a mesh, components
         are read ahead but compile on first use.
         """
         from wan_tpu.warmup import Warmup, weights_fit
 
         s = settings or self.settings()
+        sampling = self.sampling(s, scheduler, sigmas, timesteps, cache, cache_threshold,
+                                 with_image=image and self.variant.expand_timesteps)
         warmup = self._warmup = Warmup()
         dits = [n for n in ("transformer", "transformer_2") if n in self._loaders]
         encoders = ["text_encoder"] + (["image_encoder"] if image and "image_encoder" in self._loaders else [])
         todo = [n for n in (*encoders, *dits, "vae") if n not in self._loaded]
-        ahead = weights_fit(self.weight_bytes, todo, self.mesh)
+        ahead = weights_fit(self._weight_bytes(), todo, self.mesh)
         for name in todo:
             if ahead or name not in dits:
-                warmup.start(name, self._loaders[name])
+                warmup.start(name, self._load, name)
         if self.mesh is not None:
             # On a mesh the calls' arguments carry shardings that only the previous stage decides (the
             # text encoder's output, the sharded latents): a program compiled ahead from shapes would
@@ -164,12 +238,18 @@ class WanPipeline:
             return warmup
         if ahead:
             sources = [self._loaded[n] if n in self._loaded else warmup.loads[n] for n in dits]
-            warmup.start("denoise", self._compile_denoise, warmup, s, scheduler, image, sources, kind="compile")
+            warmup.start("denoise", self._compile_denoise, warmup, s, sampling, image, sources, kind="compile")
         vae = self._loaded["vae"] if "vae" in self._loaded else warmup.loads["vae"]
         warmup.start("decode", self._compile_decode, warmup, s, vae, kind="compile")
         return warmup
 
-    def _compile_denoise(self, warmup, s: RunSettings, scheduler: str, image: bool, sources) -> None:
+    def _weight_bytes(self) -> dict[str, int]:
+        """Component → device bytes of its weights (from the checkpoint's element counts; empty for presets)."""
+        itemsize = {"vae": jnp.dtype(self.vae_dtype).itemsize, "image_encoder": 4}  # CLIP runs float32
+        return {n: count * itemsize.get(n, jnp.dtype(self.dtype).itemsize)
+                for n, count in (self.weight_elements or {}).items()}
+
+    def _compile_denoise(self, warmup, s: RunSettings, sampling, image: bool, sources) -> None:
         from wan_tpu.denoise import compile_steps
 
         shape = self.latent_shape(s.height, s.width, s.num_frames)
@@ -180,8 +260,8 @@ class WanPipeline:
         if warmup.cancelled.is_set():
             return
         self.prepare_latents(0, s.height, s.width, s.num_frames)  # compiles the noise sampler (any seed: one program)
-        compile_steps(transformers, shape, cond, make_scheduler(scheduler, s.num_inference_steps, s.flow_shift),
-                      self.variant.boundary_ratio, mesh=self.mesh)
+        sched, step = sampling
+        compile_steps(transformers, shape, cond, sched, self.variant.boundary_ratio, mesh=self.mesh, cache=step)
 
     def _abstract_conditioning(self, s: RunSettings, shape, image: bool) -> Conditioning | None:
         """The shapes of what `_conditioning` builds for this run (None for Wan 2.1 I2V, whose CLIP token
@@ -226,7 +306,8 @@ class WanPipeline:
         check_prompts(prompt, negative_prompt, settings.do_cfg)
         prompts = [prompt, negative_prompt] if settings.do_cfg else [prompt]
         with scope("text_encode"):
-            embeds = self.text_encoder.encode(prompts)
+            embeds = jax.block_until_ready(self.text_encoder.encode(prompts))
+        interrupt.check("encode")
         out = {"prompt_embeds": embeds[:1]}
         if settings.do_cfg:
             out["negative_prompt_embeds"] = embeds[1:]
@@ -264,20 +345,27 @@ class WanPipeline:
                 num_frames: int | None = None, num_inference_steps: int | None = None,
                 guidance_scale: float | None = None, guidance_scale_2: float | None = None,
                 flow_shift: float | None = None, scheduler: str = "unipc", progress: bool = True,
-                step_seconds: list | None = None) -> jax.Array:
+                step_seconds: list | None = None, sigmas=None, timesteps=None, cache=None,
+                cache_threshold: float | None = None) -> jax.Array:
         """Final latents `(1, z, F, h, w)` from stage-1 `embeds` (+ `encode_image` output for I2V/TI2V).
 
         `latents` overrides the seeded initial noise (e.g. to compare with another implementation).
+        `sigmas` / `timesteps`: a given schedule (few-step sampling; see `make_custom_scheduler`), one
+        value per step. `cache`: a step cache, "teacache", "magcache", "fbcache" or a config of
+        `wan_tpu.step_cache` (`cache_threshold` overrides its threshold); afterwards `self.cache_stats`
+        says how many steps skipped the DiT blocks.
         """
+        num_inference_steps = schedule_steps(num_inference_steps, sigmas, timesteps)
         s = self.settings(height=height, width=width, num_frames=num_frames, num_inference_steps=num_inference_steps,
                           guidance_scale=guidance_scale, guidance_scale_2=guidance_scale_2, flow_shift=flow_shift)
+        sched, step = self.sampling(s, scheduler, sigmas, timesteps, cache, cache_threshold,
+                                    with_image="first_frame" in embeds)
         shape = self.latent_shape(s.height, s.width, s.num_frames)
         if latents is None:
             latents = self.prepare_latents(seed, s.height, s.width, s.num_frames)
         elif tuple(latents.shape) != shape:
             raise WanInputError(f"latents have shape {tuple(latents.shape)}, but this run needs {shape}")
         cond = self._conditioning(embeds, s, shape)
-        sched = make_scheduler(scheduler, s.num_inference_steps, s.flow_shift)
         experts = [self.transformer]
         guidance = [s.guidance_scale]
         if self.variant.boundary_ratio is not None:
@@ -285,9 +373,26 @@ class WanPipeline:
             guidance.append(s.guidance_scale_2)
         if self._warmup is not None:
             self._warmup.wait_compiled("denoise")
+        stats = []
         with scope("denoise"):
-            return denoise(experts, jnp.asarray(latents), cond, sched, guidance, self.variant.boundary_ratio,
-                           mesh=self.mesh, progress=progress, step_seconds=step_seconds)
+            out = denoise(experts, jnp.asarray(latents), cond, sched, guidance, self.variant.boundary_ratio,
+                          mesh=self.mesh, progress=progress, step_seconds=step_seconds, cache=step, cache_stats=stats)
+        self.cache_stats = stats[0] if stats else None
+        return out
+
+    def sampling(self, s: RunSettings, scheduler: str = "unipc", sigmas=None, timesteps=None, cache=None,
+                 cache_threshold: float | None = None, with_image: bool = False):
+        """(scheduler, resolved step cache or None) of a run; `WanInputError` on bad choices, before any work."""
+        from wan_tpu import step_cache
+
+        if sigmas is None and timesteps is None:
+            sched = make_scheduler(scheduler, s.num_inference_steps, s.flow_shift)
+        else:
+            sched = make_custom_scheduler(scheduler, s.flow_shift, sigmas=sigmas, timesteps=timesteps)
+        config = step_cache.make_cache(cache, cache_threshold)
+        if config is None and cache_threshold is not None:
+            raise WanInputError("a cache threshold needs a cache; pass --cache teacache|magcache|fbcache")
+        return sched, None if config is None else step_cache.resolve(config, self.variant.name, with_image)
 
     def _conditioning(self, embeds: dict, s: RunSettings, shape) -> Conditioning:
         needs_image = self.variant.task == "i2v"
@@ -321,7 +426,8 @@ class WanPipeline:
             self._warmup.wait_compiled("decode")
         with scope("vae_decode"):
             z = vae.denormalize_latents(jnp.asarray(latents, jnp.float32)).astype(vae.dtype)
-            video = vae.decode(z)
+            video = jax.block_until_ready(vae.decode(z))
+            interrupt.check("decode")
             frames = np.asarray(frames_to_uint8(video))
         return frames[0]
 
@@ -331,26 +437,56 @@ class WanPipeline:
                  width: int | None = None, num_frames: int | None = None, num_inference_steps: int | None = None,
                  guidance_scale: float | None = None, flow_shift: float | None = None, seed: int = 0, image=None,
                  guidance_scale_2: float | None = None, latents=None, output_type: str = "np",
-                 progress: bool = True) -> np.ndarray:
+                 progress: bool = True, scheduler: str = "unipc", sigmas=None, timesteps=None, cache=None,
+                 cache_threshold: float | None = None) -> np.ndarray:
         """Generate a video: uint8 frames `(T, H, W, 3)` (`output_type="latent"`: the final latents).
 
         None settings take the model's official defaults (Wan 2.1 T2V 1.3B: 480×832, 81 frames,
         50 steps, guidance 5.0, shift 5.0; see `wan_tpu.configs.models.VARIANTS`). `guidance_scale_2`
         is the low-noise expert's guidance (Wan 2.2 A14B; default: `guidance_scale` if that is given).
-        `latents` replaces the seeded initial noise.
+        `latents` replaces the seeded initial noise. `scheduler`, `sigmas`, `timesteps`, `cache`,
+        `cache_threshold`: as `denoise` (`self.cache_stats` reports a step cache's skipped steps).
         """
+        num_inference_steps = schedule_steps(num_inference_steps, sigmas, timesteps)
         s = self.settings(height=height, width=width, num_frames=num_frames, num_inference_steps=num_inference_steps,
                           guidance_scale=guidance_scale, guidance_scale_2=guidance_scale_2, flow_shift=flow_shift)
+        self.check_run(s, image, negative_prompt=negative_prompt, prompt=prompt)
         embeds = self.encode_prompt(prompt, negative_prompt, s.guidance_scale)
         if image is not None:
             embeds.update(self.encode_image(image, s.height, s.width, s.num_frames))
         out = self.denoise(embeds, latents=latents, seed=seed, height=s.height, width=s.width,
                            num_frames=s.num_frames, num_inference_steps=s.num_inference_steps,
                            guidance_scale=s.guidance_scale, guidance_scale_2=s.guidance_scale_2,
-                           flow_shift=s.flow_shift, progress=progress)
+                           flow_shift=s.flow_shift, progress=progress, scheduler=scheduler, sigmas=sigmas,
+                           timesteps=timesteps, cache=cache, cache_threshold=cache_threshold)
         if output_type == "latent":
             return out
         return self.decode(out)
+
+
+    def check_run(self, s: RunSettings, image=None, *, prompt: str | None = None, negative_prompt: str | None = None,
+                  stages=STAGES, keep_dit: bool = False, memory: bool = True) -> None:
+        """Everything about a run of `stages` that can be checked before loading: the prompts, the image
+        (readable, and wanted by this model), and that it fits in memory (`check_fits`)."""
+        from wan_tpu.validate import check_image
+
+        if prompt is not None:
+            check_prompts(prompt, negative_prompt, s.do_cfg)
+        if image is not None and self.variant.task == "t2v":
+            raise WanInputError(f"{self.variant.name} is a text-to-video model and takes no image; drop --image")
+        if image is None and self.variant.task == "i2v" and "image" in stages:
+            raise WanInputError(f"{self.variant.name} is an image-to-video model; pass the first frame with --image PATH")
+        check_image(image)
+        if memory:
+            self.check_fits(s, stages, keep_dit=keep_dit, image=image is not None)
+
+    def check_fits(self, s: RunSettings, stages=STAGES, keep_dit: bool = False, image: bool = False) -> None:
+        """Refuse (`WanInputError`) a run whose stages would not fit in memory, unless `check_memory` is
+        off; `keep_dit`: the DiT stays loaded through decoding (several videos in one run)."""
+        if self.check_memory:
+            from wan_tpu.memory import check_fits
+
+            check_fits(self, s, stages, self.attention_impl, keep_dit=keep_dit, image=image)
 
 
 # Loading a transformers model sets process-wide torch state for a while (the default dtype, meta-device
@@ -369,10 +505,26 @@ def _one_torch_load_at_a_time(loader):
     return load
 
 
-def check_prompts(prompt: str, negative_prompt: str, do_cfg: bool) -> None:
+def schedule_steps(num_inference_steps, sigmas, timesteps):
+    """The step count of a run with a given schedule: its length (a different `num_inference_steps` is an error)."""
+    given = sigmas if sigmas is not None else timesteps
+    if given is None:
+        return num_inference_steps
+    if not hasattr(given, "__len__"):
+        raise WanInputError(f"sigmas / timesteps must be a list of numbers, one per step, got {given!r}")
+    if num_inference_steps is not None and num_inference_steps != len(given):
+        raise WanInputError(f"{len(given)} sigmas/timesteps but {num_inference_steps} steps; drop --steps or give one "
+                            "value per step")
+    return len(given)
+
+
+def check_prompts(prompt: str, negative_prompt: str | None, do_cfg: bool) -> None:
+    """An empty prompt is fine with CFG against a non-empty negative prompt (None: the official one)."""
     if not isinstance(prompt, str):
         raise WanInputError(f"prompt must be a string, got {type(prompt).__name__}")
-    if not prompt.strip() and (not do_cfg or not negative_prompt.strip()):
+    if negative_prompt is not None and not isinstance(negative_prompt, str):
+        raise WanInputError(f"negative prompt must be a string, got {type(negative_prompt).__name__}")
+    if not prompt.strip() and (not do_cfg or not (negative_prompt is None or negative_prompt.strip())):
         raise WanInputError("the prompt is empty and there is no negative prompt to guide against; pass --prompt TEXT")
 
 

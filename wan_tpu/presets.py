@@ -119,7 +119,8 @@ def tiny(dtype=jnp.bfloat16, mesh=None, attention_impl=None, vae_dtype=jnp.float
         return UMT5TextEncoder(model, tiny_tokenizer(), state)
 
     loaders = {"transformer": transformer, "vae": vae, "text_encoder": text_encoder}
-    return WanPipeline(variant, TINY_VAE, loaders, name="tiny", dtype=dtype, mesh=mesh)
+    return WanPipeline(variant, TINY_VAE, loaders, name="tiny", dtype=dtype, mesh=mesh, vae_dtype=vae_dtype,
+                       attention_impl=attention_impl)
 
 
 PRESETS = {"tiny": tiny}

@@ -1,9 +1,10 @@
-"""Flow-matching schedulers for Wan: UniPC (bh2, order 2) and Euler, as pure functions.
+"""Flow-matching schedulers for Wan: UniPC (bh2, order 2), DPM-Solver++ (order 2) and Euler, as pure functions.
 
 `FlowUniPCMultistep` reproduces diffusers' `UniPCMultistepScheduler(prediction_type=
 "flow_prediction", use_flow_sigmas=True, solver_order=2, solver_type="bh2", predict_x0=True,
 lower_order_final=True, final_sigmas_type="zero")`, the scheduler the Wan checkpoints ship with;
-`FlowEuler` reproduces `FlowMatchEulerDiscreteScheduler(shift=s)`. Both take the step index as an
+`FlowDPMSolverMultistep` the official `--sample_solver dpm++` (diffusers' `DPMSolverMultistepScheduler`
+with flow sigmas); `FlowEuler` reproduces `FlowMatchEulerDiscreteScheduler(shift=s)`. All take the step index as an
 array, so a whole denoising loop compiles once (`jax.lax.fori_loop` / `scan` over a static step
 count):
 
@@ -83,7 +84,13 @@ class FlowUniPCMultistep:
     def create(cls, num_inference_steps: int, shift: float, num_train_timesteps: int = 1000) -> FlowUniPCMultistep:
         _check(num_inference_steps, shift)
         n = int(num_inference_steps)
-        sig = _shifted(np.linspace(1.0, 1.0 / num_train_timesteps, n + 1)[:-1], float(shift))
+        return cls.from_sigmas(np.linspace(1.0, 1.0 / num_train_timesteps, n + 1)[:-1], shift, num_train_timesteps)
+
+    @classmethod
+    def from_sigmas(cls, sigmas, shift: float, num_train_timesteps: int = 1000) -> FlowUniPCMultistep:
+        """A run over given (unshifted) noise levels, as diffusers' `set_timesteps(sigmas=...)`: shifted,
+        then the model receives the integer part of 1000 × each shifted sigma."""
+        sig = _shifted(np.array(sigmas, np.float64), float(shift))
         # diffusers nudges sigma_0 off 1 so that log(alpha_0) stays finite, then truncates the
         # timesteps to integers before rounding sigmas to float32; we keep all three choices.
         if abs(sig[0] - 1.0) < 1e-6:
@@ -181,6 +188,17 @@ class FlowEuler:
         sigmas = np.append(_shifted(t / num_train_timesteps, float(shift)).astype(np.float32), np.float32(0.0))
         return cls(sigmas[:-1] * np.float32(num_train_timesteps), sigmas)
 
+    @classmethod
+    def from_sigmas(cls, sigmas=None, shift: float = 1.0, num_train_timesteps: int = 1000, timesteps=None) -> FlowEuler:
+        """A run over given sigmas and/or timesteps, as diffusers' `set_timesteps(sigmas=..., timesteps=...)`:
+        the sigmas (default: timesteps / 1000) are shifted in float32; the model receives the given
+        timesteps, else 1000 × the shifted sigmas (so given timesteps are used as they are, unshifted)."""
+        given_t = None if timesteps is None else np.asarray(timesteps, np.float32)
+        base = given_t / num_train_timesteps if sigmas is None else np.asarray(sigmas, np.float32)
+        sig = _shifted(base, float(shift))  # float32: numpy keeps Python scalars weak, as diffusers' arithmetic does
+        t = sig * np.float32(num_train_timesteps) if given_t is None else given_t
+        return cls(t, np.append(sig, np.float32(0.0)))
+
     @property
     def num_inference_steps(self) -> int:
         return len(self.timesteps)
@@ -194,11 +212,116 @@ class FlowEuler:
         return x_next.astype(sample.dtype), state
 
 
-SCHEDULERS = {"unipc": FlowUniPCMultistep, "euler": FlowEuler}
+class DPMState(NamedTuple):
+    """What DPM-Solver++ carries between steps: the previous x0 prediction (float32)."""
+
+    x0_prev: jax.Array
 
 
-def make_scheduler(name: str, num_inference_steps: int, shift: float) -> FlowUniPCMultistep | FlowEuler:
-    """The scheduler called `name` ("unipc" or "euler") for a run of `num_inference_steps`."""
+@dataclass(frozen=True, eq=False)
+class FlowDPMSolverMultistep:
+    """Multistep DPM-Solver++ (order 2, midpoint) on the rectified-flow path, as pure functions.
+
+    Reproduces diffusers' `DPMSolverMultistepScheduler(use_flow_sigmas=True, prediction_type=
+    "flow_prediction", flow_shift=s, algorithm_type="dpmsolver++", solver_order=2)` (the official
+    Wan `--sample_solver dpm++`): first order on the first step and on the last (`final_sigmas_type=
+    "zero"` lands on x0 exactly), second order in between. Step i maps (x_i, v_i, m_{i-1}) to
+
+        m = x_i - sigma_i * v_i;   x_{i+1} = P_X*x_i + P_M0*m + P_M1*m_{i-1}
+
+    with the per-step coefficients (N, 3) computed once in float64 on the host.
+
+    `timesteps` (N,) float32: what the model receives (diffusers' integer timesteps).
+    `sigmas` (N+1,) float32 ending at 0.
+    """
+
+    timesteps: np.ndarray
+    sigmas: np.ndarray
+    coefficients: np.ndarray
+
+    @classmethod
+    def create(cls, num_inference_steps: int, shift: float, num_train_timesteps: int = 1000) -> FlowDPMSolverMultistep:
+        _check(num_inference_steps, shift)
+        n = int(num_inference_steps)
+        # diffusers: sigmas = shift(1 - alphas) over alphas = linspace(1, 1/T, N+1), flipped, last dropped.
+        sig = np.flip(_shifted(1.0 - np.linspace(1.0, 1.0 / num_train_timesteps, n + 1), float(shift)))[:-1].copy()
+        timesteps = (sig * num_train_timesteps).astype(np.int64).astype(np.float32)
+        sigmas = np.append(sig, 0.0).astype(np.float32)
+        return cls(timesteps, sigmas, _dpm_coefficients(sigmas))
+
+    @property
+    def num_inference_steps(self) -> int:
+        return len(self.timesteps)
+
+    def init_state(self, sample: jax.Array) -> DPMState:
+        return DPMState(jnp.zeros(sample.shape, jnp.float32))
+
+    def step(self, state: DPMState, model_output: jax.Array, sample: jax.Array, i) -> tuple[jax.Array, DPMState]:
+        c = jnp.asarray(self.coefficients)[i]
+        x = sample.astype(jnp.float32)
+        m = x - jnp.asarray(self.sigmas)[i] * model_output.astype(jnp.float32)
+        x_next = c[0] * x + c[1] * m + c[2] * state.x0_prev
+        return x_next.astype(sample.dtype), DPMState(m)
+
+
+def _dpm_coefficients(sigmas: np.ndarray) -> np.ndarray:
+    n = len(sigmas) - 1
+    sig = sigmas.astype(np.float64)
+    lam = [_log_snr(s) for s in sig]
+    table = np.zeros((n, 3), np.float64)
+    for i in range(n):
+        alpha_t = 1.0 - sig[i + 1]
+        phi = math.expm1(-(lam[i + 1] - lam[i]))  # e^{-h} - 1
+        table[i, 0] = sig[i + 1] / sig[i]
+        if i == 0 or i == n - 1:
+            table[i, 1] = -alpha_t * phi
+        else:
+            # Midpoint: D0 = m, D1 = (m - m_{i-1}) / r0; x = A x - a*phi*D0 - 0.5*a*phi*D1.
+            r0 = (lam[i] - lam[i - 1]) / (lam[i + 1] - lam[i])
+            table[i, 1] = -alpha_t * phi * (1.0 + 0.5 / r0)
+            table[i, 2] = alpha_t * phi * 0.5 / r0
+    return table.astype(np.float32)
+
+
+SCHEDULERS = {"unipc": FlowUniPCMultistep, "euler": FlowEuler, "dpm++": FlowDPMSolverMultistep}
+
+
+def make_scheduler(name: str, num_inference_steps: int, shift: float):
+    """The scheduler called `name` ("unipc", "euler" or "dpm++") for a run of `num_inference_steps`."""
     if name not in SCHEDULERS:
         raise WanInputError(f"unknown scheduler {name!r}; choose one of {', '.join(SCHEDULERS)}")
     return SCHEDULERS[name].create(num_inference_steps, shift)
+
+
+def make_custom_scheduler(name: str, shift: float, sigmas=None, timesteps=None) -> FlowUniPCMultistep | FlowEuler:
+    """Scheduler `name` over a given schedule (few-step / step-distilled sampling): `sigmas`, noise levels
+    in (0, 1] before the shift, and/or (Euler only) `timesteps` in (0, 1000], what the model receives;
+    each strictly decreasing. As diffusers' `set_timesteps(sigmas=..., timesteps=...)` of
+    `FlowMatchEulerDiscreteScheduler` and `UniPCMultistepScheduler` (which takes sigmas only)."""
+    _check(1, shift)
+    if sigmas is None and timesteps is None:
+        raise WanInputError("pass sigmas or timesteps (--sigmas / --timesteps) for a custom schedule")
+    for values, flag, top in ((sigmas, "--sigmas", 1.0), (timesteps, "--timesteps", 1000.0)):
+        if values is not None:
+            _check_schedule(values, flag, top)
+    if sigmas is not None and timesteps is not None and len(sigmas) != len(timesteps):
+        raise WanInputError(f"--sigmas has {len(sigmas)} values and --timesteps {len(timesteps)}; give one per step")
+    if name == "euler":
+        return FlowEuler.from_sigmas(sigmas, shift, timesteps=timesteps)
+    if name == "unipc" and timesteps is None:
+        return FlowUniPCMultistep.from_sigmas(sigmas, shift)
+    if name == "unipc":
+        raise WanInputError("UniPC takes a schedule as --sigmas (timestep / 1000), not --timesteps (as diffusers' "
+                            "UniPCMultistepScheduler); or use --scheduler euler")
+    raise WanInputError(f"a custom schedule (--sigmas / --timesteps) works with --scheduler euler or unipc, not {name!r}")
+
+
+def _check_schedule(values, flag: str, top: float) -> None:
+    try:
+        v = np.asarray(values, np.float64)
+    except (TypeError, ValueError):
+        raise WanInputError(f"{flag} must be numbers, got {values!r}") from None
+    if v.ndim != 1 or v.size == 0 or not np.all(np.isfinite(v)) or np.any(v <= 0) or np.any(v > top):
+        raise WanInputError(f"{flag} must be one or more numbers in (0, {top:g}], got {values!r}")
+    if np.any(np.diff(v) >= 0):
+        raise WanInputError(f"{flag} must decrease strictly (from noise to data), got {values!r}")

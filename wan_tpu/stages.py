@@ -7,6 +7,7 @@ exactly what differs from the run it is asked to do instead of producing a wrong
 
     save_stage("stage1.safetensors", {"prompt_embeds": e}, StageMeta("prompt", config_hash=h, ...))
     tensors, meta = load_stage("stage1.safetensors", expect={"stage": "prompt", "config_hash": h})
+    meta = read_stage_meta("stage1.safetensors")     # the settings only (the next stage's defaults)
 
 The container is written here (an 8-byte little-endian header length, a JSON header, raw
 little-endian data, as the safetensors spec lays it out) so that bfloat16 is stored as its raw bits
@@ -28,6 +29,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from wan_tpu import interrupt
 from wan_tpu.checkpoint import SAFETENSORS_DTYPES, TensorSource, read_metadata
 from wan_tpu.errors import WanInputError
 
@@ -60,6 +62,7 @@ class StageMeta:
     guidance_2: float | None = None
     scheduler: str | None = None
     dtype: str | None = None
+    model: str | None = None  # what --model was (a folder, model id or preset): the next stage's default
 
     def __post_init__(self):
         if not isinstance(self.stage, str) or not self.stage:
@@ -167,7 +170,7 @@ def save_stage(path: str, tensors: Mapping, meta: StageMeta | Mapping, overwrite
     except PermissionError:
         raise WanInputError(f"cannot write in folder {folder} (permission denied); choose another path for the stage file") from None
     try:
-        with os.fdopen(fd, "wb") as f:
+        with interrupt.temporary(tmp), os.fdopen(fd, "wb") as f:
             f.write(len(head).to_bytes(8, "little"))
             f.write(head)
             for name, t in tensors.items():
@@ -175,18 +178,21 @@ def save_stage(path: str, tensors: Mapping, meta: StageMeta | Mapping, overwrite
                 f.write(np.ascontiguousarray(np.asarray(t)).tobytes())
             f.flush()
             os.fsync(f.fileno())
+            interrupt.check()
         os.replace(tmp, path)
     except BaseException:
         os.unlink(tmp)
         raise
 
 
-def load_stage(path: str, expect: Mapping | None = None) -> tuple[dict[str, np.ndarray], StageMeta]:
-    """Read a stage file: (name → np.ndarray, its `StageMeta`).
+def read_stage_meta(path: str) -> StageMeta:
+    """The metadata of stage file `path`, checked (a readable safetensors file of this stage format)
+    without reading its tensors."""
+    meta, _, _ = _open(path)
+    return meta
 
-    `expect` maps `StageMeta` field names to this run's values (None = don't check); any that
-    differ from the file's raise a `WanInputError` naming each of them.
-    """
+
+def _open(path: str) -> tuple[StageMeta, dict[str, str], TensorSource]:
     if not os.path.exists(path):
         raise WanInputError(f"stage file {path} does not exist; run the stage that writes it first or fix the path")
     if os.path.isdir(path):
@@ -207,7 +213,16 @@ def load_stage(path: str, expect: Mapping | None = None) -> tuple[dict[str, np.n
         raise WanInputError(
             f"{path} is in stage-file format {fmt!r} but this wan_tpu reads {FORMAT!r}; re-run the stage that wrote it"
         )
-    meta = _decode(path, raw)
+    return _decode(path, raw), raw, source
+
+
+def load_stage(path: str, expect: Mapping | None = None) -> tuple[dict[str, np.ndarray], StageMeta]:
+    """Read a stage file: (name → np.ndarray, its `StageMeta`).
+
+    `expect` maps `StageMeta` field names to this run's values (None = don't check); any that
+    differ from the file's raise a `WanInputError` naming each of them.
+    """
+    meta, raw, source = _open(path)
     if expect:
         _check_expected(path, raw, meta, expect)
     return {name: np.array(source[name]) for name in source}, meta

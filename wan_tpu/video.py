@@ -2,7 +2,8 @@
 
 Encoding goes through `imageio` + `imageio-ffmpeg`, which carries its own ffmpeg binary, so nothing
 has to be installed on the host. The file is written under a temporary name beside the target and
-renamed into place, so an interrupted run never leaves a truncated mp4 under the requested name.
+renamed into place, so an interrupted run never leaves a truncated mp4 under the requested name
+(a Ctrl-C stops between frames: `wan_tpu.interrupt`).
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import warnings
 
 import numpy as np
 
+from wan_tpu import interrupt
 from wan_tpu.errors import WanInputError
 from wan_tpu.stages import check_output_path
 
@@ -34,7 +36,7 @@ def write_video(path: str, frames: np.ndarray, fps: int, overwrite: bool = False
     # The temporary name keeps the .mp4 suffix because ffmpeg picks the container from it.
     tmp = os.path.join(parent, f".{name}.{os.getpid()}.partial.mp4")
     try:
-        with _ffmpeg_subprocess():
+        with interrupt.temporary(tmp), _ffmpeg_subprocess():
             # format="FFMPEG": without imageio-ffmpeg imageio would silently pick another plugin (tiff)
             # for this name; macro_block_size=1: never let imageio resize the frames behind our back.
             writer = imageio.get_writer(tmp, format="FFMPEG", fps=fps, codec="libx264", quality=8,
@@ -42,6 +44,7 @@ def write_video(path: str, frames: np.ndarray, fps: int, overwrite: bool = False
             try:
                 for frame in frames:
                     writer.append_data(frame)
+                    interrupt.check("write")
             finally:
                 writer.close()
         os.replace(tmp, path)

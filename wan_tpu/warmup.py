@@ -31,7 +31,6 @@ the text encoder is released, as without `prepare`.
 from __future__ import annotations
 
 import concurrent.futures
-import os
 import threading
 import warnings
 import weakref
@@ -132,15 +131,6 @@ def _cancel_all() -> None:
 # Runs before the interpreter joins its threads at exit (public `atexit` handlers run after): what
 # concurrent.futures uses for the same purpose.
 getattr(threading, "_register_atexit", lambda fn: None)(_cancel_all)
-
-
-def folder_bytes(path: str) -> int:
-    """Bytes of the weight files in a checkpoint folder (an estimate of the device bytes they take)."""
-    total = 0
-    for name in os.listdir(path) if os.path.isdir(path) else ():
-        if name.endswith((".safetensors", ".bin", ".pth")):
-            total += os.path.getsize(os.path.join(path, name))
-    return total
 
 
 def weights_fit(weight_bytes: dict[str, int], names, mesh) -> bool:

@@ -7,20 +7,28 @@ import math
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 
 def timestep_embedding(t, dim: int, flip_sin_to_cos: bool = True, downscale_freq_shift: float = 0.0,
                        max_period: float = 10000.0):
-    """Sinusoidal embedding of timesteps t (any shape) → t.shape + (dim,), float32."""
+    """Sinusoidal embedding of timesteps t (any shape) → t.shape + (dim,), float32.
+
+    A device array is embedded in float32, as diffusers does. Timesteps given as a numpy array are
+    known on the host and embedded there in float64 (as the original Wan code does), then rounded
+    once: at t ≈ 1000 float32 angles are off by up to ~6e-5 rad, float64 ones are exact.
+    """
+    xp = np if isinstance(t, np.ndarray) else jnp
+    ftype = np.float64 if xp is np else jnp.float32
     half = dim // 2
-    exponent = -math.log(max_period) * jnp.arange(half, dtype=jnp.float32) / (half - downscale_freq_shift)
-    args = t.astype(jnp.float32)[..., None] * jnp.exp(exponent)
-    sin, cos = jnp.sin(args), jnp.cos(args)
-    emb = jnp.concatenate([cos, sin] if flip_sin_to_cos else [sin, cos], axis=-1)
+    exponent = -math.log(max_period) * xp.arange(half, dtype=ftype) / (half - downscale_freq_shift)
+    args = t.astype(ftype)[..., None] * xp.exp(exponent)
+    sin, cos = xp.sin(args), xp.cos(args)
+    emb = xp.concatenate([cos, sin] if flip_sin_to_cos else [sin, cos], axis=-1)
     if dim % 2:
-        emb = jnp.pad(emb, [(0, 0)] * (emb.ndim - 1) + [(0, 1)])
-    return emb
+        emb = xp.pad(emb, [(0, 0)] * (emb.ndim - 1) + [(0, 1)])
+    return jnp.asarray(emb, jnp.float32)
 
 
 def linear(din: int, dout: int, dtype, rngs: nnx.Rngs) -> nnx.Linear:

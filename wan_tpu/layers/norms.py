@@ -24,6 +24,15 @@ def layer_norm(x, eps: float, weight=None, bias=None):
     return y
 
 
+def rms_norm(x, eps: float, weight=None):
+    """x·rsqrt(mean(x²) + eps) over the last axis, statistics in float32, output in x's dtype."""
+    xf = x.astype(jnp.float32)
+    y = xf * jax.lax.rsqrt(jnp.mean(jnp.square(xf), axis=-1, keepdims=True) + eps)
+    if weight is not None:
+        y = y * weight.astype(jnp.float32)
+    return y.astype(x.dtype)
+
+
 class FP32LayerNorm(nnx.Module):
     """diffusers' FP32LayerNorm: float32 statistics and (optional) float32 affine, output in input dtype."""
 
@@ -53,6 +62,4 @@ class RMSNorm(nnx.Module):
         self.weight = nnx.Param(jnp.ones((dim,), dtype))
 
     def __call__(self, x):
-        xf = x.astype(jnp.float32)
-        y = xf * jax.lax.rsqrt(jnp.mean(jnp.square(xf), axis=-1, keepdims=True) + self.eps)
-        return (y * self.weight[...].astype(jnp.float32)).astype(x.dtype)
+        return rms_norm(x, self.eps, self.weight[...])

@@ -26,6 +26,7 @@ Hooks (plain attributes, replaceable after construction; `wan_tpu.sharding` sets
 from __future__ import annotations
 
 import functools
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -62,18 +63,27 @@ class WanAttention(nnx.Module):
         else:
             self.add_k_proj = self.add_v_proj = self.norm_added_k = None
 
+    def query(self, x):
+        """Normalised queries (B, S, H, D)."""
+        return _heads(self.norm_q(self.to_q(x)), self.num_heads)
+
+    def key_value(self, x):
+        """Normalised keys and values (B, S, H, D) of `x`; a cross-attention's K/V depend only on its context."""
+        return _heads(self.norm_k(self.to_k(x)), self.num_heads), _heads(self.to_v(x), self.num_heads)
+
+    def qkv(self, x, rope):
+        """Self-attention inputs: q and k rotated by `rope`, v; separate from attending so a causal
+        model can cache k and v."""
+        k, v = self.key_value(x)
+        return apply_rope(self.query(x), *rope), apply_rope(k, *rope), v
+
     def self_attention(self, x, rope, attn_fn):
-        q = apply_rope(_heads(self.norm_q(self.to_q(x)), self.num_heads), *rope)
-        k = apply_rope(_heads(self.norm_k(self.to_k(x)), self.num_heads), *rope)
-        v = _heads(self.to_v(x), self.num_heads)
-        out = attn_fn(q, k, v)
+        out = attn_fn(*self.qkv(x, rope))
         return self.to_out(out.reshape(x.shape[0], x.shape[1], -1))
 
     def cross_attention(self, x, context, context_image, attn_fn):
-        q = _heads(self.norm_q(self.to_q(x)), self.num_heads)
-        k = _heads(self.norm_k(self.to_k(context)), self.num_heads)
-        v = _heads(self.to_v(context), self.num_heads)
-        out = attn_fn(q, k, v)
+        q = self.query(x)
+        out = attn_fn(q, *self.key_value(context))
         if context_image is not None:
             k_img = _heads(self.norm_added_k(self.add_k_proj(context_image)), self.num_heads)
             v_img = _heads(self.add_v_proj(context_image), self.num_heads)
@@ -169,24 +179,35 @@ class WanTransformer(nnx.Module):
         return _forward_jit(graphdef, state, hidden_states, timestep, encoder_hidden_states,
                             encoder_hidden_states_image)
 
+    def load_lora(self, path, scale: float = 1.0):
+        """Merge the LoRA file at `path` into the weights, in place, on device (`wan_tpu.lora`); calls stack."""
+        from wan_tpu.lora import load_lora
+
+        return load_lora(self, path, scale)
+
+    def unload_lora(self) -> None:
+        """Undo every `load_lora`: the weights as they were before, bit for bit."""
+        from wan_tpu.lora import unload_lora
+
+        unload_lora(self)
+
     def apply(self, hidden_states, timestep, encoder_hidden_states, encoder_hidden_states_image=None):
         """The forward computation, traced op by op; call it under jit (see `forward`)."""
-        cfg = self.config
-        b, c, f, h, w = hidden_states.shape
-        pt, ph, pw = cfg.patch_size
-        _check_inputs(cfg, hidden_states, timestep, encoder_hidden_states, encoder_hidden_states_image)
-        grid = (f // pt, h // ph, w // pw)
-        seq = grid[0] * grid[1] * grid[2]
+        inputs = self.embed(hidden_states, timestep, encoder_hidden_states, encoder_hidden_states_image)
+        return self.head(inputs, self.run_blocks(inputs, inputs.tokens))
 
-        patches = hidden_states.astype(self.dtype).reshape(b, c, grid[0], pt, grid[1], ph, grid[2], pw)
-        patches = patches.transpose(0, 2, 4, 6, 1, 3, 5, 7).reshape(b, seq, c * pt * ph * pw)
+    def embed(self, hidden_states, timestep, encoder_hidden_states, encoder_hidden_states_image=None) -> DiTInputs:
+        """Patch embedding, time and text (and image) embeddings, RoPE: what the blocks and the head take."""
+        cfg = self.config
+        b = hidden_states.shape[0]
+        _check_inputs(cfg, hidden_states, timestep, encoder_hidden_states, encoder_hidden_states_image)
+        patches, grid = patchify(hidden_states.astype(self.dtype), cfg.patch_size)
         x = self.shard_activation(self.patch_embedding(patches), "tokens")
 
         emb = self.condition_embedder
         temb = emb.time_embedder(timestep_embedding(timestep, cfg.freq_dim))  # (B, dim) or (B, S, dim), f32
         # diffusers casts temb to the activation dtype before time_proj and the output modulation.
-        temb = temb.astype(self.dtype)
-        tproj = emb.time_proj(jax.nn.silu(temb))
+        tproj = emb.time_proj(jax.nn.silu(temb.astype(self.dtype)))
         tproj = tproj.reshape(b, -1, 6, cfg.inner_dim)  # (B, 1 or S, 6, dim)
 
         context = self.shard_activation(emb.text_embedder(encoder_hidden_states.astype(self.dtype)), "context")
@@ -194,8 +215,11 @@ class WanTransformer(nnx.Module):
         if encoder_hidden_states_image is not None:
             context_image = emb.image_embedder(encoder_hidden_states_image.astype(self.dtype))
             context_image = self.shard_activation(context_image, "context")
+        return DiTInputs(x, temb, tproj, context, context_image, rope_tables(cfg.attention_head_dim, grid), grid)
 
-        rope = rope_tables(cfg.attention_head_dim, grid)
+    def run_blocks(self, inputs: DiTInputs, x, start: int = 0, stop: int | None = None):
+        """Blocks `start`..`stop` (default: all) on the token stream `x` (B, S, dim)."""
+        stop = self.config.num_layers if stop is None else stop
         block_graph, block_state = nnx.split(self.blocks)
         self_attn, cross_attn, shard = self.self_attention, self.cross_attention, self.shard_activation
 
@@ -203,19 +227,57 @@ class WanTransformer(nnx.Module):
             # One scope for the scanned block: profiles group each layer's ops under "dit_block".
             with jax.named_scope("dit_block"):
                 block = nnx.merge(block_graph, layer_state)
-                x = block(x, context, context_image, tproj, rope, self_attn, cross_attn)
+                x = block(x, inputs.context, inputs.context_image, inputs.tproj, inputs.rope, self_attn, cross_attn)
                 return shard(x, "tokens"), None
 
-        x, _ = jax.lax.scan(body, x, block_state)
+        if (start, stop) == (0, self.config.num_layers):
+            return jax.lax.scan(body, x, block_state)[0]
 
-        temb_out = temb.reshape(b, -1, 1, cfg.inner_dim)  # (B, 1 or S, 1, dim)
+        # A part of the stack (a step cache's first block, or the rest): index the stacked weights inside
+        # the loop, as the full scan does, rather than slicing them (a slice would copy the weights).
+        def indexed(x, i):
+            return body(x, jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, i, keepdims=False), block_state))
+
+        return jax.lax.scan(indexed, x, jnp.arange(start, stop))[0]
+
+    def head(self, inputs: DiTInputs, x):
+        """Output norm and modulation, projection, unpatchify: noise prediction (B, C_out, F, H, W)."""
+        cfg = self.config
+        temb_out = inputs.temb.astype(self.dtype).reshape(x.shape[0], -1, 1, cfg.inner_dim)  # (B, 1 or S, 1, dim)
         mod = self.scale_shift_table[...][None] + temb_out.astype(jnp.float32)
         shift, scale = mod[:, :, 0], mod[:, :, 1]
         x = (layer_norm(x, cfg.eps) * (1 + scale) + shift).astype(x.dtype)
-        x = self.proj_out(x)
+        return unpatchify(self.proj_out(x), inputs.grid, cfg.patch_size)
 
-        x = x.reshape(b, grid[0], grid[1], grid[2], pt, ph, pw, cfg.out_channels)
-        return x.transpose(0, 7, 1, 4, 2, 5, 3, 6).reshape(b, cfg.out_channels, f, h, w)
+
+def patchify(x, patch_size):
+    """(B, C, F, H, W) → tokens (B, S, C·pt·ph·pw) in (f, h, w) order, features (c, pt, ph, pw) — the
+    Conv3d patch embedding as a matmul — and the token grid (F/pt, H/ph, W/pw)."""
+    b, c, f, h, w = x.shape
+    pt, ph, pw = patch_size
+    grid = (f // pt, h // ph, w // pw)
+    x = x.reshape(b, c, grid[0], pt, grid[1], ph, grid[2], pw).transpose(0, 2, 4, 6, 1, 3, 5, 7)
+    return x.reshape(b, grid[0] * grid[1] * grid[2], c * pt * ph * pw), grid
+
+
+def unpatchify(x, grid, patch_size):
+    """Tokens (B, S, pt·ph·pw·C) → (B, C, F, H, W): the original "bfhwpqrc->bcfphqwr"."""
+    b = x.shape[0]
+    pt, ph, pw = patch_size
+    x = x.reshape(b, *grid, pt, ph, pw, -1).transpose(0, 7, 1, 4, 2, 5, 3, 6)
+    return x.reshape(b, x.shape[1], grid[0] * pt, grid[1] * ph, grid[2] * pw)
+
+
+class DiTInputs(NamedTuple):
+    """What `WanTransformer.embed` computes once per forward for the blocks and the head."""
+
+    tokens: jax.Array  # (B, S, dim) patch embeddings
+    temb: jax.Array  # (B, dim) or (B, S, dim) time embedding, float32
+    tproj: jax.Array  # (B, 1 or S, 6, dim) block modulation
+    context: jax.Array  # (B, L, dim) embedded text
+    context_image: jax.Array | None  # (B, 257, dim) embedded CLIP image tokens
+    rope: tuple
+    grid: tuple[int, int, int]  # tokens along (frames, height, width)
 
 
 def _identity(x, name):

@@ -178,9 +178,17 @@ class WanVAE(nnx.Module):
             _DECODE_BYTES[key] = mids.size * mids.dtype.itemsize + cache_bytes + video + 7 * frame
         return _DECODE_BYTES[key]
 
+    def decode_bytes(self, z, strips: int = 1) -> int:
+        """Device bytes `decode(z, strips=strips)` needs (`z` may be a `jax.ShapeDtypeStruct`)."""
+        return self._decode_bytes(z, strips)
+
+    def strip_counts(self, z) -> list[int]:
+        """The strip counts `decode` chooses from for latents `z`, fewest (fastest) first."""
+        return [n for n in (2, 3, 4, 6, 8) if z.shape[-1] >= 2 * n * self.decoder.halos[0]]
+
     def _auto_strips(self, z, free: int | None = None) -> int:
         """The fewest strips (fastest) whose decode fits in free device memory, 2 where it is not known."""
-        counts = [n for n in (2, 3, 4, 6, 8) if z.shape[-1] >= 2 * n * self.decoder.halos[0]]
+        counts = self.strip_counts(z)
         if not counts:
             return 1
         free = free if free is not None else _free_device_bytes()
@@ -229,7 +237,11 @@ _DECODE_BYTES: dict = {}  # (graphdef, latent shape, dtype) → estimate; tracin
 
 
 def _free_device_bytes() -> int | None:
-    """Free memory on the first device, None where the backend does not report it (CPU)."""
+    """Free memory on the first device (the host's free RAM on CPU), None where it is not known."""
+    if jax.devices()[0].platform == "cpu":
+        from wan_tpu.memory import host_available_bytes
+
+        return host_available_bytes()
     stats = jax.devices()[0].memory_stats() or {}
     if "bytes_limit" not in stats:
         return None

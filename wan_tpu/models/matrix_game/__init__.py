@@ -1,0 +1,9 @@
+"""Matrix-Game-2 (Skywork): the causal, action-conditioned Wan DiT with static ring caches.
+
+- `model`: `MatrixGameTransformer`, pure `forward` / `init_cache`;
+- `action`: the ActionModule, `chunk_action_window` (raw action windows per chunk);
+- `cache`: `KVCache`, `BlockCache`, `MatrixGameCache`, ring writes;
+- `sampling`: the flow-matching schedule and `denoise_chunk` (one whole chunk, pure);
+- `loading`: `load_matrix_game_transformer`, `shard_matrix_game`.
+Configs: `wan_tpu.configs.matrix_game`.
+"""
