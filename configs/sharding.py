@@ -11,6 +11,7 @@ FSDP layout (Megatron split + FSDP on the other dimension):
 - the other dimension of every large weight is FSDP-sharded over `FSDP` (`dp` and `sp`), so each
   device stores 1/(dp·sp·tp) of it; XLA gathers one layer's weights inside the layer scan.
 - The leading layer axis of the DiT's stacked block parameters is never sharded (the scan slices it).
+FP8 weight scales (`kernel_scale`, one per output channel) follow their kernel's output dimension.
 Norm scales, biases of row-parallel layers, modulation tables, and the small patch/proj-out
 weights are replicated on purpose (`REPLICATED`): they are tiny and used whole by every device.
 
@@ -26,15 +27,15 @@ REPLICATED = P()
 DIT = (
     # Self- and cross-attention (blocks stacked on a leading layer axis).
     (r"^blocks\.attn[12]\.(to_q|to_k|to_v|add_k_proj|add_v_proj)\.kernel$", P(None, FSDP, "tp")),
-    (r"^blocks\.attn[12]\.(to_q|to_k|to_v|add_k_proj|add_v_proj)\.bias$", P(None, "tp")),
+    (r"^blocks\.attn[12]\.(to_q|to_k|to_v|add_k_proj|add_v_proj)\.(bias|kernel_scale)$", P(None, "tp")),
     (r"^blocks\.attn[12]\.to_out\.kernel$", P(None, "tp", FSDP)),
-    (r"^blocks\.attn[12]\.to_out\.bias$", REPLICATED),
+    (r"^blocks\.attn[12]\.to_out\.(bias|kernel_scale)$", REPLICATED),
     (r"^blocks\.attn[12]\.norm_(q|k|added_k)\.(scale|weight)$", REPLICATED),
     # Feed-forward.
     (r"^blocks\.ffn\.proj_in\.kernel$", P(None, FSDP, "tp")),
-    (r"^blocks\.ffn\.proj_in\.bias$", P(None, "tp")),
+    (r"^blocks\.ffn\.proj_in\.(bias|kernel_scale)$", P(None, "tp")),
     (r"^blocks\.ffn\.proj_out\.kernel$", P(None, "tp", FSDP)),
-    (r"^blocks\.ffn\.proj_out\.bias$", REPLICATED),
+    (r"^blocks\.ffn\.proj_out\.(bias|kernel_scale)$", REPLICATED),
     (r"^blocks\.norm\d\.(scale|weight|bias)$", REPLICATED),
     (r"^blocks\.scale_shift_table$", REPLICATED),
     # Condition embedders: time_proj alone is dim × 6·dim (157M parameters in the 14B model). Their

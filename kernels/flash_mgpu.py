@@ -6,9 +6,27 @@ warpgroups take turns on the tensor cores through a shared "schedule" barrier, s
 runs while the other's matrix products do (the FA3 ping-pong).
 
 Lengths that are multiples of 8 (all of Wan's video token counts) need no padding: TMA fills reads
-past the end of an array with zeros and drops writes past it, so ragged query tiles cost nothing, and the last kv tile's past-the-end keys are masked to
-probability 0 in the one (static) step that holds them. Shared memory holds the input dtype
-(bf16 or fp16), and the softmax scale·log2(e) folds into the FMA before exp2 (see flash_gpu.py).
+past the end of an array with zeros and drops writes past it, so ragged query tiles cost nothing,
+and the last kv tile's past-the-end keys are masked to probability 0 in the one (static) step that
+holds them. Shared memory holds the input dtype (bf16 or fp16), and the softmax scale·log2(e)
+folds into the FMA before exp2 (see flash_gpu.py).
+
+Scheduling variants (`scripts/bench_attention.py` sweeps them; `kernels/tuning.py` holds the pick):
+- one CTA per (head, q tile, batch), heads fastest in the grid (default), or q tiles fastest
+  (`q_major`): the CTAs resident together then share one head's K/V in L2 instead of streaming
+  the K/V of every head;
+- `persistent=N`: N CTAs (one per SM), each walking tiles c, c + N, … with q tiles fastest. The
+  memory warpgroup's K/V ring runs on across tile boundaries, so the next tile's first K/V tiles
+  load while the current tile finishes, and a compute warpgroup's output store and next Q load
+  overlap the other warpgroup's tensor-core turn: no pipeline fill or drain per tile. That matters
+  most for cross-attention, whose tiles have only 4-7 kv steps.
+Not done, and why: FA3's intra-warpgroup overlap (Q·Kᵀ of step j+1 in flight during the softmax of
+step j) keeps two score tiles live, 2 × 96 registers per thread at 64 × 192, which with the 64 of
+the output accumulator and the P operand exceeds the 232 the compute warpgroups get; the ping-pong
+between the two warpgroups overlaps the same work across them instead. Lazy rescaling (touch the
+accumulator only when a row max grows past a threshold) would save at most 64 FMA-pipe multiplies
+per thread and step beside 96 exp2 on the MUFU, which bounds the softmax on Hopper, at the price
+of a warpgroup-wide vote and branch per step; not tried.
 """
 
 from __future__ import annotations
@@ -38,26 +56,38 @@ def _pad_to_8(x):
     return jnp.pad(x, ((0, 0), (0, -x.shape[1] % 8), (0, 0), (0, 0)))
 
 
-@functools.partial(jax.jit, static_argnames=("block_q", "block_kv", "stages"))
-def mgpu_attention(q, k, v, block_q=64, block_kv=192, stages=2):
+@functools.partial(jax.jit, static_argnames=("block_q", "block_kv", "stages", "persistent", "q_major"))
+def mgpu_attention(q, k, v, block_q=64, block_kv=192, stages=2, persistent=0, q_major=False):
     """(B, S, H, D) → (B, Sq, H, D). TMA tiles global memory in rows of 8, so a length that is
     not a multiple of 8 (e.g. 257 + 512 cross-attention keys) is zero-padded to one first; the
-    padded keys fall in the masked tail."""
+    padded keys fall in the masked tail.
+
+    Scheduling (see the module docstring): `persistent=0` launches one CTA per (head, q tile,
+    batch), heads fastest (`q_major=True`: q tiles fastest); `persistent=N` launches N CTAs that
+    each walk the tiles c, c + N, c + 2N, … (q tiles fastest) with one continuous K/V ring."""
     sq, skv = q.shape[1], k.shape[1]
+    call = functools.partial(_kernel_call, skv=skv, block_q=block_q, block_kv=block_kv, stages=stages,
+                             persistent=persistent, q_major=q_major)
     if sq % 8 or skv % 8:
-        return _kernel_call(_pad_to_8(q), _pad_to_8(k), _pad_to_8(v), skv, block_q, block_kv, stages)[:, :sq]
-    return _kernel_call(q, k, v, skv, block_q, block_kv, stages)
+        return call(_pad_to_8(q), _pad_to_8(k), _pad_to_8(v))[:, :sq]
+    return call(q, k, v)
 
 
-def _kernel_call(q, k, v, skv, block_q, block_kv, stages):
+def _kernel_call(q, k, v, skv, block_q, block_kv, stages, persistent, q_major):
     b, sq, h, d = q.shape
     dtype = q.dtype
     if dtype not in (jnp.bfloat16, jnp.float16) or k.dtype != dtype or v.dtype != dtype:
         raise WanInputError(f"the Hopper attention kernel needs bf16 or fp16 q, k, v; got {q.dtype}, {k.dtype}, {v.dtype}")
     if d % 64 or block_q % 64 or block_kv % 64:
         raise WanInputError(f"head dim ({d}), block_q ({block_q}) and block_kv ({block_kv}) must be multiples of 64")
+    if persistent < 0:
+        raise WanInputError(f"persistent must be 0 (one CTA per tile) or a CTA count, got {persistent}")
     kv_steps = pl.cdiv(skv, block_kv)
-    stages = min(stages, kv_steps)
+    q_tiles = pl.cdiv(sq, COMPUTE_WGS * block_q)
+    num_tiles = b * h * q_tiles
+    ctas = min(persistent, num_tiles)
+    # One CTA walks its tiles with one K/V ring: the ring may be deeper than one tile's kv steps.
+    stages = min(stages, kv_steps * (pl.cdiv(num_tiles, ctas) if ctas else 1))
     if _smem_bytes(block_q, block_kv, stages, d, 2) > SMEM_BYTES:
         raise WanInputError(f"block_q {block_q}, block_kv {block_kv}, {stages} stages exceed {SMEM_BYTES} bytes of shared memory")
     last_valid = skv - (kv_steps - 1) * block_kv
@@ -67,36 +97,42 @@ def _kernel_call(q, k, v, skv, block_q, block_kv, stages):
         qo_tiles, k_ring, v_ring = smem
         q_loaded, k_loaded, v_loaded = loaded
         k_consumed, v_consumed = consumed
-        bi = lax.axis_index("batch")
-        hi = lax.axis_index("heads")
         wg = lax.axis_index("wg")
+
+        if ctas:
+            cta = lax.axis_index("cta")
+            my_tiles = lax.div(num_tiles - cta + ctas - 1, jnp.int32(ctas))
+
+            def tile_coords(i):
+                t = cta + i * ctas
+                head_batch = lax.div(t, jnp.int32(q_tiles))
+                return lax.div(head_batch, jnp.int32(h)), lax.rem(head_batch, jnp.int32(h)), lax.rem(t, jnp.int32(q_tiles))
+        else:
+            my_tiles = 1
+
+            def tile_coords(i):
+                return lax.axis_index("batch"), lax.axis_index("heads"), lax.axis_index("q_tiles")
+
+        total_steps = my_tiles * kv_steps
 
         def take_turn():
             plgpu.barrier_arrive(turn)
             plgpu.barrier_wait(turn)
 
+        def slot_of(g):
+            return lax.rem(g, jnp.int32(stages))
+
         @pl.when(wg < COMPUTE_WGS)
         def _compute():
             plgpu.set_max_registers(232, action="increase")
             qo = qo_tiles.at[wg]
-            rows = pl.ds(lax.axis_index("q_tiles") * (COMPUTE_WGS * block_q) + wg * block_q, block_q)
-            plgpu.copy_gmem_to_smem(q_ref.at[bi, rows, hi], qo, q_loaded.at[wg])
-            plgpu.barrier_wait(q_loaded.at[wg])
             row_layout = plgpu.Layout.WGMMA.reduce(1)
-            m = plgpu.layout_cast(jnp.full((block_q,), -jnp.inf, jnp.float32), row_layout)
-            l = plgpu.layout_cast(jnp.full((block_q,), 0, jnp.float32), row_layout)
-            acc = plgpu.layout_cast(jnp.full((block_q, d), 0, jnp.float32), plgpu.Layout.WGMMA)
-            plgpu.barrier_wait(k_loaded.at[0])
-            pl.when(wg == 1)(take_turn)
 
-            def slot_of(j):
-                return lax.rem(j, jnp.int32(stages))
-
-            def step(j, carry, valid=block_kv):
-                """One kv tile: Q·Kᵀ, online softmax, P·V. `valid` (static) < block_kv masks
-                the past-the-end keys of the last tile."""
+            def step(j, carry, base, valid=block_kv):
+                """kv step j of the tile whose first global ring step is `base`: Q·Kᵀ, online
+                softmax, P·V. `valid` (static) < block_kv masks the past-the-end keys of the last step."""
                 acc, m, l = carry
-                slot = slot_of(j)
+                slot = slot_of(base + j)
 
                 def scores(s_ref):
                     plgpu.wgmma(s_ref, qo, plgpu.transpose_ref(k_ring.at[slot], (1, 0)))
@@ -123,54 +159,83 @@ def _kernel_call(q, k, v, skv, block_q, block_kv, stages):
 
                 def update(acc_ref):
                     plgpu.wgmma(acc_ref, p, v_ring.at[slot])
-                    nxt = j + 1
 
-                    @pl.when(nxt < kv_steps)
+                    @pl.when(j + 1 < kv_steps)
                     def _():
-                        plgpu.barrier_wait(k_loaded.at[slot_of(nxt)])
+                        plgpu.barrier_wait(k_loaded.at[slot_of(base + j + 1)])
 
                 acc = pl.run_state(update)(plgpu.ACC.init(acc))
                 plgpu.barrier_arrive(v_consumed.at[slot])
                 return acc, m_new, l
 
-            # The ragged tile runs as a one-trip loop so that its index stays a loop variable:
-            # Mosaic GPU wants barrier and ring indices as values, not folded constants.
-            carry = lax.fori_loop(0, kv_steps - (last_valid < block_kv), step, (acc, m, l))
-            if last_valid < block_kv:
-                carry = lax.fori_loop(kv_steps - 1, kv_steps, functools.partial(step, valid=last_valid), carry)
-            acc, _, l = carry
+            def tile(i):
+                bi, hi, qt = tile_coords(i)
+                rows = pl.ds(qt * (COMPUTE_WGS * block_q) + wg * block_q, block_q)
+                if ctas:
+                    # The previous tile's output store must have read `qo` before Q overwrites it.
+                    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+                plgpu.copy_gmem_to_smem(q_ref.at[bi, rows, hi], qo, q_loaded.at[wg])
+                plgpu.barrier_wait(q_loaded.at[wg])
+                m = plgpu.layout_cast(jnp.full((block_q,), -jnp.inf, jnp.float32), row_layout)
+                l = plgpu.layout_cast(jnp.full((block_q,), 0, jnp.float32), row_layout)
+                acc = plgpu.layout_cast(jnp.full((block_q, d), 0, jnp.float32), plgpu.Layout.WGMMA)
+                base = i * kv_steps
+                plgpu.barrier_wait(k_loaded.at[slot_of(base)])
+                # The ragged step runs as a one-trip loop so that its index stays a loop variable:
+                # Mosaic GPU wants barrier and ring indices as values, not folded constants.
+                body = functools.partial(step, base=base)
+                carry = lax.fori_loop(0, kv_steps - (last_valid < block_kv), body, (acc, m, l))
+                if last_valid < block_kv:
+                    carry = lax.fori_loop(kv_steps - 1, kv_steps, functools.partial(body, valid=last_valid), carry)
+                acc, _, l = carry
+                acc = acc * lax.broadcast_in_dim(1.0 / l, acc.shape, [0])
+                qo[...] = acc.astype(dtype)
+                plgpu.commit_smem()
+                plgpu.copy_smem_to_gmem(qo, o_ref.at[bi, rows, hi])
+
+            pl.when(wg == 1)(take_turn)
+            if ctas:
+                @pl.loop(0, my_tiles)
+                def _(i):
+                    tile(i)
+            else:
+                tile(jnp.int32(0))
             pl.when(wg == 0)(take_turn)
-            acc = acc * lax.broadcast_in_dim(1.0 / l, acc.shape, [0])
-            qo[...] = acc.astype(dtype)
-            plgpu.commit_smem()
-            plgpu.copy_smem_to_gmem(qo, o_ref.at[bi, rows, hi])
             plgpu.wait_smem_to_gmem(0)
 
         @pl.when(wg == COMPUTE_WGS)
         def _memory():
             plgpu.set_max_registers(40, action="decrease")
 
-            def fetch_k(j, slot):
-                rows = pl.ds(j * block_kv, block_kv)
+            def fetch(g, slot):
+                i = lax.div(g, jnp.int32(kv_steps))
+                bi, hi, _ = tile_coords(i)
+                rows = pl.ds((g - i * kv_steps) * block_kv, block_kv)
                 plgpu.copy_gmem_to_smem(k_ref.at[bi, rows, hi], k_ring.at[slot], k_loaded.at[slot])
+                return bi, hi, rows
 
-            def fetch_v(j, slot):
-                rows = pl.ds(j * block_kv, block_kv)
+            def fetch_v(where, slot):
+                bi, hi, rows = where
                 plgpu.copy_gmem_to_smem(v_ref.at[bi, rows, hi], v_ring.at[slot], v_loaded.at[slot])
 
             for slot in range(stages):
-                fetch_k(slot, slot)
-                fetch_v(slot, slot)
+                if ctas:
+                    # A CTA may own fewer ring steps than the ring has slots (its last tiles).
+                    @pl.when(slot < total_steps)
+                    def _():
+                        fetch_v(fetch(jnp.int32(slot), slot), slot)
+                else:
+                    fetch_v(fetch(jnp.int32(slot), slot), slot)
 
             # K and V slots are released separately (K after Q·Kᵀ, V after P·V): waiting for both
             # before refilling either would tie the next K tile to the slower warpgroup's P·V.
-            @pl.loop(stages, kv_steps)
-            def _(j):
-                slot = lax.rem(j, jnp.int32(stages))
+            @pl.loop(stages, total_steps)
+            def _(g):
+                slot = slot_of(g)
                 plgpu.barrier_wait(k_consumed.at[slot])
-                fetch_k(j, slot)
+                where = fetch(g, slot)
                 plgpu.barrier_wait(v_consumed.at[slot])
-                fetch_v(j, slot)
+                fetch_v(where, slot)
 
     def entry(q_ref, k_ref, v_ref, o_ref):
         transforms = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
@@ -192,11 +257,17 @@ def _kernel_call(q, k, v, skv, block_q, block_kv, stages):
             collective_axes="wg",
         )
 
+    if ctas:
+        grid, names = (ctas,), ("cta",)
+    elif q_major:
+        grid, names = (q_tiles, h, b), ("q_tiles", "heads", "batch")
+    else:
+        grid, names = (h, q_tiles, b), ("heads", "q_tiles", "batch")
     return plgpu.kernel(
         entry,
         out_type=jax.ShapeDtypeStruct(q.shape, dtype),
-        grid=(h, pl.cdiv(sq, COMPUTE_WGS * block_q), b),
-        grid_names=("heads", "q_tiles", "batch"),
+        grid=grid,
+        grid_names=names,
         num_threads=COMPUTE_WGS + 1,
         thread_name="wg",
         compiler_params=plgpu.CompilerParams(approx_math=True),

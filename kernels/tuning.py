@@ -2,8 +2,19 @@
 
 TPU: the v6e row is the published Wan 2.1 exp2 splash tuning (block_q 3328, block_kv 2816,
 block_kv_compute 256, inner step 256, low-latency LLO scheduler). The other rows are NOT measured
-here: they keep that shape and shrink the tiles to the generation's VMEM per core (v5e 128 MiB,
-v5p and v7x 64 MiB, v4 16 MiB). Override with `block_sizes=` until they are measured.
+(no TPU is lent here): they are derived from each chip's public figures (`TPU_CHIPS`) by three
+rules, which `tests/test_splash_exp2.py` checks row by row:
+1. block_q ≥ 4 × (bf16 peak ÷ HBM bandwidth). Each K/V row (2·D·2 bytes) fetched from HBM feeds
+   4·block_q·D FLOPs, so block_q FLOP/byte is the kernel's arithmetic intensity; 4× the ridge point
+   keeps the K/V stream (re-read once per q block) far from the bandwidth roof.
+2. One grid step (4·block_q·block_kv·D FLOPs) lasts ≥ 10× the ~0.35 µs per-step pipeline overhead
+   at the chip's peak, so the overhead stays under 10%: the fast chips (v6e, v7x) need big tiles.
+3. Everything the kernel keeps in VMEM (`vmem_bytes`: double-buffered q, k, v and out blocks, the
+   f32 accumulator, running max and sum, one f32 score chunk and one probability step) fits in
+   `vmem_limit_bytes`, which leaves ≥ 25% of the core's VMEM to the compiler. block_kv_compute
+   and block_kv_compute_in are multiples of the MXU width (128 before v6e, 256 from v6e on): the
+   score chunk is one K·Qᵀ product, and the running max (hence the rescaling of the accumulator)
+   is updated once per chunk, so a wider chunk also rescales less often.
 
 GPU: `GPU_BLOCKS` holds the Hopper kernel's tiles and `GPU_FASTEST` which of our Pallas kernel and
 cuDNN was faster, per shape class, in `scripts/bench_attention.py`; `impl=None` on a Hopper GPU
@@ -48,12 +59,37 @@ def check_block_keys(block_sizes) -> dict:
     return block_sizes
 
 
+@dataclasses.dataclass(frozen=True)
+class TpuChip:
+    """Public per-TensorCore figures of one TPU generation."""
+
+    vmem_bytes: int
+    mxu: int  # systolic array width
+    bf16_flops: float  # per chip
+    hbm_bytes_per_s: float  # per chip
+
+
+TPU_CHIPS = {
+    "v4": TpuChip(16 * _MIB, 128, 275e12, 1.2e12),
+    "v5e": TpuChip(128 * _MIB, 128, 197e12, 0.82e12),
+    "v5p": TpuChip(64 * _MIB, 128, 459e12, 2.77e12),
+    "v6e": TpuChip(128 * _MIB, 256, 918e12, 1.64e12),
+    "v7x": TpuChip(64 * _MIB, 256, 2307e12, 7.37e12),
+}
+STEP_OVERHEAD_S = 0.35e-6
+
 TPU_BLOCK_SIZES = {
+    # Published; intensity 3328 (ridge 560), 5.2 µs per grid step, ~15 MB of VMEM.
     "v6e": BlockSizes(3328, 2816, 256, 256, vmem_limit_bytes=64 * _MIB),
+    # Ridge 240: block_q 2048 is 8×; a step is 11 µs at 197 TFLOP/s.
     "v5e": BlockSizes(2048, 2048, 256, 256, vmem_limit_bytes=64 * _MIB),
-    "v5p": BlockSizes(2048, 1024, 256, 256, vmem_limit_bytes=48 * _MIB),
-    "v7x": BlockSizes(2048, 1024, 256, 256, vmem_limit_bytes=48 * _MIB),
-    "v4": BlockSizes(1024, 1024, 256, 256, vmem_limit_bytes=14 * _MIB),
+    # Ridge 166; 4.7 µs per step.
+    "v5p": BlockSizes(2048, 2048, 256, 256, vmem_limit_bytes=48 * _MIB),
+    # 2.5× v6e's FLOP rate: v6e's tiles would spend 3.6 µs per step, so both grow (8.6 GFLOP, 3.7 µs
+    # per step); ridge 313. 512-key score chunks (two MXU widths) halve the accumulator rescales.
+    "v7x": BlockSizes(4096, 4096, 512, 256, vmem_limit_bytes=48 * _MIB),
+    # Ridge 229; 3.9 µs per step; 16 MiB of VMEM: ~6 MB used.
+    "v4": BlockSizes(1024, 2048, 256, 256, vmem_limit_bytes=12 * _MIB),
 }
 # `jax.Device.device_kind` → generation. Unknown kinds, and exporting for TPU from a host without
 # one, get the published v6e tuning.
@@ -63,6 +99,16 @@ _GENERATION = {
 }
 
 
+def vmem_bytes(blocks: BlockSizes, head_dim: int = 128, itemsize: int = 2) -> int:
+    """VMEM the splash kernel keeps live with these (unclipped) tiles: double-buffered q, k, v and
+    out blocks, the f32 accumulator and running max/sum (8 sublanes each), one f32 score chunk
+    and one f32 probability step."""
+    io = 2 * (2 * blocks.block_q + 2 * blocks.block_kv) * head_dim * itemsize
+    scratch = (head_dim + 2 * 8) * blocks.block_q * 4
+    live = (blocks.block_kv_compute + blocks.block_kv_compute_in) * blocks.block_q * 4
+    return io + scratch + live
+
+
 def tpu_block_sizes(overrides=None) -> BlockSizes:
     """The table row for the local TPU (v6e when there is none), with `overrides` applied."""
     kind = jax.devices()[0].device_kind if jax.default_backend() == "tpu" else None
@@ -70,6 +116,8 @@ def tpu_block_sizes(overrides=None) -> BlockSizes:
     return dataclasses.replace(base, **check_block_keys(overrides))
 
 
+# Keys of a row: `flash_mgpu.mgpu_attention`'s block_q, block_kv, stages, and optionally
+# persistent (a CTA count, or "sms": one per streaming multiprocessor) and q_major.
 # Measured on one H200 (scripts/bench_attention.py, 2026-11-21, jax 0.11.2, bf16, D=128, B=1):
 # self-attention 12 × 32,760: block_kv 192 654 TFLOP/s, block_kv 128 627, cuDNN 574; 40 × 75,600:
 # 665 / 626 / 577. Cross-attention 32,760 × 512 keys: ours 444, cuDNN 476, so cuDNN keeps it.

@@ -1,15 +1,25 @@
-"""Attention forward benchmark on one NVIDIA GPU: our Pallas kernel against cuDNN and the peers.
+"""Attention forward on one NVIDIA GPU: a sweep of our Hopper kernel's variants against jax cuDNN
+and torch SDPA, each variant checked against a float32 reference before it is timed.
 
-    python scripts/bench_attention.py [--configs 64x128x2] [--shapes self480,self720,cross480]
-        [--peers cudnn,mha,torch]
+    python scripts/bench_attention.py                      # the default sweep, all four shapes (~3 min on H200)
+    python scripts/bench_attention.py --shapes self480,cross512 --variants 64x192x2,64x192x2xp
+    python scripts/bench_attention.py --tiny               # the script's own CPU dry run (interpret mode)
 
-Entries: ours (`wan_tpu.attention(impl="pallas_gpu")`; `--configs` adds Hopper kernel variants as
-block_q x block_kv x stages), jax cuDNN (`jax.nn.dot_product_attention`), JAX's bundled Pallas
-Triton `mha` (lengths padded to 128, padded keys masked with segment ids), torch SDPA with the
-flash and cuDNN backends. bf16, D=128, B=1, random inputs. Prints, per entry, the median time per
-call (calls queued back to back, one sync per batch), TFLOP/s with FLOPs = 4·Sq·Skv·D·H, the ratio
-to jax cuDNN, and the relative error of a 256-query, 2-head output slice against a float32 XLA
-reference (must be ≤ 1e-2).
+Shapes (B=1, D=128, bf16): self480 12 h × 32,760 (Wan 1.3B 480p), self720 40 h × 75,600 (14B 720p),
+cross512 12 h × 32,760 q × 512 text keys, cross769 × 769 keys (257 image + 512 text).
+Variants of `kernels/flash_mgpu.py`, written `BQxBKVxSTAGES[xp[N]][xq]`: block_q rows per compute
+warpgroup × block_kv keys per step × K/V ring depth; `p` = persistent (one CTA per SM, or N CTAs,
+each walking (head, q tile) tiles with one continuous K/V ring), `q` = q tiles fastest in the grid
+(CTAs running together share a head's K/V in L2). `--variants` replaces the default list of every
+shape class (`SELF_VARIANTS`, `CROSS_VARIANTS`).
+
+Every entry runs in its own try/except (a variant that fails to compile prints its error and the
+sweep goes on). Before timing, 256 query rows spread over the sequence, first and last head, of
+each output are compared with a float32
+XLA reference (relative Frobenius error ≤ 1e-2, else FAIL and not timed). Timing: median of 5
+batches of back-to-back calls. TFLOP/s = 4·Sq·Skv·D·H ÷ time; "× cuDNN" = jax cuDNN's time ÷
+this entry's. The bf16 8192³ matmul is measured first, in the same process. Peers: `--peers
+cudnn,torch[,mha]` (mha: JAX's Pallas Triton kernel, lengths padded to 128; slow, off by default).
 """
 
 from __future__ import annotations
@@ -17,6 +27,7 @@ from __future__ import annotations
 import argparse
 import functools
 import os
+import re
 import statistics
 import time
 
@@ -31,15 +42,38 @@ from wan_tpu.layers.attention import attention, reference_attention  # noqa: E40
 SHAPES = {  # name: (heads, Sq, Skv)
     "self480": (12, 32760, 32760),
     "self720": (40, 75600, 75600),
-    "cross480": (12, 32760, 512),
+    "cross512": (12, 32760, 512),
+    "cross769": (12, 32760, 769),
 }
+TINY_SHAPES = {"self480": (2, 300, 300), "cross512": (2, 300, 40)}
+# What one sweep tries; the shared-memory limit (227 KiB) allows block_kv 192 only with 2 stages
+# and 128 with 3. Cross-attention has 4-7 kv steps per tile, so the persistent walk (no pipeline
+# fill or drain between tiles) is its main candidate.
+# Persistent variants come last: if one ever hung on a device, the rows before it are already printed.
+SELF_VARIANTS = ("64x192x2", "64x128x3", "64x192x2xq", "64x192x2xp", "64x128x3xp")
+CROSS_VARIANTS = ("64x128x2", "64x64x4", "64x128x2xq", "64x128x3xp", "64x64x4xp")
 D = 128
-SLICE_Q, SLICE_H = 256, 2
+SLICE_Q = 256
+TOL = 1e-2
+VARIANT = re.compile(r"^(\d+)x(\d+)x(\d+)((?:x(?:p\d*|q))*)$")
+
+
+def parse_variant(spec: str, sms: int) -> dict:
+    """`64x192x2xp` → mgpu_attention kwargs (p without a number: one CTA per SM)."""
+    m = VARIANT.match(spec)
+    if not m:
+        raise SystemExit(f"bad variant {spec!r}: write BQxBKVxSTAGES[xp[N]][xq], e.g. 64x192x2xp")
+    kw = dict(block_q=int(m[1]), block_kv=int(m[2]), stages=int(m[3]))
+    for flag in filter(None, m[4].split("x")):
+        if flag == "q":
+            kw["q_major"] = True
+        else:
+            kw["persistent"] = int(flag[1:] or sms)
+    return kw
 
 
 def time_calls(call, sync, seconds_per_call_hint):
     """Median ms per call over 5 batches of back-to-back calls (≥ ~0.2 s each)."""
-    sync(call())
     sync(call())
     n = max(2, min(50, int(0.2 / max(seconds_per_call_hint, 1e-5))))
     per_call = []
@@ -57,29 +91,35 @@ def rel_error(out_slice, ref_slice):
     return float(np.linalg.norm(out_slice - ref_slice) / np.linalg.norm(ref_slice))
 
 
-def jax_entries(configs, peers):
-    from jax.experimental.pallas.ops.gpu import attention as bundled
+def _short(e: Exception) -> str:
+    lines = [line for line in str(e).splitlines() if line.strip()]
+    return f"{type(e).__name__}: {(lines[0] if lines else '')[:150]}"
+
+
+def jax_entries(variants, peers, sms, interpret):
     from wan_tpu.kernels.flash_mgpu import mgpu_attention
 
-    def bundled_mha(q, k, v):
-        sq, skv = q.shape[1], k.shape[1]
-        scale = 1.0 / np.sqrt(q.shape[-1])
-        pad = lambda x, n: jnp.pad(x, ((0, 0), (0, n - x.shape[1]), (0, 0), (0, 0)))  # noqa: E731
-        if sq == skv:
-            n = -(-sq // 128) * 128
-            seg = jnp.broadcast_to((jnp.arange(n) < sq).astype(jnp.int32)[None], (q.shape[0], n))
-            return bundled.mha(pad(q, n), pad(k, n), pad(v, n), seg, sm_scale=scale)[:, :sq]
-        n = -(-sq // 128) * 128
-        return bundled.mha(pad(q, n), k, v, None, sm_scale=scale)[:, :sq]
-
-    entries = {"ours (pallas_gpu)": lambda q, k, v: attention(q, k, v, impl="pallas_gpu")}
-    for cfg in configs:
-        bq, bkv, st = (int(x) for x in cfg.split("x"))
-        entries[f"ours mgpu {cfg}"] = functools.partial(mgpu_attention, block_q=bq, block_kv=bkv, stages=st)
-    entries["jax cuDNN"] = lambda q, k, v: attention(q, k, v, impl="cudnn")
-    if "mha" in peers:
-        entries["jax Pallas Triton mha"] = bundled_mha
+    entries = {"ours (pallas_gpu, tuned)": functools.partial(attention, impl="pallas_gpu", interpret=interpret)}
+    for spec in variants:
+        entries[f"ours mgpu {spec}"] = functools.partial(mgpu_attention, **parse_variant(spec, sms))
+    if not interpret:
+        entries["jax cuDNN"] = functools.partial(attention, impl="cudnn")
+    if "mha" in peers and not interpret:
+        entries["jax Pallas Triton mha"] = _bundled_mha
     return {name: jax.jit(fn) for name, fn in entries.items()}
+
+
+def _bundled_mha(q, k, v):
+    """JAX's bundled Pallas Triton kernel; its segment ids mask the padding to 128 (self-attention only)."""
+    from jax.experimental.pallas.ops.gpu import attention as bundled
+
+    sq = q.shape[1]
+    if k.shape[1] != sq:
+        raise NotImplementedError("the bundled mha pads q and k with one segment-id array: self-attention only")
+    n = -(-sq // 128) * 128
+    pad = lambda x: jnp.pad(x, ((0, 0), (0, n - sq), (0, 0), (0, 0)))  # noqa: E731
+    seg = jnp.broadcast_to((jnp.arange(n) < sq).astype(jnp.int32)[None], (q.shape[0], n))
+    return bundled.mha(pad(q), pad(k), pad(v), seg, sm_scale=1 / np.sqrt(q.shape[-1]))[:, :sq]
 
 
 def torch_entries():
@@ -96,62 +136,94 @@ def torch_entries():
     return {"torch SDPA flash": sdpa(SDPBackend.FLASH_ATTENTION), "torch SDPA cuDNN": sdpa(SDPBackend.CUDNN_ATTENTION)}
 
 
-def bench_shape(name, configs, peers):
-    import torch
-
-    heads, sq, skv = SHAPES[name]
+def bench_shape(name, shape, variants, peers, sms, interpret):
+    heads, sq, skv = shape
     flops = 4 * sq * skv * D * heads
     kq, kk, kv = jax.random.split(jax.random.key(int(time.time())), 3)
     q = jax.random.normal(kq, (1, sq, heads, D), jnp.bfloat16)
     k = jax.random.normal(kk, (1, skv, heads, D), jnp.bfloat16)
     v = jax.random.normal(kv, (1, skv, heads, D), jnp.bfloat16)
-    ref = np.asarray(reference_attention(*(x[:, :, :SLICE_H].astype(jnp.float32) for x in (q[:, :SLICE_Q], k, v))))
+    # The checked slice: 256 query rows spread over the whole sequence (every q tile region, so
+    # every CTA schedule is exercised), the first and the last head.
+    rows = slice(None, None, max(1, sq // SLICE_Q))
+    heads_checked = jnp.array([0, heads - 1])
+    pick = lambda o: o[:, rows][:, :, heads_checked]  # noqa: E731
+    ref = np.asarray(reference_attention(*(x[:, :, heads_checked].astype(jnp.float32) for x in (q[:, rows], k, v))))
     hint = flops / 500e12
-    rows = []
     results = []
-    for label, fn in jax_entries(configs, peers).items():
+
+    def run(label, fn, out_slice, sync):
         try:
-            ms = time_calls(lambda: fn(q, k, v), lambda o: o.block_until_ready(), hint)
-            err = rel_error(fn(q, k, v)[:, :SLICE_Q, :SLICE_H], ref)
-            results.append((label, ms, err))
-        except Exception as e:  # one failing peer must not hide the others
-            results.append((label, None, f"{type(e).__name__}: {str(e).splitlines()[0][:90]}"))
-    tq, tk, tv = (torch.from_dlpack(x).permute(0, 2, 1, 3).contiguous() for x in (q, k, v))
-    for label, fn in (torch_entries() if "torch" in peers else {}).items():
-        try:
-            ms = time_calls(lambda: fn(tq, tk, tv), lambda o: torch.cuda.synchronize(), hint)
-            out = fn(tq, tk, tv)[:, :SLICE_H, :SLICE_Q].permute(0, 2, 1, 3).float().cpu().numpy()
-            results.append((label, ms, rel_error(out, ref)))
-        except Exception as e:
-            results.append((label, None, f"{type(e).__name__}: {str(e).splitlines()[0][:90]}"))
-        torch.cuda.synchronize()
-    cudnn_ms = dict((r[0], r[1]) for r in results).get("jax cuDNN")
-    for label, ms, err in results:
-        if ms is None:
-            rows.append(f"| {name} {heads}h {sq}x{skv} | {label} | failed | | | {err} |")
+            err = rel_error(out_slice(), ref)  # correctness first: a wrong variant is never timed
+            if not err <= TOL:
+                results.append((label, None, f"FAIL rel. err {err:.1e}"))
+            else:
+                results.append((label, time_calls(fn, sync, hint), err))
+        except Exception as e:  # one failing entry must not hide the others
+            results.append((label, None, _short(e)))
+        print(f"  {name}: {results[-1]}", flush=True)
+
+    for label, fn in jax_entries(variants, peers, sms, interpret).items():
+        if interpret and label.startswith("ours mgpu"):
+            # No Hopper here: check that the variant lowers to a Mosaic GPU kernel for CUDA.
+            try:
+                fn.trace(q, k, v).lower(lowering_platforms=("cuda",))
+                results.append((label, None, "lowers for CUDA (not run: no Hopper GPU)"))
+            except Exception as e:
+                results.append((label, None, _short(e)))
             continue
-        ratio = f"{cudnn_ms / ms:.3f}" if cudnn_ms else "-"
-        ok = "ok" if err <= 1e-2 else "FAIL"
-        rows.append(f"| {name} {heads}h {sq}x{skv} | {label} | {ms:.3f} | {flops / ms / 1e9:.0f} | {ratio} | {err:.1e} {ok} |")
+        run(label, lambda fn=fn: fn(q, k, v), lambda fn=fn: pick(fn(q, k, v)), lambda o: o.block_until_ready())
+    if "torch" in peers and not interpret:
+        import torch
+
+        tq, tk, tv = (torch.from_dlpack(x).permute(0, 2, 1, 3).contiguous() for x in (q, k, v))
+        for label, fn in torch_entries().items():
+            run(label, lambda fn=fn: fn(tq, tk, tv),
+                lambda fn=fn: fn(tq, tk, tv)[:, [0, heads - 1], rows].permute(0, 2, 1, 3).float().cpu().numpy(),
+                lambda o: torch.cuda.synchronize())
+        del tq, tk, tv
+    cudnn_ms = dict((r[0], r[1]) for r in results).get("jax cuDNN")
+    rows = []
+    for label, ms, err in results:
+        where = f"{name} {heads}h {sq}×{skv}"
+        if ms is None:
+            rows.append(f"| {where} | {label} | – | – | – | {err} |")
+        else:
+            ratio = f"{cudnn_ms / ms:.3f}" if cudnn_ms else "–"
+            rows.append(f"| {where} | {label} | {ms:.3f} | {flops / ms / 1e9:.0f} | {ratio} | {err:.1e} |")
     print("\n".join(rows), flush=True)
+    return rows
 
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--configs", default="", help="extra Hopper kernel variants: block_q x block_kv x stages, comma separated")
-    parser.add_argument("--peers", default="cudnn,mha,torch", help="peers besides jax cuDNN: mha, torch")
     parser.add_argument("--shapes", default=",".join(SHAPES), help=f"comma separated, from {list(SHAPES)}")
+    parser.add_argument("--variants", default="", help="Hopper kernel variants for every shape (default: per shape class)")
+    parser.add_argument("--peers", default="cudnn,torch", help="peers besides jax cuDNN: torch, mha")
+    parser.add_argument("--tiny", action="store_true", help="CPU dry run: tiny shapes, our kernel in interpret mode")
     args = parser.parse_args()
-    import torch
+    from wan_tpu.profiling import measured_peak_flops
 
     device = jax.devices()[0]
-    print(f"device: {device.device_kind}; jax {jax.__version__}; torch {torch.__version__}; "
-          f"cuDNN (torch) {torch.backends.cudnn.version()}")
-    rows = ["| shape | impl | ms | TFLOP/s | ×cuDNN (jax) | rel. err (≤1e-2) |", "|---|---|---|---|---|---|"]
-    print("\n".join(rows))
-    configs = [c for c in args.configs.split(",") if c]
+    interpret = args.tiny or device.platform != "gpu"
+    sms = getattr(device, "core_count", 0) or 132
+    peak = measured_peak_flops(8192 if not interpret else 256) / 1e12
+    import torch
+
+    print(f"device: {device.device_kind} ({sms} SMs); jax {jax.__version__}; torch {torch.__version__}; cuDNN (torch) "
+          f"{torch.backends.cudnn.version()}; bf16 matmul {'8192' if not interpret else '256'}^3 {peak:.0f} TFLOP/s",
+          flush=True)
+    shapes = TINY_SHAPES if interpret else SHAPES
+    rows = []
     for name in args.shapes.split(","):
-        bench_shape(name, configs, args.peers.split(","))
+        if name not in shapes:
+            continue
+        given = [v for v in args.variants.split(",") if v]
+        variants = given or (SELF_VARIANTS if name.startswith("self") else CROSS_VARIANTS)
+        rows += bench_shape(name, shapes[name], variants, args.peers.split(","), sms, interpret)
+    print(f"\nbf16 8192^3 matmul in this run: {peak:.0f} TFLOP/s")
+    print("| shape | impl | ms | TFLOP/s | × jax cuDNN | rel. err (≤1e-2) |\n|---|---|---|---|---|---|")
+    print("\n".join(rows))
 
 
 if __name__ == "__main__":

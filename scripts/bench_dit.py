@@ -1,29 +1,47 @@
-"""DiT forward benchmark on one NVIDIA GPU: our jitted `WanTransformer` against diffusers'
-`WanTransformer3DModel` (eager, and torch.compile of its repeated blocks), same GPU, same run.
+"""DiT forward on one NVIDIA GPU: our jitted `WanTransformer` (fused and unfused elementwise work,
+bf16 and FP8) against diffusers' `WanTransformer3DModel` (eager and torch.compile), same GPU, same run.
 
-    python scripts/bench_dit.py --configs 1.3b,14b --attention cudnn,pallas_gpu --iters 5 --compile 1.3b --check 1.3b
-    (options: --profile DIR writes a jax.profiler trace of ours; --no-diffusers times ours only)
+    python scripts/bench_dit.py --configs 1.3b,5b,14b --compile 1.3b --profile /tmp/prof --psnr 1.3b
+    python scripts/bench_dit.py --configs tiny --compile "" --profile /tmp/prof --psnr tiny    # CPU dry run
+
+Per config, ours runs as the jitted pure `forward(graphdef, state, ...)` a sampling loop runs, in
+each of `--variants`: `fused` (the default model: `WanTransformerBlock.fused_elementwise`),
+`unfused` (the same weights with diffusers' op order around the matmuls), `fp8` (the same weights
+quantised in place, `wan_tpu.quantize`; timed last). Attention is the library's choice
+(`--attention IMPL` to force one). Prints ms per forward (median of `--iters` after a warm-up),
+each entry's time relative to ours fused (bf16), and MFU = model FLOPs ÷ time ÷ the bf16 8192³
+matmul rate measured first in this run. FP8 rows give their relative error (Frobenius) against
+ours bf16 on the same inputs.
+
+Options:
+- `--profile DIR --profile-configs 1.3b`: one traced forward per variant; prints the device time
+  per op class (matmuls, attention, fusions, …) and the largest ops, from `wan_tpu.profiling.op_times`.
+- `--psnr 1.3b --psnr-steps 8`: a short sampling run (flow UniPC, CFG 5, 512 random text tokens)
+  with the bf16 and then the FP8 DiT from the same noise, both decoded by a Wan 2.1 VAE, and the
+  PSNR of the FP8 video against the bf16 one. Random weights (DiT and VAE): the figure measures how
+  far FP8 moves the pipeline's output, not picture quality.
+- `--xla-variants "lt=--xla_gpu_enable_cublaslt=true;..." --xla-configs 1.3b`: ours fused again in a
+  fresh process per XLA_FLAGS setting (cuBLASLt epilogues fuse bias+GELU into the GEMM), same table.
+- `--check 1.3b`: ours also on diffusers' own weights (save_pretrained → load_transformer), with
+  the relative error against diffusers eager. `--no-diffusers`: ours only.
 
 Random weights at real sizes, bf16 (diffusers' float32 modules kept float32 on both sides), one
 batch element, 512 text tokens: 1.3b at latent 21×60×104 (480×832, 81 frames), 14b at 21×90×160
-(720×1280, 81 frames). Ours is timed as the jitted pure `forward(graphdef, state, ...)` a sampling
-loop runs, and as the module call `dit(...)` (which adds the per-call module traversal on the host).
-Prints ms per forward (median of `--iters` after warm-up), our time relative
-to each diffusers entry, and MFU = model FLOPs ÷ time ÷ the bf16 8192³ matmul rate measured here.
-`--check` configs run ours on the diffusers model's own weights (save_pretrained → load_transformer)
-and print the relative error of our output against diffusers eager.
-Model FLOPs: `wan_tpu.profiling.dit_forward_flops` (per layer 8·S·dim² + 4·S²·D·H + 4·S·dim² + 4·L·dim²
-+ 4·S·L·D·H + 4·S·dim·ffn, plus the patch embedding, output projection and text embedder).
-Torch runs first and frees its memory before the JAX part of each config.
+(720×1280, 81 frames), 5b (TI2V) at 31×44×80 (704×1280, 121 frames). Torch runs first and frees
+its memory before the JAX part of each config. Model FLOPs: `wan_tpu.profiling.dit_forward_flops`.
 """
 
 from __future__ import annotations
 
 import argparse
-import functools
+import dataclasses
 import gc
+import json
 import os
+import re
 import statistics
+import subprocess
+import sys
 import tempfile
 import time
 
@@ -34,7 +52,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 from wan_tpu.configs.models import VARIANTS, config_to_json  # noqa: E402
-from wan_tpu.profiling import dit_forward_flops, measured_peak_flops  # noqa: E402
+from wan_tpu.profiling import dit_forward_flops, measured_peak_flops, op_times, trace  # noqa: E402
 
 CONFIGS = {  # name: (variant, latent (F, H, W))
     "1.3b": ("wan2.1-t2v-1.3b", (21, 60, 104)),
@@ -43,6 +61,12 @@ CONFIGS = {  # name: (variant, latent (F, H, W))
     "tiny": ("tiny", (3, 8, 8)),  # a smoke run of the script itself (runs on CPU too)
 }
 TEXT_LEN = 512
+OURS = "ours fused"  # the reference row of each config
+OP_CLASSES = (  # (class, pattern on XLA op names), first match wins
+    ("matmul", r"gemm|matmul|cublas|\bdot"),
+    ("attention", r"custom-call|fmha|mosaic|flash|splash"),
+    ("fusions (norms, modulation, RoPE, GELU, residuals)", r"fusion|convert|transpose|copy|reduce|broadcast|add|multiply"),
+)
 
 
 def model_flops(cfg, latent) -> float:
@@ -69,6 +93,13 @@ def inputs(cfg, latent, seed=0):
     c = rng.standard_normal((1, TEXT_LEN, cfg.text_dim), np.float32)
     return x, t, c
 
+
+def rel(a, b) -> float:
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    return float(np.linalg.norm(a - b) / np.linalg.norm(b))
+
+
+# ---- diffusers ------------------------------------------------------------------------------------
 
 def diffusers_model(cfg):
     import torch
@@ -100,11 +131,10 @@ def run_torch(cfg, latent, args, name, results):
     x, t, c = (torch.from_numpy(a).to(_torch_device()) for a in inputs(cfg, latent))
     x, c = x.bfloat16(), c.bfloat16()
     sync = (lambda _: torch.cuda.synchronize()) if torch.cuda.is_available() else (lambda _: None)
-    ref = None
+    ref = folder = None
     with torch.inference_mode():
         call = lambda: model(x, t, c, return_dict=False)[0]  # noqa: E731
         results["diffusers eager"] = median_ms(call, sync, args.iters, 1)
-        folder = None
         if name in args.check:
             ref = call().float().cpu().numpy()
             folder = tempfile.mkdtemp(prefix=f"bench_dit_{name}_")
@@ -119,93 +149,197 @@ def run_torch(cfg, latent, args, name, results):
     return ref, folder
 
 
-def run_jax(cfg, latent, args, name, folder, results):
+# ---- ours -----------------------------------------------------------------------------------------
+
+def op_class_table(log_dir: str, title: str, top: int = 8) -> list[str]:
+    """Device time of one traced forward by op class, then its largest ops."""
+    rows = op_times(log_dir)
+    total = sum(t for _, t, _ in rows) or 1e-12
+    classes: dict[str, float] = {}
+    for op, t, _ in rows:
+        cls = next((c for c, pattern in OP_CLASSES if re.search(pattern, op)), "other")
+        classes[cls] = classes.get(cls, 0.0) + t
+    out = [f"PROFILE {title}: {1e3 * total:.1f} ms of device ops"]
+    out += [f"PROFILE   class {c:52} {1e3 * t:9.2f} ms {100 * t / total:5.1f}%" for c, t in
+            sorted(classes.items(), key=lambda r: -r[1])]
+    out += [f"PROFILE   op    {op:52} {1e3 * t:9.2f} ms {100 * t / total:5.1f}% {n:6d} runs" for op, t, n in rows[:top]]
+    return out
+
+
+def sample_latents(dit, cfg, latent, steps, seed=0):
+    """A short CFG sampling run from fixed noise and random text embeddings (the PSNR probe)."""
+    from wan_tpu.denoise import Conditioning, denoise
+    from wan_tpu.schedulers import make_scheduler
+
+    _, _, c = inputs(cfg, latent, seed)
+    _, _, neg = inputs(cfg, latent, seed + 1)
+    noise = jax.random.normal(jax.random.key(seed), (1, cfg.in_channels, *latent), jnp.float32)
+    cond = Conditioning(jnp.asarray(c), jnp.asarray(neg))
+    return denoise([dit], noise, cond, make_scheduler("unipc", steps, 3.0), [5.0], progress=False)
+
+
+def decode_psnr(latents_a, latents_b, tiny: bool) -> float:
+    """PSNR (dB, uint8 frames) of two latents decoded by one random-weight Wan 2.1 VAE."""
+    from flax import nnx
+
+    from wan_tpu.configs.vae import VAE_PRESETS, WAN21_LATENTS_MEAN, WAN21_LATENTS_STD
+    from wan_tpu.models.vae import WanVAE, frames_to_uint8
+
+    config = VAE_PRESETS["wan2.1"]
+    if tiny:
+        config = dataclasses.replace(VAE_PRESETS["tiny"], z_dim=16, latents_mean=WAN21_LATENTS_MEAN,
+                                     latents_std=WAN21_LATENTS_STD)
+    vae = nnx.jit(lambda: WanVAE(config, dtype=jnp.float32, rngs=nnx.Rngs(0)))()
+    frames = [np.asarray(frames_to_uint8(vae.decode(vae.denormalize_latents(z.astype(jnp.float32)))), np.float64)
+              for z in (latents_a, latents_b)]
+    mse = float(np.mean((frames[0] - frames[1]) ** 2))
+    return float("inf") if mse == 0 else 10 * np.log10(255.0**2 / mse)
+
+
+def run_jax(cfg, latent, args, name, folder, results, notes):
+    import functools
+
     from flax import nnx
 
     from wan_tpu.layers.attention import attention
     from wan_tpu.models.transformer import WanTransformer, forward
     from wan_tpu.models.transformer_loading import load_transformer
+    from wan_tpu.quantize import quantize_transformer
 
     if folder is None:
         dit = nnx.jit(lambda: WanTransformer(cfg, dtype=jnp.bfloat16, rngs=nnx.Rngs(0)))()
     else:
         dit = load_transformer(folder, dtype=jnp.bfloat16)
+    if args.attention != "None":
+        dit.self_attention = dit.cross_attention = functools.partial(attention, impl=args.attention)
     x, t, c = inputs(cfg, latent)
-    x, c = jnp.asarray(x, jnp.bfloat16), jnp.asarray(c, jnp.bfloat16)
-    t = jnp.asarray(t)
+    x, c, t = jnp.asarray(x, jnp.bfloat16), jnp.asarray(c, jnp.bfloat16), jnp.asarray(t)
+    outs, psnr_latents = {}, {}
+    for variant in args.variants:  # fp8 last: it quantises `dit` in place
+        dit.blocks.fused_elementwise = variant != "unfused"
+        if variant == "fp8":
+            quantize_transformer(dit, "fp8")
+        graphdef, state = nnx.split(dit)
+        compiled = jax.jit(forward, static_argnums=0).lower(graphdef, state, x, t, c).compile()
+        call = lambda: compiled(state, x, t, c)  # noqa: E731
+        label = f"ours {variant}"
+        results[label] = median_ms(call, jax.block_until_ready, args.iters, 1)
+        outs[variant] = np.asarray(call().astype(jnp.float32))
+        if variant == "fp8":
+            # What XLA made of the f8 × f8 dots: cuBLASLt FP8 GEMMs, or something slower.
+            hlo = compiled.as_text()
+            f8_dots = sum(1 for line in hlo.splitlines() if " dot(" in line and "f8e4m3fn" in line)
+            lt_f8 = hlo.count("__cublas$lt$matmul$f8")
+            other = hlo.count('"__cublas$gemm"') + hlo.count('"__cublas$lt$matmul"')
+            notes.append(f"{name}: compiled FP8 forward: {lt_f8} cuBLASLt FP8 GEMM calls, {other} other cuBLAS GEMMs, "
+                         f"{f8_dots} dots on f8 operands left to XLA's own emitters (fused or not)")
+        if name in args.profile_configs and args.profile:
+            log_dir = os.path.join(args.profile, f"{name}_{variant}")
+            with trace(log_dir):
+                jax.block_until_ready(call())
+            notes += op_class_table(log_dir, f"{name} {label}")
+        if name in args.psnr and variant in ("fused", "fp8"):
+            psnr_latents[variant] = sample_latents(dit, cfg, latent, args.psnr_steps)
+        del state
+    if "fp8" in outs and "fused" in outs:
+        notes.append(f"{name}: FP8 forward vs bf16 (ours fused), relative error {rel(outs['fp8'], outs['fused']):.2e}")
+    if len(psnr_latents) == 2:
+        psnr = decode_psnr(psnr_latents["fused"], psnr_latents["fp8"], tiny=name == "tiny")
+        notes.append(f"{name}: PSNR of the decoded FP8 video vs bf16, {args.psnr_steps} UniPC steps, CFG 5, same seed, "
+                     f"random DiT and VAE weights: {psnr:.2f} dB")
+    # The self-attention alone, at this shape, times the layer count: how much of ours is attention.
     seq = x.shape[2] * x.shape[3] * x.shape[4] // cfg.patch_volume
     q, k, v = (jax.random.normal(jax.random.key(i), (1, seq, cfg.num_attention_heads, cfg.attention_head_dim),
                                  jnp.bfloat16) for i in range(3))
-    out = None
-    for impl in args.attention:
-        label = impl or "default"
-        dit.self_attention = dit.cross_attention = functools.partial(attention, impl=impl)
-        call = lambda: dit(x, t, c)  # noqa: E731
-        if impl == args.attention[0]:  # the module call's host overhead does not depend on the kernel
-            results[f"ours ({label}): dit(...)"] = median_ms(call, jax.block_until_ready, args.iters, 1)
-        # What a compiled sampling loop runs: the jitted pure forward, no per-call module traversal.
-        graphdef, state = nnx.split(dit)
-        pure = jax.jit(forward, static_argnums=0)
-        results[f"ours ({label}): jitted forward"] = median_ms(lambda: pure(graphdef, state, x, t, c),
-                                                               jax.block_until_ready, args.iters, 1)
-        del state
-        if out is None and folder is not None:
-            out = np.asarray(call().astype(jnp.float32))
-        if args.profile:
-            with jax.profiler.trace(os.path.join(args.profile, f"{name}_{label}"), create_perfetto_trace=True):
-                jax.block_until_ready(call())
-        # The self-attention alone, at this shape, times the layer count: how much of ours is attention.
-        attn = jax.jit(functools.partial(attention, impl=impl))
-        results[f"self-attention only ({label}) ×layers"] = cfg.num_layers * median_ms(
-            lambda: attn(q, k, v), jax.block_until_ready, args.iters, 1)
+    attn = jax.jit(functools.partial(attention, impl=None if args.attention == "None" else args.attention))
+    results["self-attention only ×layers"] = cfg.num_layers * median_ms(lambda: attn(q, k, v), jax.block_until_ready,
+                                                                         args.iters, 1)
     del dit
     gc.collect()
-    return out
+    return outs.get("fused")
+
+
+def run_xla_variants(args, rows):
+    """Ours fused in a fresh process per XLA_FLAGS setting (XLA reads its flags once per process)."""
+    for spec in filter(None, args.xla_variants.split(";")):
+        label, _, flags = spec.partition("=")
+        env = dict(os.environ, XLA_FLAGS=f"{os.environ.get('XLA_FLAGS', '')} {flags}".strip())
+        cmd = [sys.executable, os.path.abspath(__file__), "--configs", ",".join(args.xla_configs), "--no-diffusers",
+               "--variants", "fused", "--iters", str(args.iters), "--attention", args.attention, "--json"]
+        try:
+            done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=args.xla_timeout)
+            found = [json.loads(line[7:]) for line in done.stdout.splitlines() if line.startswith("RESULT ")]
+            if not found:
+                raise RuntimeError((done.stderr.strip().splitlines() or ["no output"])[-1][:200])
+            for name, ms in found[0].items():
+                rows[name][f"ours fused, XLA_FLAGS {label} ({flags})"] = ms
+        except Exception as e:  # one failing flag set must not hide the rest
+            print(f"xla variant {label}: {type(e).__name__}: {e}", flush=True)
 
 
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--configs", default="1.3b,14b")
-    p.add_argument("--attention", default="cudnn,pallas_gpu",
-                   help="comma list of wan_tpu.attention impls to time ours with (None = the library's choice)")
-    p.add_argument("--iters", type=int, default=5)
+    p.add_argument("--configs", default="1.3b,5b,14b")
+    p.add_argument("--variants", default="fused,unfused,fp8", help="ours: fused, unfused, fp8 (fp8 runs last)")
+    p.add_argument("--attention", default="None", help="wan_tpu.attention impl for ours (None = the library's choice)")
+    p.add_argument("--iters", type=int, default=3)
     p.add_argument("--compile", default="1.3b", help="configs that also time diffusers + torch.compile")
-    p.add_argument("--check", default="1.3b", help="configs where ours runs on diffusers' weights and is compared")
+    p.add_argument("--check", default="", help="configs where ours runs on diffusers' weights and is compared")
     p.add_argument("--no-diffusers", dest="diffusers", action="store_false", help="time ours only")
-    p.add_argument("--profile", default="", help="folder for a jax.profiler trace of one forward of ours per config")
+    p.add_argument("--profile", default="", help="folder for jax.profiler traces (op-class breakdown)")
+    p.add_argument("--profile-configs", default="1.3b", help="configs to profile when --profile is given")
+    p.add_argument("--psnr", default="", help="configs whose FP8 video PSNR vs bf16 is measured")
+    p.add_argument("--psnr-steps", type=int, default=8)
+    p.add_argument("--xla-variants", default="", help='"label=XLA_FLAGS;..." runs of ours fused in fresh processes')
+    p.add_argument("--xla-configs", default="1.3b")
+    p.add_argument("--xla-timeout", type=int, default=240)
+    p.add_argument("--json", action="store_true", help="print one RESULT line of JSON (for --xla-variants)")
     args = p.parse_args()
-    args.attention = [None if a == "None" else a for a in args.attention.split(",")]
-    args.compile, args.check = args.compile.split(","), args.check.split(",")
+    args.variants = [v for v in ("fused", "unfused", "fp8") if v in args.variants.split(",")]
+    for key in ("compile", "check", "profile_configs", "psnr", "xla_configs"):
+        setattr(args, key, [c for c in getattr(args, key).split(",") if c])
+    if args.psnr and not {"fused", "fp8"} <= set(args.variants):
+        raise SystemExit("--psnr needs the fused and fp8 variants")
 
     import torch
 
     # Off GPU only the script itself is being tried: a small product keeps that quick.
     n = 8192 if jax.default_backend() == "gpu" else 512
     peak = measured_peak_flops(n) / 1e12
-    dev = jax.devices()[0].device_kind
-    print(f"device {dev}; jax {jax.__version__}; torch {torch.__version__}; bf16 {n}^3 matmul {peak:.0f} TFLOP/s")
-    rows = []
+    if not args.json:
+        print(f"device {jax.devices()[0].device_kind}; jax {jax.__version__}; torch {torch.__version__}; "
+              f"bf16 {n}^3 matmul {peak:.0f} TFLOP/s; XLA_FLAGS={os.environ.get('XLA_FLAGS', '')!r}", flush=True)
+    rows, notes, errs = {}, [], {}
     for name in args.configs.split(","):
         variant, latent = CONFIGS[name]
         cfg = VARIANTS[variant].transformer
-        flops = model_flops(cfg, latent)
-        results = {}
+        results = rows[name] = {}
         ref, folder = run_torch(cfg, latent, args, name, results) if args.diffusers else (None, None)
-        out = run_jax(cfg, latent, args, name, folder, results)
-        err = "" if ref is None else f"{np.linalg.norm(out - ref) / np.linalg.norm(ref):.2e}"
-        rows.append((name, latent, flops, results, err))
-        print(f"{name}: {results} check {err or '-'}", flush=True)
+        out = run_jax(cfg, latent, args, name, folder, results, notes)
+        if ref is not None:
+            errs[name] = f"{rel(out, ref):.2e}"
+        if not args.json:
+            print(f"{name}: {results}", flush=True)
+    if args.json:
+        print("RESULT " + json.dumps({name: r["ours fused"] for name, r in rows.items()}), flush=True)
+        return
+    if args.xla_variants:
+        run_xla_variants(args, rows)
 
     print()
-    print("| config | latent F×H×W | model FLOPs | entry | ms/forward | ours (best) ÷ entry | MFU | rel err vs diffusers |")
+    print("\n".join(notes))
+    print(f"\nbf16 {n}^3 matmul in this run: {peak:.0f} TFLOP/s")
+    print("| config | latent F×H×W | model FLOPs | entry | ms/forward | entry ÷ ours fused | MFU | rel err vs diffusers |")
     print("|---|---|---|---|---|---|---|---|")
-    for name, latent, flops, results, err in rows:
-        ours = min(ms for entry, ms in results.items() if entry.endswith("jitted forward"))
+    for name, results in rows.items():
+        variant, latent = CONFIGS[name]
+        flops = model_flops(VARIANTS[variant].transformer, latent)
+        ours = results.get(OURS)
         for entry, ms in results.items():
             mfu = "" if "only" in entry else f"{flops / (ms * 1e-3) / (peak * 1e12):.1%}"
-            latent_s = "×".join(map(str, latent))
-            print(f"| {name} | {latent_s} | {flops:.3g} | {entry} | {ms:.1f} | {ours / ms:.3f} | {mfu} | "
-                  f"{err if entry.startswith('ours') else ''} |")
+            ratio = f"{ms / ours:.3f}" if ours else ""
+            err = errs.get(name, "") if entry == OURS else ""
+            print(f"| {name} | {'×'.join(map(str, latent))} | {flops:.3g} | {entry} | {ms:.1f} | {ratio} | {mfu} | {err} |")
 
 
 if __name__ == "__main__":

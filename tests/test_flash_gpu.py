@@ -86,3 +86,36 @@ def test_cudnn_any_length(sq, skv):
 @pytest.mark.gpu
 def test_pallas_gpu_float32_takes_the_triton_path():
     check(lambda q, k, v: attention(q, k, v, impl="pallas_gpu"), 1, 300, 200, 2, 128, jnp.float32)
+
+
+# Scheduling variants of the Hopper kernel (scripts/bench_attention.py sweeps them): persistent CTAs
+# walking several (head, q tile) tiles with one K/V ring, and the q-major grid.
+VARIANTS = [
+    dict(block_q=64, block_kv=192, stages=2, q_major=True),
+    dict(block_q=64, block_kv=128, stages=3, persistent=3),
+    dict(block_q=64, block_kv=64, stages=4, persistent=5),
+    dict(block_q=64, block_kv=128, stages=2, persistent=132),
+]
+
+
+@pytest.mark.parametrize("kw", VARIANTS)
+@pytest.mark.parametrize("b, sq, skv, h", [(1, 32760, 32760, 12), (2, 1000, 769, 3)])
+def test_hopper_variants_lower_for_cuda(kw, b, sq, skv, h):
+    """Without a GPU: every variant lowers to one Mosaic GPU kernel for CUDA (Wan's self-attention
+    shape, and a ragged cross-attention one with fewer tiles than CTAs)."""
+    from wan_tpu.kernels.flash_mgpu import mgpu_attention
+
+    q = jax.ShapeDtypeStruct((b, sq, h, 128), jnp.bfloat16)
+    kv = jax.ShapeDtypeStruct((b, skv, h, 128), jnp.bfloat16)
+    text = jax.jit(lambda q, k, v: mgpu_attention(q, k, v, **kw)).trace(q, kv, kv).lower(
+        lowering_platforms=("cuda",)).as_text()
+    assert text.count("mosaic_gpu") >= 1
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kw", VARIANTS)
+@pytest.mark.parametrize("sq, skv, h", [(4100, 4100, 2), (1537, 769, 3), (1000, 512, 5)])
+def test_hopper_variants_on_device(kw, sq, skv, h):
+    from wan_tpu.kernels.flash_mgpu import mgpu_attention
+
+    check(lambda q, k, v: mgpu_attention(q, k, v, **kw), 1, sq, skv, h, 128, jnp.bfloat16)

@@ -8,13 +8,17 @@ so an unmasked padded key, an unzeroed padded value row or an output row the ker
 turns the result NaN, and every test asserts the output is finite.
 """
 
+import functools
+
 import numpy as np
 import jax
 import jax.numpy as jnp
 import pytest
 from jax.experimental import pallas as pl
 
-from wan_tpu.kernels.splash_exp2 import splash_exp2_attention
+from wan_tpu.kernels.splash_exp2 import _call as splash_call
+from wan_tpu.kernels.splash_exp2 import effective_block_sizes, splash_exp2_attention
+from wan_tpu.kernels.tuning import STEP_OVERHEAD_S, TPU_BLOCK_SIZES, TPU_CHIPS, vmem_bytes
 
 # Relative Frobenius error vs float64: f32 end to end; bf16 inputs with bf16 probabilities in P·V.
 TOL = {jnp.float32: 1e-5, jnp.bfloat16: 1e-2}
@@ -125,3 +129,33 @@ def test_lowers_for_tpu(heads, seq_q, seq_kv):
     text = exported.mlir_module()
     assert "tpu_custom_call" in text and "XLA_TPU_FORCE_LP_LLO_SCHEDULER" in text
     assert exported.out_avals[0].shape == (1, seq_q, heads, 128)
+
+
+@pytest.mark.parametrize("generation", sorted(TPU_BLOCK_SIZES))
+def test_tile_table_follows_its_rules(generation):
+    """kernels/tuning.py's three rules, per generation: intensity ≥ 4× the chip's ridge point, a
+    grid step ≥ 10× the per-step overhead, the live VMEM within the limit and the limit within 75%
+    of the core's VMEM, score chunks a multiple of the MXU width."""
+    blocks, chip = TPU_BLOCK_SIZES[generation], TPU_CHIPS[generation]
+    assert blocks.block_q >= 4 * chip.bf16_flops / chip.hbm_bytes_per_s
+    assert 4 * blocks.block_q * blocks.block_kv * 128 / chip.bf16_flops >= 10 * STEP_OVERHEAD_S
+    assert vmem_bytes(blocks) <= blocks.vmem_limit_bytes <= 0.75 * chip.vmem_bytes
+    assert blocks.block_kv_compute % chip.mxu == 0 and blocks.block_kv_compute_in % chip.mxu == 0
+    assert blocks.block_q % 128 == 0 and blocks.block_kv % blocks.block_kv_compute == 0
+
+
+@pytest.mark.parametrize("generation", sorted(TPU_BLOCK_SIZES))
+def test_each_generation_lowers_for_tpu_and_matches_in_interpret_mode(generation):
+    """Each generation's full tiles (with its VMEM limit) export for TPU at the Wan 14B 720p shape,
+    and compute the right thing in interpret mode on keys that end in a ragged score chunk."""
+    blocks = TPU_BLOCK_SIZES[generation]
+    spec = jax.ShapeDtypeStruct((1, 75600, 40, 128), jnp.bfloat16)
+    call = functools.partial(splash_call, blocks=effective_block_sizes(75600, 75600, blocks), interpret=False)
+    text = jax.export.export(jax.jit(call), platforms=("tpu",))(spec, spec, spec).mlir_module()
+    assert "tpu_custom_call" in text
+    seed, (q, k, v) = random_qkv(1, 200, 2 * blocks.block_kv_compute + 40, 1, 128, jnp.float32)
+    small = effective_block_sizes(200, k.shape[1], blocks)
+    out = np.asarray(splash_call(q, k, v, blocks=small, interpret=True), np.float64)
+    ref = reference64(q, k, v)
+    assert np.isfinite(out).all(), f"non-finite output (seed {seed})"
+    assert np.linalg.norm(out - ref) / np.linalg.norm(ref) <= TOL[jnp.float32], f"seed {seed}"

@@ -223,3 +223,18 @@ def test_models_of_one_config_share_compiled_code():
     a, b = WanTransformer(cfg, rngs=nnx.Rngs(0)), WanTransformer(cfg, rngs=nnx.Rngs(1))
     assert nnx.graphdef(a) == nnx.graphdef(b)
     assert nnx.graphdef(a) != nnx.graphdef(WanTransformer(cfg, rngs=nnx.Rngs(0), attention_impl="reference"))
+
+
+@pytest.mark.parametrize("case", ["t2v", "ti2v"])
+def test_unfused_elementwise_path_matches_diffusers_float32(reference, case):
+    """The block's `fused_elementwise=False` baseline (diffusers' op order) stays exact too: it is
+    what scripts/bench_dit.py times the fused default against."""
+    model, folder = reference(case)
+    dit = load_transformer(folder)
+    inputs = _inputs(case)
+    fused = _run_ours(dit, *inputs)
+    dit.blocks.fused_elementwise = False
+    unfused = _run_ours(dit, *inputs)
+    ref = _run_ref(model, *inputs)
+    assert _rel(unfused, ref) <= F32_TOL and _rel(fused, ref) <= F32_TOL
+    assert not np.array_equal(fused, unfused)  # the switch really changes the graph

@@ -75,6 +75,8 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                    help="neither read nor write the persistent compilation cache (see wan_tpu.compile_cache)")
     p.add_argument("--no-memory-check", action="store_true",
                    help="run even when the estimated working set exceeds the free memory")
+    p.add_argument("--quantize", choices=("fp8", "int8"), default=None,
+                   help="the DiT's block linears in fp8 (H100/H200/Ada GPUs, TPU v7) or int8 (TPU v5e/v5p/v6e/v7)")
 
 
 def add_run_args(p: argparse.ArgumentParser) -> None:
@@ -232,6 +234,7 @@ def load_pipeline(args):
     dtype = {"bfloat16": jnp.bfloat16, "float32": jnp.float32}[args.dtype]
     pipe = WanPipeline.from_pretrained(args.model, mesh=mesh, dtype=dtype, attention_impl=args.attention,
                                        download=args.download, check_memory=not args.no_memory_check,
+                                       quantize=getattr(args, "quantize", None),
                                        compile_cache=not args.no_compile_cache)
     for path, scale, expert in lora_specs(args):
         pipe.load_lora_weights(path, scale=scale, expert=expert)  # checked now, merged when the DiT loads

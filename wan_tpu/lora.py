@@ -324,7 +324,9 @@ def _variable(dit, path: str):
 def load_lora(dit, path, scale: float = 1.0) -> LoraInfo:
     """Merge the LoRA at `path` into `dit`'s weights with `scale` (see the module docstring); calls stack."""
     from wan_tpu.models.transformer_loading import checkpoint_origin
+    from wan_tpu.quantize import ensure_unquantized
 
+    ensure_unquantized(dit, "merging a LoRA")
     scale = _check_scale(scale)
     tensors, plan, count = _plan(dit, path, scale)
     state = _STATES.setdefault(dit, _State([], {}))
@@ -349,10 +351,12 @@ def loaded_loras(dit) -> list[LoraInfo]:
 def unload_lora(dit) -> None:
     """Undo every `load_lora` on `dit`: each touched parameter gets back its exact original bits and sharding."""
     from wan_tpu.models.transformer_loading import checkpoint_origin
+    from wan_tpu.quantize import ensure_unquantized
 
     state = _STATES.get(dit)
     if state is None:
         return
+    ensure_unquantized(dit, "unloading a LoRA")
     origin = checkpoint_origin(dit)
     for param, (host, sharding) in state.originals.items():
         if host is None:

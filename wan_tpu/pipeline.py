@@ -72,6 +72,7 @@ class WanPipeline:
         self._loaded: dict[str, object] = {}
         self._loras: list[tuple[str, float, tuple[str, ...]]] = []  # (path, scale, DiT component names)
         self.cache_stats = None  # the step cache's `CacheStats` of the last run that used one
+        self.quantization = None  # "fp8"/"int8" once `quantize` was asked for
         self._warmup = None
 
     # ---- construction -------------------------------------------------------------------------
@@ -79,7 +80,7 @@ class WanPipeline:
     @classmethod
     def from_pretrained(cls, path_or_preset: str, mesh=None, dtype=jnp.bfloat16, attention_impl: str | None = None,
                         vae_dtype=jnp.float32, download: bool = False, check_memory: bool = True,
-                        compile_cache: bool = True) -> WanPipeline:
+                        quantize: str | None = None, compile_cache: bool = True) -> WanPipeline:
         """A pipeline over a diffusers-format folder, a Hugging Face model id, or a preset name (`tiny`).
 
         `dtype` is the DiT and text encoder dtype; the VAE runs in `vae_dtype` (float32 by default,
@@ -87,6 +88,8 @@ class WanPipeline:
         (default: the fastest for the backend). A model id is looked up in the local HF cache
         (`HF_HUB_CACHE`/`HF_HOME`) and fetched only with `download=True`. `check_memory=False` skips
         the memory estimate that refuses runs too large for the devices (`wan_tpu.memory`).
+        `quantize="fp8"` runs the DiT's block linears in FP8 (`wan_tpu.quantize`; checked against the
+        device now, applied as each DiT loads, after its LoRAs are merged).
         `compile_cache` turns the persistent compilation cache on (the default) or off for the whole
         process (see `wan_tpu.compile_cache`).
         """
@@ -100,7 +103,7 @@ class WanPipeline:
             pipe = presets.PRESETS[path_or_preset](dtype=dtype, mesh=mesh, attention_impl=attention_impl,
                                                    vae_dtype=vae_dtype)
             pipe.check_memory = check_memory
-            return pipe
+            return pipe.quantize(quantize)
         path = hub.resolve_model(os.fspath(path_or_preset), download=download)
         if not os.path.isdir(path):
             raise WanInputError(
@@ -122,7 +125,21 @@ class WanPipeline:
         weights = check_checkpoint(path, parts)
         return cls(variant, vae_config, _folder_loaders(path, parts, dtype, mesh, attention_impl, vae_dtype),
                    name=os.path.abspath(path), dtype=dtype, mesh=mesh, vae_dtype=vae_dtype, attention_impl=attention_impl,
-                   weight_elements=weights, check_memory=check_memory)
+                   weight_elements=weights, check_memory=check_memory).quantize(quantize)
+
+    def quantize(self, mode: str | None) -> WanPipeline:
+        """Quantise the DiT(s) (`"fp8"` or `"int8"`; None: no change): those loaded now, in place, and those
+        loaded later as they load. Merge LoRAs before this: they need the bf16 weights."""
+        from wan_tpu.quantize import check_device, check_mode, quantize_transformer
+
+        if check_mode(mode) is None:
+            return self
+        check_device(mode, None if self.mesh is None else list(self.mesh.devices.flat))
+        self.quantization = mode
+        for name in ("transformer", "transformer_2"):
+            if name in self._loaded and not self._loaded[name].quantization:
+                quantize_transformer(self._loaded[name], mode, self.mesh)
+        return self
 
     def component(self, name: str):
         """The component `name`, loaded on first use (or taken from `prepare`'s background load)."""
@@ -136,11 +153,16 @@ class WanPipeline:
         return self._loaded[name]
 
     def _load(self, name: str):
-        """Component `name` read from its loader, with the LoRAs registered for it merged."""
+        """Component `name` read from its loader, with the LoRAs registered for it merged (and then, for
+        the DiT, quantised if asked for)."""
         component = self._loaders[name]()
         for path, scale, names in self._loras:
             if name in names:
                 component.load_lora(path, scale)
+        if self.quantization and name in ("transformer", "transformer_2"):
+            from wan_tpu.quantize import quantize_transformer
+
+            quantize_transformer(component, self.quantization, self.mesh)
         return component
 
     def release(self, *names: str) -> None:

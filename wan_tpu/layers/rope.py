@@ -73,12 +73,16 @@ def rope_tables(head_dim: int, grid: tuple[int, int, int], theta: float = 10000.
     return tables[0], tables[1]
 
 
-def apply_rope(x, cos, sin):
-    """Rotate channel pairs (2i, 2i+1) of x (B, S, H, D) by the `rope_tables` angles; math in float32.
+def rotate(x, cos, sin):
+    """Rotate channel pairs (2i, 2i+1) of x (B, S, H, D) by the `rope_tables` angles, in x's dtype.
 
     out[2i] = x[2i]·cos − x[2i+1]·sin and out[2i+1] = x[2i+1]·cos + x[2i]·sin (diffusers' convention).
     """
     b, s, nh, d = x.shape
-    xf = x.astype(jnp.float32)
-    swapped = xf.reshape(b, s, nh, d // 2, 2)[..., ::-1].reshape(b, s, nh, d)
-    return (xf * cos[None, :, None, :] + swapped * sin[None, :, None, :]).astype(x.dtype)
+    swapped = x.reshape(b, s, nh, d // 2, 2)[..., ::-1].reshape(b, s, nh, d)
+    return x * cos[None, :, None, :] + swapped * sin[None, :, None, :]
+
+
+def apply_rope(x, cos, sin):
+    """`rotate` with the math in float32, returned in x's dtype."""
+    return rotate(x.astype(jnp.float32), cos, sin).astype(x.dtype)

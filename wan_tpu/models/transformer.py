@@ -36,8 +36,8 @@ from wan_tpu.configs.models import WanTransformerConfig
 from wan_tpu.errors import WanInputError
 from wan_tpu.layers import attention as attention_lib
 from wan_tpu.layers.embeddings import FeedForward, TextProjection, TimestepEmbedding, linear, timestep_embedding
-from wan_tpu.layers.norms import FP32LayerNorm, RMSNorm, layer_norm
-from wan_tpu.layers.rope import apply_rope, rope_tables
+from wan_tpu.layers.norms import FP32LayerNorm, RMSNorm, layer_norm, modulated_layer_norm
+from wan_tpu.layers.rope import apply_rope, rope_tables, rotate
 
 
 def _heads(x, num_heads):
@@ -71,14 +71,20 @@ class WanAttention(nnx.Module):
         """Normalised keys and values (B, S, H, D) of `x`; a cross-attention's K/V depend only on its context."""
         return _heads(self.norm_k(self.to_k(x)), self.num_heads), _heads(self.to_v(x), self.num_heads)
 
-    def qkv(self, x, rope):
+    def qkv(self, x, rope, fused=True):
         """Self-attention inputs: q and k rotated by `rope`, v; separate from attending so a causal
-        model can cache k and v."""
-        k, v = self.key_value(x)
+        model can cache k and v. `fused`: RMSNorm and RoPE as one float32 expression per
+        projection, rounded once (False: norm, round, rotate, round — diffusers' order)."""
+        v = _heads(self.to_v(x), self.num_heads)
+        if fused:
+            q = rotate(_heads(self.norm_q.normalize(self.to_q(x)), self.num_heads), *rope).astype(x.dtype)
+            k = rotate(_heads(self.norm_k.normalize(self.to_k(x)), self.num_heads), *rope).astype(x.dtype)
+            return q, k, v
+        k, _ = self.key_value(x)
         return apply_rope(self.query(x), *rope), apply_rope(k, *rope), v
 
-    def self_attention(self, x, rope, attn_fn):
-        out = attn_fn(*self.qkv(x, rope))
+    def self_attention(self, x, rope, attn_fn, fused=True):
+        out = attn_fn(*self.qkv(x, rope, fused))
         return self.to_out(out.reshape(x.shape[0], x.shape[1], -1))
 
     def cross_attention(self, x, context, context_image, attn_fn):
@@ -92,10 +98,17 @@ class WanAttention(nnx.Module):
 
 
 class WanTransformerBlock(nnx.Module):
+    """One DiT block. `fused_elementwise` (default True) writes the elementwise work around the
+    matmuls as single float32 expressions with one rounding each (`modulated_layer_norm`, RMSNorm
+    + RoPE together) so that the compiler emits fewer memory passes; False keeps diffusers' op
+    order (norm, cast, modulate; norm, cast, rotate, cast) — the "ours unfused" baseline of
+    `scripts/bench_dit.py`. Both match diffusers to 1e-5 in float32."""
+
     def __init__(self, cfg: WanTransformerConfig, *, dtype, rngs: nnx.Rngs):
         dim = cfg.inner_dim
         self.dtype = dtype
         self.eps = cfg.eps
+        self.fused_elementwise = True
         self.attn1 = WanAttention(dim, cfg.num_attention_heads, cfg.eps, dtype=dtype, rngs=rngs)
         self.attn2 = WanAttention(dim, cfg.num_attention_heads, cfg.eps, added_kv_proj_dim=cfg.added_kv_proj_dim,
                                   dtype=dtype, rngs=rngs)
@@ -108,14 +121,20 @@ class WanTransformerBlock(nnx.Module):
         mod = self.scale_shift_table[...][None] + temb.astype(jnp.float32)  # (B, 1|S, 6, dim), float32
         shift, scale, gate, c_shift, c_scale, c_gate = (mod[:, :, i] for i in range(6))
 
-        h = (layer_norm(x, self.eps) * (1 + scale) + shift).astype(x.dtype)
-        x = (x.astype(jnp.float32) + self.attn1.self_attention(h, rope, self_attn_fn) * gate).astype(x.dtype)
+        h = self._modulate(x, scale, shift)
+        attn = self.attn1.self_attention(h, rope, self_attn_fn, self.fused_elementwise)
+        x = (x.astype(jnp.float32) + attn * gate).astype(x.dtype)
 
         h = x if self.norm2 is None else self.norm2(x)
         x = x + self.attn2.cross_attention(h, context, context_image, cross_attn_fn)
 
-        h = (layer_norm(x, self.eps) * (1 + c_scale) + c_shift).astype(x.dtype)
+        h = self._modulate(x, c_scale, c_shift)
         return (x.astype(jnp.float32) + self.ffn(h).astype(jnp.float32) * c_gate).astype(x.dtype)
+
+    def _modulate(self, x, scale, shift):
+        if self.fused_elementwise:
+            return modulated_layer_norm(x, self.eps, scale, shift, x.dtype)
+        return (layer_norm(x, self.eps) * (1 + scale) + shift).astype(x.dtype)
 
 
 class WanImageEmbedding(nnx.Module):
@@ -172,6 +191,8 @@ class WanTransformer(nnx.Module):
         self.self_attention = _default_attention(attention_impl)
         self.cross_attention = _default_attention(attention_impl)
         self.shard_activation = _identity
+        # "fp8" once `wan_tpu.quantize.quantize_transformer` has replaced the block linears.
+        self.quantization = None
 
     def __call__(self, hidden_states, timestep, encoder_hidden_states, encoder_hidden_states_image=None):
         """Noise prediction (B, C_out, F, H, W), as diffusers' forward(...).sample; runs compiled."""

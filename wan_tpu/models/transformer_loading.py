@@ -167,13 +167,19 @@ class ParamSource:
         return out
 
 
-def load_transformer(path: str, dtype=jnp.float32, mesh=None) -> WanTransformer:
+def load_transformer(path: str, dtype=jnp.float32, mesh=None, quantize: str | None = None) -> WanTransformer:
     """Load a diffusers-format Wan transformer folder (config.json + safetensors) into a WanTransformer.
 
     Parameters that diffusers keeps in float32 stay float32; the rest are cast to `dtype`. With a
     `mesh`, each parameter is placed sharded as it is read (`wan_tpu.sharding.place_param`) and the
-    model's hooks are set for the mesh (`wan_tpu.sharding.shard_transformer`).
+    model's hooks are set for the mesh (`wan_tpu.sharding.shard_transformer`). `quantize="fp8"`
+    (or "int8") then quantises the block linears on device (`wan_tpu.quantize`).
     """
+    from wan_tpu.quantize import check_device, check_mode, quantize_transformer
+
+    if check_mode(quantize):
+        # Refuse before reading gigabytes of weights.
+        check_device(quantize, None if mesh is None else list(mesh.devices.flat))
     config, tensors = open_checkpoint(path, "transformer")
     cfg = config_from_json(config)
     abstract = nnx.eval_shape(lambda: WanTransformer(cfg, dtype=dtype, rngs=nnx.Rngs(0)))
@@ -209,7 +215,7 @@ def load_transformer(path: str, dtype=jnp.float32, mesh=None) -> WanTransformer:
         from wan_tpu.sharding import shard_transformer
 
         shard_transformer(dit, mesh)
-    return dit
+    return quantize_transformer(dit, quantize, mesh)
 
 
 def param_sources(module: WanTransformer) -> list[ParamSource]:
