@@ -85,4 +85,29 @@ MATRIX_GAME = tuple((pattern.replace(r"^blocks\.", r"^blocks\.\d+\."), spec) for
     (r"^blocks\.\d+\.action_model\.", REPLICATED),
 )
 
-RULES = {"dit": DIT, "vae": VAE, "umt5": UMT5, "clip": CLIP, "matrix_game": MATRIX_GAME}
+
+# UniFoLM-WMA (`wan_tpu.models.unifolm`, Flax layout: linear kernels (in, out), conv kernels
+# (*k, in, out)). FSDP on the input side, `tp` on the output side of the transformers' q/k/v and
+# feed-forward-in and of every convolution; row-parallel outputs the other way round. Norms, biases
+# of row-parallel layers, embeddings and the small Perceiver latents stay replicated.
+_QKV = r"(to_q|to_k|to_v|to_k_ip|to_v_ip|to_k_as|to_v_as|to_k_aa|to_v_aa|to_kv|proj_in)"
+UNIFOLM = (
+    (rf"\.{_QKV}\.kernel$", P(FSDP, "tp")),
+    (rf"\.{_QKV}\.bias$", P("tp")),
+    (r"\.(to_out|proj_out)\.kernel$", P("tp", FSDP)),
+    (r"\.ff\.proj_in\.kernel$", P(FSDP, "tp")),
+    (r"\.ff\.proj_in\.bias$", P("tp")),
+    (r"\.ff\.proj_out\.kernel$", P("tp", FSDP)),
+    # The heads' 1-D convolutions (k, in, out), incl. the transposed ones (k, out, in).
+    (r"(\.blocks\.\d\.conv|final_block\.conv|final_conv|residual_conv|(down|up)_modules\.\d\.3)\.kernel$",
+     P(None, FSDP, "tp")),
+    # 2-D convolutions (ResBlocks, temporal convs as (3, 1), resampling, ResNet18): (kh, kw, in, out).
+    (r"(conv\d?|op|skip|downsample_conv|nets|input_blocks\.0\.0)\.kernel$", P(None, None, FSDP, "tp")),
+    # FiLM, time-embedding and MLP-projector linears (in, out).
+    (r"(cond_encoder|emb_proj|linear_\d)\.kernel$", P(FSDP, "tp")),
+    (r"proj_(in|out)_action\.kernel$", REPLICATED),
+    (r"\.(weight|bias|temperature)$", REPLICATED),
+    (r"(latents|pos_emb)$", REPLICATED),
+)
+
+RULES = {"dit": DIT, "vae": VAE, "umt5": UMT5, "clip": CLIP, "matrix_game": MATRIX_GAME, "unifolm": UNIFOLM}

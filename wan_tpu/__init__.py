@@ -14,6 +14,7 @@ _EXPORTS = {
     "load_transformer": "wan_tpu.models.transformer_loading",
     "load_vae": "wan_tpu.models.vae_loading",
     "WanPipeline": "wan_tpu.pipeline",
+    "MatrixGamePipeline": "wan_tpu.matrix_game",
     "quantize_transformer": "wan_tpu.quantize",
     "WanInputError": "wan_tpu.errors",
 }

@@ -121,20 +121,25 @@ def component_files(path: str, what: str = "model") -> list[str]:
         raise WanInputError(f"{what} checkpoint folder {path!r} does not exist; pass a diffusers-format folder")
     indexes = sorted(n for n in os.listdir(path) if n.endswith(".safetensors.index.json"))
     if indexes:
-        index = os.path.join(path, indexes[0])
-        try:
-            with open(index) as f:
-                shards = sorted(set(json.load(f)["weight_map"].values()))
-        except (OSError, UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError, AttributeError) as e:
-            raise WanInputError(f"{index}: not a valid safetensors index ({type(e).__name__}: {e}); re-download it") from None
-        missing = [s for s in shards if not os.path.isfile(os.path.join(path, s))]
-        if missing:
-            raise WanInputError(f"{path}: shard {missing[0]} named by {indexes[0]} is missing; re-download the checkpoint")
-        return [os.path.join(path, s) for s in shards]
+        return _index_shards(path, indexes[0], "re-download the checkpoint")
     files = sorted(os.path.join(path, n) for n in os.listdir(path) if n.endswith(".safetensors"))
     if not files:
         raise WanInputError(f"{path}: no *.safetensors weights; save the {what} with save_pretrained(safe_serialization=True)")
     return files
+
+
+def _index_shards(folder: str, index_name: str, fix: str) -> list[str]:
+    """The shard files a `*.safetensors.index.json` in `folder` names (each must exist)."""
+    index = os.path.join(folder, index_name)
+    try:
+        with open(index) as f:
+            shards = sorted(set(json.load(f)["weight_map"].values()))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError, AttributeError) as e:
+        raise WanInputError(f"{index}: not a valid safetensors index ({type(e).__name__}: {e}); {fix}") from None
+    missing = [s for s in shards if not os.path.isfile(os.path.join(folder, s))]
+    if missing:
+        raise WanInputError(f"{folder}: shard {missing[0]} named by {index_name} is missing; {fix}")
+    return [os.path.join(folder, s) for s in shards]
 
 
 def check_component(path: str, what: str = "model") -> dict[str, tuple[tuple[int, ...], np.dtype]]:
@@ -176,3 +181,15 @@ def open_checkpoint(path: str, what: str = "model") -> tuple[dict, TensorSource]
     except json.JSONDecodeError as e:
         raise WanInputError(f"{cfg_path}: not valid JSON ({e}); re-download it") from None
     return config, TensorSource(component_files(path, what))
+
+
+def open_component(folder: str, name: str) -> TensorSource:
+    """The tensors of one component of a multi-component folder: `folder/NAME.safetensors`, or shards
+    listed by `folder/NAME.safetensors.index.json` (UniFoLM: unet, conditioning, vae, ...)."""
+    index = f"{name}.safetensors.index.json"
+    if os.path.isfile(os.path.join(folder, index)):
+        return TensorSource(_index_shards(folder, index, "re-convert the checkpoint"))
+    path = os.path.join(folder, f"{name}.safetensors")
+    if not os.path.isfile(path):
+        raise WanInputError(f"{folder}: no {name}.safetensors; convert the checkpoint with scripts/convert_unifolm_checkpoint.py")
+    return TensorSource([path])

@@ -24,34 +24,63 @@ def write_video(path: str, frames: np.ndarray, fps: int, overwrite: bool = False
 
     Height and width must be even (yuv420p chroma subsampling); every Wan size is a multiple of 16.
     """
-    import imageio.v2 as imageio
-
-    check_output_path(path, overwrite, ".mp4")
-    frames = np.asarray(frames)
-    if frames.dtype != np.uint8 or frames.ndim != 4 or frames.shape[-1] != 3:
-        raise ValueError(f"frames must be uint8 (T, H, W, 3), got {frames.dtype} {frames.shape}")
-    if frames.shape[1] % 2 or frames.shape[2] % 2:
-        raise WanInputError(f"video size {frames.shape[2]}x{frames.shape[1]} must be even for H.264; use a multiple of 16")
-    parent, name = os.path.split(os.path.abspath(path))
-    # The temporary name keeps the .mp4 suffix because ffmpeg picks the container from it.
-    tmp = os.path.join(parent, f".{name}.{os.getpid()}.partial.mp4")
-    try:
-        with interrupt.temporary(tmp), _ffmpeg_subprocess():
-            # format="FFMPEG": without imageio-ffmpeg imageio would silently pick another plugin (tiff)
-            # for this name; macro_block_size=1: never let imageio resize the frames behind our back.
-            writer = imageio.get_writer(tmp, format="FFMPEG", fps=fps, codec="libx264", quality=8,
-                                        macro_block_size=1, pixelformat="yuv420p")
-            try:
-                for frame in frames:
-                    writer.append_data(frame)
-                    interrupt.check("write")
-            finally:
-                writer.close()
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.remove(tmp)
+    with VideoWriter(path, fps, overwrite) as writer:
+        writer.append(frames)
     return path
+
+
+class VideoWriter:
+    """An mp4 written as frames arrive (a stream's chunks), renamed into place when the `with` block ends
+    without an error; on an error or an interrupt, or when no frame came, nothing is left behind.
+
+        with VideoWriter("out.mp4", fps=12) as video:
+            for chunk in chunks:
+                video.append(chunk)          # uint8 (T, H, W, 3), encoded now, not held in memory
+    """
+
+    def __init__(self, path: str, fps: int, overwrite: bool = False):
+        check_output_path(path, overwrite, ".mp4")
+        self.path, self.fps, self.frames = path, fps, 0
+        parent, name = os.path.split(os.path.abspath(path))
+        # The temporary name keeps the .mp4 suffix because ffmpeg picks the container from it.
+        self._tmp = os.path.join(parent, f".{name}.{os.getpid()}.partial.mp4")
+        self._writer = None
+        self._stack = contextlib.ExitStack()
+
+    def __enter__(self) -> VideoWriter:
+        self._stack.enter_context(interrupt.temporary(self._tmp))
+        return self
+
+    def append(self, frames: np.ndarray) -> None:
+        import imageio.v2 as imageio
+
+        frames = np.asarray(frames)
+        if frames.dtype != np.uint8 or frames.ndim != 4 or frames.shape[-1] != 3:
+            raise ValueError(f"frames must be uint8 (T, H, W, 3), got {frames.dtype} {frames.shape}")
+        if frames.shape[1] % 2 or frames.shape[2] % 2:
+            raise WanInputError(f"video size {frames.shape[2]}x{frames.shape[1]} must be even for H.264; use a multiple of 16")
+        with _ffmpeg_subprocess():
+            if self._writer is None:
+                # format="FFMPEG": without imageio-ffmpeg imageio would silently pick another plugin (tiff)
+                # for this name; macro_block_size=1: never let imageio resize the frames behind our back.
+                self._writer = imageio.get_writer(self._tmp, format="FFMPEG", fps=self.fps, codec="libx264", quality=8,
+                                                  macro_block_size=1, pixelformat="yuv420p")
+            for frame in frames:
+                self._writer.append_data(frame)
+                self.frames += 1
+                interrupt.check("write")
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        try:
+            if self._writer is not None:
+                with _ffmpeg_subprocess():
+                    self._writer.close()
+            if exc_type is None and self.frames:
+                os.replace(self._tmp, self.path)
+        finally:
+            if os.path.exists(self._tmp):
+                os.remove(self._tmp)
+            self._stack.close()
 
 
 def read_video(path: str) -> tuple[np.ndarray, float]:

@@ -1,5 +1,5 @@
-"""Timestep and conditioning embeddings of the Wan DiT (diffusers' Timesteps, TimestepEmbedding,
-PixArtAlphaTextProjection)."""
+"""Timestep and conditioning embeddings (diffusers' Timesteps, TimestepEmbedding,
+PixArtAlphaTextProjection) and the feed-forward block, shared by the Wan DiT and the UniFoLM models."""
 
 from __future__ import annotations
 
@@ -31,9 +31,9 @@ def timestep_embedding(t, dim: int, flip_sin_to_cos: bool = True, downscale_freq
     return jnp.asarray(emb, jnp.float32)
 
 
-def linear(din: int, dout: int, dtype, rngs: nnx.Rngs) -> nnx.Linear:
-    """A biased linear layer whose parameters and matmul run in `dtype`."""
-    return nnx.Linear(din, dout, dtype=dtype, param_dtype=dtype, rngs=rngs)
+def linear(din: int, dout: int, dtype, rngs: nnx.Rngs, use_bias: bool = True) -> nnx.Linear:
+    """A linear layer (biased unless `use_bias=False`) whose parameters and matmul run in `dtype`."""
+    return nnx.Linear(din, dout, use_bias=use_bias, dtype=dtype, param_dtype=dtype, rngs=rngs)
 
 
 class TimestepEmbedding(nnx.Module):
@@ -59,12 +59,21 @@ class TextProjection(nnx.Module):
 
 
 class FeedForward(nnx.Module):
-    """proj_in → GELU → proj_out (diffusers' FeedForward `net.0.proj` / `net.2`)."""
+    """proj_in → GELU → proj_out (diffusers' FeedForward `net.0.proj` / `net.2`).
 
-    def __init__(self, dim: int, inner_dim: int, dim_out: int, *, approximate: bool, dtype, rngs: nnx.Rngs):
-        self.approximate = approximate
-        self.proj_in = linear(dim, inner_dim, dtype, rngs)
+    `glu=True` is GEGLU (LDM/diffusers `GEGLU`): proj_in makes 2·inner_dim features, the first half
+    times GELU of the second half.
+    """
+
+    def __init__(self, dim: int, inner_dim: int, dim_out: int, *, approximate: bool, dtype, rngs: nnx.Rngs,
+                 glu: bool = False):
+        self.approximate, self.glu = approximate, glu
+        self.proj_in = linear(dim, inner_dim * (2 if glu else 1), dtype, rngs)
         self.proj_out = linear(inner_dim, dim_out, dtype, rngs)
 
     def __call__(self, x):
-        return self.proj_out(jax.nn.gelu(self.proj_in(x), approximate=self.approximate))
+        h = self.proj_in(x)
+        if self.glu:
+            h, gate = jnp.split(h, 2, axis=-1)
+            return self.proj_out(h * jax.nn.gelu(gate, approximate=self.approximate))
+        return self.proj_out(jax.nn.gelu(h, approximate=self.approximate))

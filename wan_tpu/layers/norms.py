@@ -1,4 +1,4 @@
-"""Normalization layers of the Wan DiT, computed in float32 whatever the activation dtype.
+"""Normalization layers (Wan DiT, UniFoLM UNet), computed in float32 whatever the activation dtype.
 
 Parameter names follow diffusers (`weight`, `bias`) so checkpoint names map one to one.
 """
@@ -83,3 +83,23 @@ class RMSNorm(nnx.Module):
 
     def __call__(self, x):
         return rms_norm(x, self.eps, self.weight[...])
+
+
+class GroupNorm(nnx.Module):
+    """`torch.nn.GroupNorm` on channels-last input (N, ..., C): statistics over every axis but the
+    batch within each group of C/num_groups channels, in float32; output in the input dtype."""
+
+    def __init__(self, num_groups: int, num_channels: int, eps: float = 1e-5):
+        if num_channels % num_groups:
+            raise ValueError(f"GroupNorm: {num_channels} channels do not split into {num_groups} groups")
+        self.num_groups, self.eps = num_groups, eps
+        self.weight = nnx.Param(jnp.ones((num_channels,), jnp.float32))
+        self.bias = nnx.Param(jnp.zeros((num_channels,), jnp.float32))
+
+    def __call__(self, x):
+        shape = x.shape
+        g = x.astype(jnp.float32).reshape(shape[0], -1, self.num_groups, shape[-1] // self.num_groups)
+        mean = jnp.mean(g, axis=(1, 3), keepdims=True)
+        var = jnp.mean(jnp.square(g - mean), axis=(1, 3), keepdims=True)
+        y = ((g - mean) * jax.lax.rsqrt(var + self.eps)).reshape(shape)
+        return (y * self.weight[...] + self.bias[...]).astype(x.dtype)

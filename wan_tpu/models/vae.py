@@ -113,6 +113,38 @@ class WanVAE(nnx.Module):
         out = self._decode(z, wmesh, strips=strips, run=_Run(True, stop))
         return jax.ShapeDtypeStruct(out.shape, out.dtype)
 
+    def encode_chunk(self, video, caches=None):
+        """Streaming encode: the next frames of a video → (posterior mean of their latent frame
+        (B, z_dim, 1, h, w), the caches for the next call). `caches=None` starts a video with its first
+        frame alone (B, C, 1, H, W); every later call takes 4 frames. The latents of the calls
+        concatenated equal `encode` of the whole video (the same chunk function). Pure: a caller's jitted
+        program can include it."""
+        video = jnp.asarray(video)
+        want = 1 if caches is None else 4
+        if video.ndim != 5 or video.shape[1] != self.config.video_channels or video.shape[2] != want:
+            raise WanInputError(f"encode_chunk expects video (B, {self.config.video_channels}, {want}, H, W) "
+                                f"({'the first frame' if caches is None else 'the next 4 frames'}), got shape {tuple(video.shape)}")
+        graphdef, state = nnx.split(self)
+        caches, mu = _encode_chunk(graphdef, state, video.astype(self.dtype), caches, None)
+        return mu, caches
+
+    def decode_chunk(self, z, caches=None):
+        """Streaming decode: the next latent frames (B, z_dim, F, h, w) of a video → (video frames
+        (B, C, T, H, W) in [-1, 1], the caches for the next call).
+
+        `caches=None` starts a video: its first latent frame gives 1 video frame, every later one 4, and
+        the chunks' frames concatenated equal `decode` of the whole latent video (the same causal caches,
+        carried across calls instead of across frames). The caches keep one shape from the first call on,
+        so a video takes two traces (its first chunk and all later ones of the same size); the function is
+        pure, so a caller's jitted program can include it and carry and donate the caches. Full width on
+        one device: no strips, tiles or mesh (a streamed chunk is a few frames)."""
+        z = jnp.asarray(z)
+        if z.ndim != 5 or z.shape[1] != self.config.z_dim or z.shape[2] < 1:
+            raise WanInputError(f"decode_chunk expects latents (B, {self.config.z_dim}, F ≥ 1, h, w), got shape {tuple(z.shape)}")
+        graphdef, state = nnx.split(self)
+        caches, video = _decode_chunk(graphdef, state, z.astype(self.dtype), caches)
+        return video, caches
+
     def normalize_latents(self, z):
         """diffusers WanPipeline's encode-side scaling: (z - mean) * (1 / std)."""
         mean, inv_std = self._latent_stats(z)
@@ -446,6 +478,37 @@ def _decode_strip(graphdef, state, mid, caches, wmesh, raw, widths, offsets):
     if not raw:
         x = jnp.clip(unpatchify(x, model.config.patch_size), -1.0, 1.0)
     return st.out, x.transpose(0, 4, 1, 2, 3)
+
+
+@partial(jax.jit, static_argnums=(0,), donate_argnums=(3,))
+def _decode_chunk(graphdef, state, z, caches):
+    """`WanVAE.decode_chunk`: each latent frame through the stem and then the up blocks and head (one
+    strip as wide as the frame), the first frame of a video alone (its own trace), the rest scanned."""
+    model: WanVAE = nnx.merge(graphdef, state)
+    w = z.shape[-1]
+    _, widths, offsets = model.decoder.strip_plan(w, 0, w)
+    levels = _nested(model.decoder.levels(widths, offsets), None)
+
+    def frame(caches, zf):
+        stem_caches, level_caches = (None, None) if caches is None else caches
+        st = ChunkState(stem_caches)
+        mid = model.decoder.stem(model.post_quant_conv(zf.transpose(0, 2, 3, 4, 1), st), st)
+        lst = ChunkState(level_caches)
+        x = jnp.clip(unpatchify(levels(mid, lst), model.config.patch_size), -1.0, 1.0)
+        return (st.out, lst.out), x.transpose(0, 4, 1, 2, 3)
+
+    videos = []
+    if caches is None:
+        with jax.named_scope("VAE_Decode_Frame_0"):
+            caches, first = frame(None, z[:, :, :1])
+        videos.append(first)
+        z = z[:, :, 1:]
+    if z.shape[2]:
+        with jax.named_scope("VAE_Decode_Frame"):
+            caches, rest = lax.scan(lambda c, zf: frame(c, zf[:, :, None]), caches, jnp.moveaxis(z, 2, 0))
+        rest = jnp.moveaxis(rest, 0, 2)  # (B, C, F, T per frame, H, W)
+        videos.append(rest.reshape(*rest.shape[:2], -1, *rest.shape[4:]))
+    return caches, jnp.concatenate(videos, axis=2)
 
 
 @partial(jax.jit, static_argnums=(3,))

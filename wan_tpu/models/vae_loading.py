@@ -10,6 +10,8 @@ RMS-norm gamma (C, 1, 1[, 1]) → (C,).
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -17,7 +19,7 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
 from wan_tpu.checkpoint import open_checkpoint
-from wan_tpu.configs.vae import config_from_json
+from wan_tpu.configs.vae import WanVAEConfig, config_from_json
 from wan_tpu.errors import WanInputError
 from wan_tpu.models.vae import WanVAE, _width_mesh
 
@@ -51,6 +53,64 @@ def to_ours(array: np.ndarray, shape: tuple) -> np.ndarray:
     if len(shape) == 2:
         return array.reshape(array.shape[:2]).T
     return array.reshape(shape)
+
+
+_ORIGINAL_RESIDUAL = {"residual.0.": "norm1.", "residual.2.": "conv1.", "residual.3.": "norm2.", "residual.6.": "conv2.",
+                      "shortcut.": "conv_shortcut."}
+_ORIGINAL_TOP = {"conv1.": "quant_conv.", "conv2.": "post_quant_conv.", "encoder.conv1.": "encoder.conv_in.",
+                 "decoder.conv1.": "decoder.conv_in.", "encoder.head.0.": "encoder.norm_out.",
+                 "encoder.head.2.": "encoder.conv_out.", "decoder.head.0.": "decoder.norm_out.",
+                 "decoder.head.2.": "decoder.conv_out."}
+
+
+def original_wan21_vae_name(name: str, num_res_blocks: int) -> str:
+    """The diffusers `AutoencoderKLWan` name of a tensor of the original Wan 2.1 VAE (`Wan2.1_VAE.pth`).
+
+    The original keeps each part as a flat `nn.Sequential`: `middle.{0,1,2}` (resnet, attention, resnet),
+    `head.{0,2}` (norm, conv), residual blocks as `residual.{0,2,3,6}` + `shortcut`, the encoder's
+    `downsamples.i` (already diffusers' flat `down_blocks.i`), and the decoder's `upsamples.k`: per level
+    `num_res_blocks + 1` resnets then one upsampler, which diffusers nests as `up_blocks.l.resnets.j` /
+    `up_blocks.l.upsamplers.0`."""
+    for old, new in _ORIGINAL_TOP.items():
+        if name.startswith(old):
+            return new + name[len(old):]
+    part, rest = name.split(".", 1)
+    if rest.startswith("middle."):
+        index, rest = rest[len("middle."):].split(".", 1)
+        block = "attentions.0" if index == "1" else f"resnets.{int(index) // 2}"
+        head = f"{part}.mid_block.{block}."
+    elif rest.startswith("downsamples."):
+        index, rest = rest[len("downsamples."):].split(".", 1)
+        head = f"{part}.down_blocks.{index}."
+    elif rest.startswith("upsamples."):
+        index, rest = rest[len("upsamples."):].split(".", 1)
+        level, j = divmod(int(index), num_res_blocks + 2)
+        head = f"{part}.up_blocks.{level}." + ("upsamplers.0." if j == num_res_blocks + 1 else f"resnets.{j}.")
+    else:
+        raise WanInputError(f"tensor {name!r} is not part of an original Wan 2.1 VAE; is this Wan2.1_VAE.pth?")
+    for old, new in _ORIGINAL_RESIDUAL.items():
+        if rest.startswith(old):
+            return head + new + rest[len(old):]
+    return head + rest
+
+
+def original_wan21_vae_config(state_dict) -> dict:
+    """The diffusers `config.json` of an original Wan 2.1 VAE state dict (its widths read from the tensors)."""
+    try:
+        base_dim = int(state_dict["encoder.conv1.weight"].shape[0])
+        z_dim = int(state_dict["conv2.weight"].shape[0])
+    except KeyError as e:
+        raise WanInputError(f"the VAE state dict has no {e.args[0]!r}; is this Wan2.1_VAE.pth?") from None
+    ups = {int(k.split(".")[2]) for k in state_dict if k.startswith("decoder.upsamples.")}
+    levels = len(WanVAEConfig().dim_mult)
+    # The decoder has `levels` groups of num_res_blocks + 1 resnets, and levels - 1 upsamplers.
+    per_level, extra = divmod(len(ups) - (levels - 1), levels)
+    if extra or per_level < 2 or z_dim != 16:
+        raise WanInputError(f"the VAE state dict ({len(ups)} decoder upsample entries, z_dim {z_dim}) is not a Wan 2.1 VAE's; "
+                            f"is this Wan2.1_VAE.pth?")
+    config = dataclasses.asdict(WanVAEConfig(base_dim=base_dim, num_res_blocks=per_level - 1))
+    del config["clip_output"]  # ours, not a diffusers field
+    return {"_class_name": "AutoencoderKLWan", **{k: list(v) if isinstance(v, tuple) else v for k, v in config.items()}}
 
 
 def load_vae(path: str, dtype=jnp.float32, mesh=None) -> WanVAE:

@@ -1,0 +1,451 @@
+"""`MatrixGamePipeline`: Matrix-Game-2, the action-driven streaming world model on Wan, from one image.
+
+    import wan_tpu
+    pipe = wan_tpu.MatrixGamePipeline.from_pretrained("matrix-game-2-wan-tpu")       # or "matrix-game-tiny"
+    video = pipe("start.png", keyboard=K, mouse=M, seed=0)      # K (frames, keys), M (frames, 2): uint8 (T, H, W, 3)
+
+    session = pipe.stream("start.png", seed=0)                 # interactive: one chunk per call
+    frames = session.step(keyboard=[1, 0, 0, 0], mouse=[0, 0.1])   # 9 frames first, then 12 per chunk
+
+`from_pretrained` takes a folder made by `scripts/convert_matrix_game_checkpoint.py` from the
+Skywork/Matrix-Game-2.0 download, and `variant` (universal, gta_drive, templerun; default: universal
+if present, else the only one), or the `matrix-game-tiny` preset (random weights, CPU, seconds).
+Actions are per video frame (see `wan_tpu.matrix_game_actions`; `mouse=None` for templerun); a
+video of N frames has N = 12n - 3 (n chunks of 3 latent frames; the first latent frame gives one
+video frame, every later one four). `step` also takes a single action row, held for the whole chunk
+as the authors' streaming script does.
+
+As the authors' `inference.py`: the image is centre-cropped to the video's aspect, resized (bilinear)
+and scaled to [-1, 1]; the VAE encodes it followed by gray frames (the condition latents, with a
+4-channel mask on the first latent frame), CLIP encodes it (its first n-1 of n blocks). The gray
+frames' latents stop changing once the image has left the encoder's causal receptive field: they are
+encoded until the encoder's state repeats exactly (a few dozen latent frames) and reused from there,
+instead of encoding 4·(N-1) gray frames up front.
+
+Each chunk is one compiled program (`_chunk_program`): the DiT's whole chunk (its denoising steps,
+re-noising, the clean cache-update pass: `denoise_chunk`) and the VAE's streaming decode of the
+chunk, caches carried and donated, uint8 frames out; the first chunk of a stream compiles it once
+(the VAE's first latent frame is special), every later chunk shares a second compilation. A stream
+and a one-shot call with the same image, seed and actions give identical frames: the one-shot call
+is a stream. Noise: chunk k draws its initial noise and its re-noising from `fold_in(key(seed), k)`.
+
+Trace scopes (`--profile`) follow the authors' PROFILING_TAGS_GUIDE: host regions `1_Data_Preparation`
+(`1.1_Image_Loading_Resize`, `1.2_VAE_Encode_FirstFrame`, `1.4_CLIP_Visual_Context`,
+`1.5_Noise_Sampling`, `1.6_Action_Conditions_Setup`; the mask and condition slicing of `1.3` happen
+inside the chunk program), `2_Pipeline_Inference`,
+`2.1_KV_Cache_Initialization`, `2.3_Block_{i}` per chunk, `3_Video_Postprocessing`, `4_Video_Export`;
+inside the compiled chunk (one program serves every chunk, so names carry no chunk index):
+`2.3_Denoise` (the DiT's steps and cache update), `2.3_VAE_Decode` → `VAE_Decode_Frame_0` (first
+chunk) / `VAE_Decode_Frame` (the scanned frames), `VAE_Decode_Postprocessing`.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from wan_tpu import matrix_game_actions as actions
+from wan_tpu.configs.matrix_game import MATRIX_GAME_VARIANTS, MatrixGameVariant, get_variant
+from wan_tpu.errors import WanInputError
+from wan_tpu.profiling import scope
+
+PRESET = "matrix-game-tiny"
+INDEX_FILE = "matrix_game.json"
+MASK_CHANNELS = 4  # the temporal compression: one mask channel per video frame a latent frame stands for
+# The tiny preset's CLIP vision tower (its width is the tiny DiT's image_dim).
+TINY_CLIP = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=2, image_size=28,
+                 patch_size=14, hidden_act="gelu", layer_norm_eps=1e-5)
+
+
+class MatrixGamePipeline:
+    """A Matrix-Game-2 model ready to play; see the module docstring."""
+
+    def __init__(self, variant: MatrixGameVariant, loaders: dict, *, name: str, dtype, vae_dtype):
+        self.variant = variant
+        self.name = name
+        self.dtype = dtype
+        self.vae_dtype = vae_dtype
+        self._loaders = loaders
+        self._loaded: dict = {}
+        from wan_tpu.models.matrix_game.sampling import chunk_schedule
+
+        v = variant
+        self.schedule = chunk_schedule(v.denoising_step_list, v.timestep_shift, v.warp_denoising_step, v.context_noise)
+        self.action_space = actions.action_space(v)
+
+    @classmethod
+    def from_pretrained(cls, path_or_preset: str, variant: str | None = None, dtype=jnp.bfloat16,
+                        vae_dtype=jnp.float32, attention_impl: str | None = None) -> MatrixGamePipeline:
+        """A converted Matrix-Game-2 folder (`scripts/convert_matrix_game_checkpoint.py`) or `matrix-game-tiny`.
+
+        `dtype`: the DiT and CLIP dtype (the authors run bfloat16); `vae_dtype`: the VAE's (float32 by
+        default; the authors decode in float16). Components load on first use."""
+        if path_or_preset == PRESET:
+            if variant not in (None, PRESET):
+                raise WanInputError(f"the {PRESET} preset has no variant {variant!r}; leave --variant out")
+            return _tiny(dtype, vae_dtype, attention_impl)
+        path = os.fspath(path_or_preset)
+        index = _read_index(path)
+        names = list(index["variants"])
+        if variant is None:
+            variant = "universal" if "universal" in names else names[0] if len(names) == 1 else None
+            if variant is None:
+                raise WanInputError(f"{path} holds the variants {', '.join(names)}; choose one with variant=/--variant")
+        if variant not in index["variants"]:
+            raise WanInputError(f"{path} has no {variant!r} model (it holds {', '.join(names)}); choose one of those "
+                                f"or convert a download that has it")
+        v = get_variant(variant)
+
+        def transformer():
+            from wan_tpu.models.matrix_game.loading import load_matrix_game_transformer
+
+            return load_matrix_game_transformer(os.path.join(path, index["variants"][variant]), v.name, dtype=dtype,
+                                                attention_impl=attention_impl)
+
+        def vae():
+            from wan_tpu.models.vae_loading import load_vae
+
+            return load_vae(os.path.join(path, index["vae"]), dtype=vae_dtype)
+
+        def image_encoder():
+            from wan_tpu.image_encoder import CLIPImageEncoder
+
+            return CLIPImageEncoder.from_pretrained(os.path.join(path, index["image_encoder"]), None, dtype=dtype)
+
+        loaders = {"transformer": transformer, "vae": vae, "image_encoder": image_encoder}
+        return cls(v, loaders, name=os.path.abspath(path), dtype=dtype, vae_dtype=vae_dtype)
+
+    def component(self, name: str):
+        if name not in self._loaded:
+            with scope(f"load_{name}"):
+                self._loaded[name] = self._loaders[name]()
+        return self._loaded[name]
+
+    def split(self, name: str):
+        """`nnx.split` of a component, made once: a new split is a new static argument of the compiled
+        chunk program, which would trace and compile it again for every stream."""
+        key = f"{name}/split"
+        if key not in self._loaded:
+            self._loaded[key] = nnx.split(self.component(name))
+        return self._loaded[key]
+
+    transformer = property(lambda self: self.component("transformer"))
+    vae = property(lambda self: self.component("vae"))
+    image_encoder = property(lambda self: self.component("image_encoder"))
+
+    @property
+    def frames_per_chunk(self) -> int:
+        return self.variant.num_frame_per_block
+
+    @property
+    def size(self) -> tuple[int, int]:
+        """(height, width) of the video."""
+        h, w = self.variant.latent_size
+        return 8 * h, 8 * w
+
+    def chunk_frames(self, chunk: int) -> int:
+        return actions.chunk_frames(chunk, self.frames_per_chunk)
+
+    # ---- data preparation ---------------------------------------------------------------------
+
+    def preprocess_image(self, image) -> np.ndarray:
+        """(1, 3, H, W) float32 in [-1, 1]: `inference.py`'s `_resizecrop` (centre crop to the video's
+        aspect), then a bilinear resize to the video size (torchvision `Resize` on a PIL image)."""
+        from PIL import Image
+
+        from wan_tpu.conditioning import load_image
+
+        th, tw = self.size
+        pil = load_image(image)
+        w, h = pil.size
+        if h / w > th / tw:
+            new_w, new_h = int(w), int(int(w) * th / tw)
+        else:
+            new_h, new_w = int(h), int(int(h) * tw / th)
+        pil = pil.crop(((w - new_w) / 2, (h - new_h) / 2, (w + new_w) / 2, (h + new_h) / 2))
+        if pil.size != (tw, th):
+            pil = pil.resize((tw, th), Image.BILINEAR)
+        x = np.asarray(pil, np.float32) / np.float32(255)
+        return ((x - np.float32(0.5)) / np.float32(0.5)).transpose(2, 0, 1)[None]
+
+    def encode_image(self, image: np.ndarray) -> ImageCondition:
+        """The condition latents of `image` (from `preprocess_image`) followed by gray frames, up to where
+        they repeat, whatever the video's length: so every stream of this model runs the same compiled
+        chunk program (the latents are one of its inputs) and a one-shot call equals a stream."""
+        from wan_tpu.models.matrix_game.model import MAX_FRAMES
+
+        return ImageCondition.encode(self.vae, self.split("vae"), image, MAX_FRAMES)
+
+    def encode_clip(self, image: np.ndarray) -> jax.Array:
+        """CLIP tokens (1, N, image_dim) of `image` (from `preprocess_image`), as the authors' `encode_video`."""
+        from wan_tpu.image_encoder import preprocess_tensor
+
+        encoder = self.image_encoder
+        return encoder.encode_pixels(preprocess_tensor(image, encoder.config.image_size))
+
+    # ---- generation ---------------------------------------------------------------------------
+
+    def stream(self, image, seed: int = 0, max_frames: int | None = None) -> MatrixGameSession:
+        """A new stream from `image` (a path, PIL image or uint8 (H, W, 3) array); `max_frames` bounds the
+        video (default: as long as the model's position table allows)."""
+        from wan_tpu.models.matrix_game.model import MAX_FRAMES
+
+        f = self.frames_per_chunk
+        max_latents = MAX_FRAMES // f * f
+        if max_frames is not None:
+            max_latents = min(max_latents, f * actions.check_frames(max_frames, f))
+        with scope("1_Data_Preparation"):
+            with scope("1.1_Image_Loading_Resize"):
+                pixels = self.preprocess_image(image)
+            with scope("1.2_VAE_Encode_FirstFrame"):
+                condition = self.encode_image(pixels)
+            with scope("1.4_CLIP_Visual_Context"):
+                visual = self.encode_clip(pixels)
+        return MatrixGameSession(self, condition, visual, seed, max_latents)
+
+    def __call__(self, image, keyboard, mouse=None, seed: int = 0, progress: bool = False) -> np.ndarray:
+        """The whole video for per-frame actions → uint8 (T, H, W, 3), T = len(keyboard) = 12n - 3."""
+        keyboard, mouse = actions.check_actions(keyboard, mouse, self.action_space)
+        chunks = actions.check_frames(len(keyboard), self.frames_per_chunk)
+        session = self.stream(image, seed=seed, max_frames=len(keyboard))
+        videos, start = [], 0
+        steps = range(chunks)
+        if progress:
+            from tqdm import tqdm
+
+            steps = tqdm(steps, desc="chunks", unit="chunk")
+        for k in steps:
+            n = self.chunk_frames(k)
+            videos.append(session.step(keyboard[start : start + n], None if mouse is None else mouse[start : start + n]))
+            start += n
+        return np.concatenate(videos)
+
+
+class ImageCondition:
+    """The normalized VAE latents of an image followed by gray frames, computed until they repeat.
+
+    `latents` (1, z, K, h, w) holds latent frames 0 … K-1; frames from `repeat_start` on repeat with
+    period `repeat_len` (`index`): the encoder's state (its causal caches) after a run of `repeat_len`
+    gray latent frames was bitwise the state before it, so every later run computes the same latents.
+    A run is 3 latent frames: the caches' 3-slot rings turn by 1, 2 or 4 slots per latent frame, so
+    their layout, and with it the exact arithmetic, repeats every 3."""
+
+    def __init__(self, latents, repeat_start: int, repeat_len: int):
+        self.latents = latents
+        self.repeat_start = repeat_start
+        self.repeat_len = repeat_len
+
+    @classmethod
+    def encode(cls, vae, split, image: np.ndarray, max_latent_frames: int) -> ImageCondition:
+        graphdef, state = split
+        mu, caches = vae.encode_chunk(jnp.asarray(image[:, :, None], vae.dtype))
+        means, count, repeat, run = [mu], 1, None, 3
+        frame = (image.shape[0], vae.config.video_channels, 4, *image.shape[2:])
+        while count < max_latent_frames:
+            caches, mus, same = _gray_latents(graphdef, state, caches, run, frame)
+            means.append(mus)
+            count += run
+            if bool(same):
+                repeat = (count - run, run)
+                break
+        latents = vae.normalize_latents(jnp.concatenate(means, axis=2).astype(jnp.float32))
+        return cls(latents, *(repeat or (latents.shape[2], 1)))
+
+    def index(self, latent_frames):
+        """Where latent frames (traced ints) read from `latents`."""
+        i = jnp.asarray(latent_frames)
+        return jnp.where(i < self.repeat_start, i, self.repeat_start + (i - self.repeat_start) % self.repeat_len)
+
+
+@functools.partial(jax.jit, static_argnums=(0, 3, 4))
+def _gray_latents(graphdef, state, caches, count, frame_shape):
+    """`count` latent frames of gray video (chunks of 4 zero frames, `frame_shape`) after `caches` →
+    (caches, latents, whether the caches after equal those before, bitwise)."""
+    vae = nnx.merge(graphdef, state)
+    new, mus = caches, []
+    for _ in range(count):
+        mu, new = vae.encode_chunk(jnp.zeros(frame_shape, vae.dtype), new)
+        mus.append(mu)
+    same = jnp.stack([jnp.array_equal(a, c) for a, c in zip(jax.tree.leaves(caches), jax.tree.leaves(new))]).all()
+    return new, jnp.concatenate(mus, axis=2), same
+
+
+class MatrixGameSession:
+    """A stream in progress: `step(keyboard, mouse)` → the next chunk's uint8 frames (n, H, W, 3).
+
+    `chunk_seconds` holds each chunk's wall time (denoise + decode, frames on the host), and
+    `chunk_frames` their frame counts; `fps` is frames over time per chunk."""
+
+    def __init__(self, pipe: MatrixGamePipeline, condition: ImageCondition, visual_context, seed: int, max_latents: int):
+        self.pipe = pipe
+        self.condition = condition
+        self.max_latents = max_latents
+        self.chunk = 0
+        space = pipe.action_space
+        self.keyboard = np.zeros((0, space.keyboard_dim), np.float32)
+        self.mouse = np.zeros((0, 2), np.float32) if space.mouse else None
+        self.chunk_seconds: list[float] = []
+        self.chunk_frames: list[int] = []
+        with scope("2.1_KV_Cache_Initialization"):
+            self._dit = pipe.split("transformer")
+            self.cache = _init_cache(*self._dit, visual_context, tuple(pipe.variant.latent_size))
+        self._vae = pipe.split("vae")
+        self.vae_caches = None
+        with scope("1.5_Noise_Sampling"):
+            self.key = jax.random.key(seed)
+
+    @property
+    def fps(self) -> list[float]:
+        return [n / s for n, s in zip(self.chunk_frames, self.chunk_seconds)]
+
+    def step(self, keyboard, mouse=None) -> np.ndarray:
+        """The next chunk from its actions: one row per video frame of the chunk (9 for the first chunk,
+        12 after), or one row held for the whole chunk."""
+        from wan_tpu.models.matrix_game.action import chunk_action_window
+
+        pipe, k = self.pipe, self.chunk
+        f = pipe.frames_per_chunk
+        if f * (k + 1) > self.max_latents:
+            raise WanInputError(f"this stream is at its end ({self.max_latents} latent frames); start a new one")
+        n = pipe.chunk_frames(k)
+        with scope("1.6_Action_Conditions_Setup"):
+            keyboard, mouse = _chunk_rows(keyboard, mouse, n, pipe.action_space)
+            self.keyboard = np.concatenate([self.keyboard, keyboard])
+            windows = [chunk_action_window(self.keyboard, k, f)[None]]
+            if self.mouse is not None:
+                self.mouse = np.concatenate([self.mouse, mouse])
+                windows.append(chunk_action_window(self.mouse, k, f)[None])
+            else:
+                windows.append(None)
+        start = time.perf_counter()
+        with scope(f"2.3_Block_{k}"):
+            frames, self.cache, self.vae_caches = _chunk_program(
+                *self._dit, *self._vae, self.cache, self.vae_caches, self.condition.latents, *windows,
+                jnp.int32(k), self.key, schedule=pipe.schedule, frames_per_chunk=f,
+                repeat=(self.condition.repeat_start, self.condition.repeat_len))
+            with scope("3_Video_Postprocessing"):
+                frames = np.asarray(frames)[0]
+        self.chunk_seconds.append(time.perf_counter() - start)
+        self.chunk_frames.append(n)
+        self.chunk += 1
+        return frames
+
+
+@functools.partial(jax.jit, static_argnums=(0, 3))
+def _init_cache(graphdef, state, visual_context, latent_size):
+    from wan_tpu.models.matrix_game.model import init_cache
+
+    return init_cache(graphdef, state, visual_context, latent_size)
+
+
+def _chunk_rows(keyboard, mouse, n: int, space: actions.ActionSpace):
+    keyboard = np.asarray(keyboard, np.float32)
+    if keyboard.ndim == 1:
+        keyboard = np.repeat(keyboard[None], n, axis=0)
+        if mouse is not None and np.ndim(mouse) == 1:
+            mouse = np.repeat(np.asarray(mouse, np.float32)[None], n, axis=0)
+    keyboard, mouse = actions.check_actions(keyboard, mouse, space, frames=n)
+    return keyboard, mouse
+
+
+@functools.partial(jax.jit, static_argnums=(0, 2), static_argnames=("schedule", "frames_per_chunk", "repeat"),
+         donate_argnums=(4, 5))
+def _chunk_program(dit_graph, dit_state, vae_graph, vae_state, cache, vae_caches, latents, keyboard, mouse,
+                   chunk_index, key, *, schedule, frames_per_chunk, repeat):
+    """One chunk: noise, condition, the DiT's denoising (`denoise_chunk`), the VAE's streaming decode and
+    uint8 frames (the authors' `((x + 1) · 127.5).clip(0, 255)`, truncated) → (frames (1, T, H, W, 3),
+    the DiT cache, the VAE caches)."""
+    from wan_tpu.models.matrix_game.sampling import denoise_chunk
+
+    f = frames_per_chunk
+    b, z, _, h, w = latents.shape
+    k_noise, k_steps = jax.random.split(jax.random.fold_in(key, chunk_index))
+    noise = jax.random.normal(k_noise, (b, z, f, h, w), jnp.float32)
+    frame = chunk_index * f + jnp.arange(f)
+    condition = ImageCondition(latents, *repeat)
+    image = jnp.take(latents, condition.index(frame), axis=2)
+    mask = jnp.broadcast_to((frame == 0).astype(jnp.float32)[None, None, :, None, None], (b, MASK_CHANNELS, f, h, w))
+    with jax.named_scope("2.3_Denoise"):
+        x0, cache = denoise_chunk(dit_graph, dit_state, cache, noise, jnp.concatenate([mask, image], axis=1),
+                                  keyboard, mouse, chunk_index, k_steps, schedule=schedule)
+    with jax.named_scope("2.3_VAE_Decode"):
+        vae = nnx.merge(vae_graph, vae_state)
+        video, vae_caches = vae.decode_chunk(vae.denormalize_latents(x0.astype(vae.dtype)), vae_caches)
+        with jax.named_scope("VAE_Decode_Postprocessing"):
+            frames = jnp.clip((video.astype(jnp.float32) + 1) * 127.5, 0, 255).astype(jnp.uint8)
+    return frames.transpose(0, 2, 3, 4, 1), cache, vae_caches
+
+
+def _read_index(path: str) -> dict:
+    if not os.path.isdir(path):
+        raise WanInputError(f"model {path!r} is neither a folder nor the preset {PRESET}; pass a folder made by "
+                            f"scripts/convert_matrix_game_checkpoint.py or --model {PRESET}")
+    index_path = os.path.join(path, INDEX_FILE)
+    if not os.path.isfile(index_path):
+        hint = ("it looks like the Skywork/Matrix-Game-2.0 download: convert it once with "
+                f"python scripts/convert_matrix_game_checkpoint.py {path} DST") if os.path.isfile(
+            os.path.join(path, "Wan2.1_VAE.pth")) else "pass a folder made by scripts/convert_matrix_game_checkpoint.py"
+        raise WanInputError(f"{path} has no {INDEX_FILE}; {hint}")
+    try:
+        with open(index_path) as f:
+            index = json.load(f)
+        variants = dict(index["variants"])
+        index["vae"], index["image_encoder"]  # noqa: B018 - presence check
+    except (json.JSONDecodeError, KeyError, TypeError, ValueError) as e:
+        raise WanInputError(f"{index_path} is damaged ({type(e).__name__}); convert the download again") from None
+    unknown = sorted(set(variants) - set(MATRIX_GAME_VARIANTS))
+    if unknown or not variants:
+        raise WanInputError(f"{index_path} names unknown variants {unknown}; convert the download again")
+    return index
+
+
+@functools.lru_cache(maxsize=4)
+def _tiny(dtype, vae_dtype, attention_impl) -> MatrixGamePipeline:
+    """The `matrix-game-tiny` preset: random weights from fixed seeds (see `wan_tpu.presets.random_module`).
+    One pipeline per setting and process, so its compiled chunk programs serve every later request."""
+    from wan_tpu.presets import TINY_SEED, TINY_VAE, random_module
+
+    variant = get_variant(PRESET)
+
+    def transformer():
+        from wan_tpu.models.matrix_game.model import MatrixGameTransformer
+
+        return random_module(lambda: MatrixGameTransformer(variant.transformer, dtype=dtype, rngs=nnx.Rngs(0),
+                                                           attention_impl=attention_impl), TINY_SEED)
+
+    def vae():
+        from wan_tpu.models.vae import WanVAE
+
+        return random_module(lambda: WanVAE(TINY_VAE, dtype=vae_dtype, rngs=nnx.Rngs(0)), TINY_SEED + 1)
+
+    def image_encoder():
+        import torch
+        from transformers import CLIPVisionConfig, CLIPVisionModel
+
+        from wan_tpu import torchax_compat
+        from wan_tpu.image_encoder import CLIPImageEncoder
+
+        config = CLIPVisionConfig(**TINY_CLIP)
+        with torch.random.fork_rng(devices=[]), torch.no_grad():
+            torch.manual_seed(TINY_SEED + 2)
+            model = CLIPVisionModel(config).eval().to(torchax_compat.torch_dtype(dtype))
+            state = torchax_compat.module_state(model)
+        return CLIPImageEncoder(model, None, state)
+
+    loaders = {"transformer": transformer, "vae": vae, "image_encoder": image_encoder}
+    return MatrixGamePipeline(variant, loaders, name=PRESET, dtype=dtype, vae_dtype=vae_dtype)
+
+
+if __name__ == "__main__":
+    import sys
+
+    from wan_tpu.matrix_game_cli import main
+
+    sys.exit(main())

@@ -1,0 +1,54 @@
+"""The `unifolm-tiny` presets: whole UnifoLM pipelines with random weights from a fixed seed.
+
+`unifolm-tiny` (with action/state heads) and `unifolm-tiny-base` (generation only) use
+`wan_tpu.configs.unifolm.CONFIGS[...]` for the model, the 4-level few-channel SD VAE
+(`AUTOENCODER_KL_CONFIGS["tiny"]`: 16×16 latents → 128×128 frames) and one-block OpenCLIP towers whose
+widths are what the model reads (text: `unet.context_dim`; image: `resampler.embedding_dim`, 257
+tokens at 224 px), with the in-process byte-level CLIP tokenizer. Nothing is downloaded:
+
+    python -m wan_tpu.unifolm --model unifolm-tiny --mode interact --instruction "stack the cups" \
+        --observation obs.npz --output episode.mp4
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+
+TINY_SEED = 0
+
+
+def tiny_towers(text_width: int, image_width: int, seed: int = TINY_SEED):
+    """Random one-block OpenCLIP towers (transformers modules, float32) + the tiny CLIP tokenizer."""
+    import torch
+    from transformers import CLIPTextModel, CLIPVisionModel
+
+    from wan_tpu import torchax_compat
+    from wan_tpu.openclip_encoders import OpenCLIPImageEncoder, OpenCLIPTextEncoder, text_config, vision_config
+    from wan_tpu.tokenizers import tiny_clip_tokenizer
+
+    tokenizer = tiny_clip_tokenizer()
+    with torch.random.fork_rng(devices=[]):  # seeding must not disturb the caller's torch RNG
+        torch.manual_seed(seed)
+        vision = CLIPVisionModel(vision_config(image_width, 1, max(image_width // 16, 1), 14)).eval()
+        text = CLIPTextModel(text_config(text_width, 1, max(text_width // 16, 1), len(tokenizer))).eval()
+    return (
+        OpenCLIPImageEncoder(vision, torchax_compat.module_state(vision)),
+        OpenCLIPTextEncoder(text, tokenizer, torchax_compat.module_state(text)),
+    )
+
+
+def tiny_pipeline(name: str, dtype=jnp.float32, attention_impl=None, stats=None, seed: int = TINY_SEED):
+
+    from wan_tpu.configs.autoencoder_kl import AUTOENCODER_KL_CONFIGS
+    from wan_tpu.configs.unifolm import CONFIGS
+    from wan_tpu.models.autoencoder_kl import AutoencoderKL
+    from wan_tpu.models.unifolm import UnifolmWMA
+    from wan_tpu.models.unifolm.model import KeyCounter
+    from wan_tpu.presets import random_module
+    from wan_tpu.unifolm import UnifolmPipeline
+
+    cfg = CONFIGS[name]
+    model = random_module(lambda: UnifolmWMA(cfg, dtype=dtype, rngs=KeyCounter(0), attention_impl=attention_impl), seed)
+    vae = random_module(lambda: AutoencoderKL(AUTOENCODER_KL_CONFIGS["tiny"], rngs=KeyCounter(0)), seed + 1)
+    image_encoder, text_encoder = tiny_towers(cfg.unet.context_dim, cfg.resampler.embedding_dim, seed + 2)
+    return UnifolmPipeline(model, vae, image_encoder, text_encoder, stats, name=name)
