@@ -4,6 +4,9 @@
     python scripts/bench_e2e.py --config 14b --meshes 2,1,2 2,2,1 --steps 10 --time-limit 540 \
         --workdir outputs/bench_e2e
     python scripts/bench_e2e.py --config tiny --steps 2 --size 32*32     # a smoke run on CPU
+    python scripts/bench_e2e.py --config 1.3b --peer diffusers --workdir outputs/bench_e2e
+    python scripts/bench_e2e.py --config 14b --steps 10 --peer diffusers --workdir outputs/bench_e2e
+    python scripts/bench_e2e.py --config tiny --peer diffusers --steps 2 --size 32*32 --frames 5   # CPU smoke
 
 Wan 2.1 T2V (`--config 14b`: 720×1280, 81 frames, 50 steps, guidance 5 by default; `1.3b`: 480×832;
 `tiny`: the test-sized model) with RANDOM weights, written once in the diffusers layout
@@ -25,6 +28,15 @@ and peak device memory (per device, `memory_stats()['peak_bytes_in_use']`). MFU 
 time without compilation ÷ (devices × peak); the peak is an 8192³ bf16 matmul measured on the first
 device in the same process (`--peak-matmul 0`: the table figure of `wan_tpu.profiling`).
 
+`--peer diffusers` times whole commands instead, each in a fresh process from spawn to exit (mp4
+written), on the same checkpoint and settings: `python -m wan_tpu.generate` with an empty compilation
+cache (cold), the same command again with the cache it filled (warm), and diffusers' `WanPipeline` as a
+user's script (load → text → denoise → decode → mp4; bf16 DiT and UMT5, float32 VAE), eager and with
+`transformer.compile_repeated_blocks(fullgraph=True)`. It prints each one's wall time, its parts (load,
+text, denoise, decode, write; other = start-up, imports, exit), s/step and the ratio to diffusers eager;
+with fewer steps than the model's default (e.g. 14B with `--steps 10`) each wall is also projected to
+the default with the entry's own s/step, and the ratios use the projection. `--entries` picks entries.
+
 With several meshes (or a `--time-limit`) each mesh runs in its own process: clean peak memory,
 nothing left over from the previous mesh, and a mesh still running at the time limit is stopped so
 that the final table (one row per mesh) is always printed. A mesh needing more devices than the
@@ -39,6 +51,7 @@ import dataclasses
 import json
 import math
 import os
+import re
 import shutil
 import statistics
 import subprocess
@@ -419,6 +432,180 @@ def format_table(rows: list[dict]) -> str:
                               "model's default step count)"
 
 
+# ---- whole commands beside the peer (--peer diffusers) ---------------------------------------------
+# Each entry is one fresh process timed from spawn to exit (mp4 written), with the parts it reports; add
+# an entry by adding a function that returns such a row and naming it in PEER_ENTRIES.
+
+PEER_PARTS = ("load", "text", "denoise", "decode", "write")
+OUR_STAGES = {"load": ("load text encoder", "load transformer", "load vae"), "text": ("text encode",),
+              "denoise": ("denoise",), "decode": ("decode",), "write": ("write",)}
+
+
+def run_settings(ckpt: str, args):
+    """The run's settings, resolved once so that every entry runs exactly the same work."""
+    from wan_tpu.generate import parse_size
+    from wan_tpu.settings import resolve_settings, resolve_variant
+
+    variant, vae = resolve_variant(ckpt)
+    width, height = parse_size(args.size)
+    return variant, resolve_settings(variant, vae, height=height, width=width, num_frames=args.frames,
+                                     num_inference_steps=args.steps)
+
+
+def _timed(argv: list[str], env: dict | None = None) -> tuple[float, str, int]:
+    """(wall seconds from spawn to exit, stdout + stderr, exit status) of one process."""
+    start = time.perf_counter()
+    run = subprocess.run(argv, env={**os.environ, **(env or {})}, capture_output=True, text=True)
+    return time.perf_counter() - start, run.stdout + run.stderr, run.returncode
+
+
+def _failed(name: str, rc: int, out: str) -> dict:
+    print(out[-3000:], file=sys.stderr)
+    return {"entry": name, "status": f"failed (exit status {rc}; its output is above)"}
+
+
+def entry_ours(name: str, ckpt: str, args, s, cache: str) -> dict:
+    """`python -m wan_tpu.generate` in a fresh process, its compilation cache in `cache`."""
+    out = os.path.join(os.path.abspath(args.workdir), f"peer_{args.config}_ours.mp4")
+    argv = [sys.executable, "-m", "wan_tpu.generate", "--model", ckpt, "--prompt", PROMPT, "--seed", str(SEED),
+            "--size", f"{s.width}*{s.height}", "--frames", str(s.num_frames), "--steps", str(s.num_inference_steps),
+            "--output", out, "--overwrite", "--quiet"] + (["--attention", args.attention] if args.attention else [])
+    wall, text, rc = _timed(argv, {"WAN_TPU_CACHE_DIR": cache})
+    if rc:
+        return _failed(name, rc, text)
+    rows = dict(re.findall(r"^(\S.*?)\s{2,}([\d.]+) s\s*$", text, flags=re.M))
+    parts = {part: sum(float(rows.get(stage, 0.0)) for stage in stages) for part, stages in OUR_STAGES.items()}
+    return {"entry": name, "status": "ok", "wall": wall, "parts": parts,
+            "s_per_step": float(rows["s/step (median)"]), "startup": float(rows.get("startup", "nan"))}
+
+
+def entry_diffusers(name: str, ckpt: str, args, s, compiled: bool) -> dict:
+    """diffusers' `WanPipeline` as a whole script (load → text → denoise → decode → mp4) in a fresh process."""
+    with tempfile.TemporaryDirectory() as tmp:
+        result = os.path.join(tmp, "row.json")
+        argv = [sys.executable, os.path.abspath(__file__), "--diffusers-child", ckpt, "--result-json", result,
+                "--workdir", args.workdir, "--config", args.config, "--size", f"{s.width}*{s.height}",
+                "--frames", str(s.num_frames), "--steps", str(s.num_inference_steps)]
+        wall, text, rc = _timed(argv + (["--compile"] if compiled else []))
+        if rc or not os.path.isfile(result):
+            return _failed(name, rc, text)
+        with open(result) as f:
+            child = json.load(f)
+    return {"entry": name, "status": "ok", "wall": wall, **child}
+
+
+def diffusers_child(args) -> dict:
+    """The peer's script: what a diffusers user runs, timed part by part (the parent times the process)."""
+    import diffusers
+    import torch
+    from diffusers.utils import export_to_video
+
+    from wan_tpu.text_encoder import WAN_NEGATIVE_PROMPT
+
+    ckpt, parts, steps = args.diffusers_child, {}, []
+    width, height = (int(v) for v in args.size.split("*"))
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+
+    def sync():
+        if device == "cuda":
+            torch.cuda.synchronize()
+
+    def part(name, start):
+        sync()
+        parts[name] = time.perf_counter() - start
+        return time.perf_counter()
+
+    t = time.perf_counter()
+    vae = diffusers.AutoencoderKLWan.from_pretrained(ckpt, subfolder="vae", torch_dtype=torch.float32)
+    pipe = diffusers.WanPipeline.from_pretrained(ckpt, vae=vae, torch_dtype=torch.bfloat16).to(device)
+    if args.compile:
+        pipe.transformer.compile_repeated_blocks(fullgraph=True)
+    t = part("load", t)
+    with torch.no_grad():
+        embeds, negative = pipe.encode_prompt(PROMPT, WAN_NEGATIVE_PROMPT, do_classifier_free_guidance=True,
+                                              max_sequence_length=512, device=device)
+    t = part("text", t)
+
+    def on_step(pipeline, i, timestep, kwargs):
+        sync()
+        steps.append(time.perf_counter())
+        return kwargs
+
+    latents = pipe(prompt_embeds=embeds, negative_prompt_embeds=negative, height=height, width=width,
+                   num_frames=args.frames, num_inference_steps=args.steps, guidance_scale=5.0,
+                   generator=torch.Generator(device).manual_seed(SEED), output_type="latent",
+                   callback_on_step_end=on_step).frames
+    denoise_start = t
+    t = part("denoise", t)
+    with torch.no_grad():
+        shape = (1, vae.config.z_dim, 1, 1, 1)
+        mean = torch.tensor(vae.config.latents_mean).view(shape).to(latents.device, vae.dtype)
+        inv_std = 1.0 / torch.tensor(vae.config.latents_std).view(shape).to(latents.device, vae.dtype)
+        video = vae.decode(latents.to(vae.dtype) / inv_std + mean, return_dict=False)[0]
+        frames = pipe.video_processor.postprocess_video(video, output_type="np")[0]
+    t = part("decode", t)
+    export_to_video(list(frames), os.path.join(os.path.abspath(args.workdir), f"peer_{args.config}_diffusers.mp4"),
+                    fps=16)
+    part("write", t)
+    durations = np.diff([denoise_start, *steps])
+    per_step = float(np.median(durations[1:] if len(durations) > 1 else durations))
+    return {"parts": parts, "s_per_step": per_step}
+
+
+PEER_ENTRIES = ("ours-cold", "ours-warm", "diffusers-eager", "diffusers-compile")
+
+
+def run_peer(ckpt: str, args) -> list[dict]:
+    """Every entry in `args.entries` once, in order, on one checkpoint and one set of settings."""
+    variant, s = run_settings(ckpt, args)
+    cache = tempfile.mkdtemp(prefix="bench_e2e_cache_", dir=os.path.abspath(args.workdir))  # empty: cold
+    entries = {
+        "ours-cold": lambda: entry_ours("wan_tpu, empty cache (cold)", ckpt, args, s, cache),
+        "ours-warm": lambda: entry_ours("wan_tpu, cache filled (warm)", ckpt, args, s, cache),
+        "diffusers-eager": lambda: entry_diffusers("diffusers eager", ckpt, args, s, False),
+        "diffusers-compile": lambda: entry_diffusers("diffusers compile_repeated_blocks", ckpt, args, s, True),
+    }
+    rows = []
+    try:
+        for key in args.entries or PEER_ENTRIES:
+            print(f"[peer] {key} ...", flush=True)
+            rows.append({**entries[key](), "key": key})
+    finally:
+        shutil.rmtree(cache, ignore_errors=True)
+    default = variant.sample_steps
+    for r in rows:
+        if r["status"] == "ok":
+            r["projected"] = r["wall"] + (default - s.num_inference_steps) * r["s_per_step"]
+    return rows, s, default
+
+
+def format_peer_table(rows: list[dict], s, default_steps: int) -> str:
+    """Walls, parts and the ratios to diffusers eager (projected to the model's step count if fewer ran)."""
+    projected = s.num_inference_steps != default_steps
+    base = next((r for r in rows if r.get("key") == "diffusers-eager" and r["status"] == "ok"), None)
+    head = ("entry", "wall", *PEER_PARTS, "other", "s/step", f"wall@{default_steps}" if projected else "",
+            "vs diffusers eager")
+    body = []
+    for r in rows:
+        if r["status"] != "ok":
+            body.append((r["entry"], r["status"]))
+            continue
+        parts = [r["parts"].get(p, 0.0) for p in PEER_PARTS]
+        key = "projected" if projected else "wall"
+        ratio = f"{r[key] / base[key]:.2f}x" if base else "n/a"
+        body.append((r["entry"], f"{r['wall']:.1f}", *(f"{v:.1f}" for v in parts), f"{r['wall'] - sum(parts):.1f}",
+                     f"{r['s_per_step']:.3f}", f"{r['projected']:.1f}" if projected else "", ratio))
+    widths = [max([len(head[i])] + [len(b[i]) for b in body if len(b) == len(head)]) for i in range(len(head))]
+    lines = ["  ".join(h.rjust(w) if i else h.ljust(w) for i, (h, w) in enumerate(zip(head, widths)))]
+    for b in body:
+        lines.append("  ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(b, widths)))
+                     if len(b) == len(head) else f"{b[0].ljust(widths[0])}  {b[1]}")
+    note = (f"\n(wall@{default_steps}: projected from {s.num_inference_steps} steps to {default_steps} with each "
+            "entry's own s/step; the ratios use it)") if projected else ""
+    return "\n".join(lines) + ("\n(seconds, whole process from spawn to exit, mp4 written; other = start-up, "
+                               "imports and exit)") + note
+
+
 # ---- driver ---------------------------------------------------------------------------------
 
 
@@ -439,7 +626,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--time-limit", type=float, default=None, metavar="SECONDS",
                    help="stop a mesh still running this long after the start (checkpoint writing included) and "
                         "skip the rest, so that the table is printed before an outer limit kills the run")
+    p.add_argument("--peer", choices=("diffusers",), default=None,
+                   help="time whole commands in fresh processes instead: ours cold (empty compilation cache) and "
+                        "warm, diffusers' WanPipeline eager and with compile_repeated_blocks")
+    p.add_argument("--entries", nargs="+", choices=PEER_ENTRIES, default=None,
+                   help=f"with --peer: which entries to run, in order (default: all: {' '.join(PEER_ENTRIES)})")
     p.add_argument("--result-json", default=None, help=argparse.SUPPRESS)  # a mesh's row, for the parent process
+    p.add_argument("--diffusers-child", default=None, help=argparse.SUPPRESS)  # checkpoint: run the peer's script
+    p.add_argument("--compile", action="store_true", help=argparse.SUPPRESS)  # the peer's script: compile_repeated_blocks
     return p
 
 
@@ -492,7 +686,17 @@ def run(args) -> list[dict]:
 
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
+    if args.diffusers_child:
+        with open(args.result_json, "w") as f:
+            json.dump(diffusers_child(args), f)
+        return 0
     try:
+        if args.peer:
+            rows, s, default = run_peer(ensure_checkpoint(args.workdir, args.config), args)
+            print(f"\nWan 2.1 T2V {args.config}, random weights (bf16 DiT/UMT5, float32 VAE), {s.width}*{s.height}, "
+                  f"{s.num_frames} frames, {s.num_inference_steps} steps, CFG {s.guidance_scale:g}, whole commands:")
+            print(format_peer_table(rows, s, default))
+            return 0
         rows = run(args)
     except WanInputError as e:
         print(f"error: {e}", file=sys.stderr)

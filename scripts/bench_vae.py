@@ -183,10 +183,10 @@ def memory_analysis(args):
         caches, mid = jax.eval_shape(lambda st, x: V._decode_stem(g, st, x, None, None), state, z)
         steps = {"stem": V._decode_stem.lower(g, state, z, caches, None)}
         for strips in sorted({1, 2, *(int(n) for n in args.strips.split(",") if n)}):
-            cols, crops, final = model.decoder.strip_plan(w // 8, 0, -(-(w // 8) // strips))
+            cols, widths, offsets = model.decoder.strip_plan(w // 8, 0, -(-(w // 8) // strips))
             mid = jax.ShapeDtypeStruct((1, 1, h // 8, cols[1] - cols[0], mid.shape[-1]), jnp.bfloat16)
-            caches, _ = jax.eval_shape(lambda st, m: V._decode_strip(g, st, m, None, None, False, crops, final), state, mid)
-            steps[f"strip 1/{strips}"] = V._decode_strip.lower(g, state, mid, caches, None, False, crops, final)
+            caches, _ = jax.eval_shape(lambda st, m: V._decode_strip(g, st, m, None, None, False, widths, offsets), state, mid)
+            steps[f"strip 1/{strips}"] = V._decode_strip.lower(g, state, mid, caches, None, False, widths, offsets)
         for name, lowered in steps.items():
             compiled = lowered.compile()
             m = compiled.memory_analysis()

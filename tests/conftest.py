@@ -11,6 +11,16 @@ os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 if "--xla_force_host_platform_device_count" not in os.environ["XLA_FLAGS"]:
     os.environ["XLA_FLAGS"] += " --xla_force_host_platform_device_count=8"
 
+# The persistent compilation cache is on by default (wan_tpu.compile_cache): tests keep theirs in a
+# folder of their own per process, not in the user's ~/.cache.
+if "WAN_TPU_CACHE_DIR" not in os.environ:
+    import atexit
+    import shutil
+    import tempfile
+
+    os.environ["WAN_TPU_CACHE_DIR"] = tempfile.mkdtemp(prefix="wan_tpu_test_cache_")
+    atexit.register(shutil.rmtree, os.environ["WAN_TPU_CACHE_DIR"], True)
+
 import jax  # noqa: E402
 import pytest  # noqa: E402
 

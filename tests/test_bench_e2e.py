@@ -5,6 +5,7 @@ mesh, to stay fast) and writes a playable mp4; meshes needing more devices than 
 
 import importlib.util
 import os
+import re
 import sys
 
 import numpy as np
@@ -103,3 +104,29 @@ def test_time_limit_still_prints_the_table(workdir, capsys):
     assert bench.main(["--config", "tiny", "--meshes", "1,1,1", "--time-limit", "0", "--workdir", str(workdir)]) == 0
     table = capsys.readouterr().out.split("mesh dp,sp,tp")[1].splitlines()
     assert table[1].split()[0] == "1,1,1" and "not run (--time-limit 0 s reached)" in table[1]
+
+
+@pytest.mark.slow
+def test_peer_diffusers_times_whole_commands(workdir, capsys):
+    """`--peer diffusers`: our command cold (empty cache) and warm, and diffusers' WanPipeline script, each a
+    fresh process writing its mp4; the table has every part and the ratio to diffusers eager."""
+    from wan_tpu.video import read_video
+
+    argv = ["--config", "tiny", "--peer", "diffusers", "--entries", "ours-cold", "ours-warm", "diffusers-eager",
+            "--steps", "2", "--size", "32*32", "--frames", "5", "--workdir", str(workdir)]
+    assert bench.main(argv) == 0
+    out = capsys.readouterr().out
+    table = out[out.index("entry "):].splitlines()
+    assert table[0].split() == ["entry", "wall", "load", "text", "denoise", "decode", "write", "other", "s/step",
+                                "wall@4", "vs", "diffusers", "eager"]
+    rows = {cells[0]: cells[1:] for cells in (re.split(r"\s{2,}", line.strip()) for line in table[1:4])}
+    assert set(rows) == {"wan_tpu, empty cache (cold)", "wan_tpu, cache filled (warm)", "diffusers eager"}
+    assert rows["diffusers eager"][-1] == "1.00x"
+    for cells in rows.values():
+        wall, parts = float(cells[0]), [float(c) for c in cells[1:6]]
+        assert wall > sum(parts) > 0 and cells[-1].endswith("x")
+    assert "projected from 2 steps to 4" in out
+    for who in ("ours", "diffusers"):
+        frames, fps = read_video(os.path.join(workdir, f"peer_tiny_{who}.mp4"))
+        assert frames.shape == (5, 32, 32, 3) and fps == 16
+    assert not [n for n in os.listdir(workdir) if n.startswith("bench_e2e_cache_")]  # the cold cache is removed

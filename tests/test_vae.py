@@ -76,8 +76,37 @@ def test_chunk_steps_trace_once_whatever_the_frame_count(pair, monkeypatch):
     for frames in (5, 9, 13):
         vae.decode(jnp.ones((1, vae.config.z_dim, (frames - 1) // 4 + 1, h // s, w // s)) * 0.1, tiling=False)
         vae.encode(jnp.zeros((1, 3, frames, h, w)))
-    # one trace for the first chunk, one for the step shared by every later chunk and every length
+    # levels/encoder: one trace for the first chunk, one for the step shared by every later chunk and every
+    # length; stem: one abstract trace for the shapes of its start caches, one for its single program
     assert calls == {"stem": 2, "levels": 2, "encoder": 2}
+
+
+def test_decode_compiles_one_program_per_strip_width():
+    """The stem is one program for every latent frame (given zero start caches); strips of one width share
+    their programs (traced crop offsets): 2 strips → 2 strip programs (first frame, the rest), 4 strips →
+    4 (outer and middle widths), as many as with one strip per width."""
+    vae = WanVAE(VAE_PRESETS["tiny"], dtype=jnp.float32, rngs=nnx.Rngs(3))
+    z = jnp.ones((1, vae.config.z_dim, 2, 3, 12 * vae.decoder.halos[0])) * 0.1  # no other test decodes this shape
+    for strips, programs in ((2, 2), (4, 4)):
+        strip, stem = vae_module._decode_strip._cache_size(), vae_module._decode_stem._cache_size()
+        vae.decode(z, strips=strips)
+        assert vae_module._decode_strip._cache_size() - strip == programs, strips
+        assert vae_module._decode_stem._cache_size() - stem == (1 if strips == 2 else 0)
+
+
+def test_compile_decode_leaves_nothing_big_to_compile():
+    """`compile_decode` (abstract latents, e.g. from a background thread) compiles exactly what `decode` then
+    runs: the decode itself compiles no stem or strip program."""
+    vae = WanVAE(VAE_PRESETS["tiny"], dtype=jnp.float32, rngs=nnx.Rngs(4))
+    shape = (1, vae.config.z_dim, 3, 3, 6 * vae.decoder.halos[0])
+    out = vae.compile_decode(shape)
+    compiled = []
+    jax.monitoring.register_event_duration_secs_listener(
+        lambda event, seconds, **kw: compiled.append(kw.get("fun_name"))
+        if event == "/jax/core/compile/backend_compile_duration" else None)
+    video = vae.decode(jnp.full(shape, 0.1))
+    assert (out.shape, out.dtype) == (video.shape, video.dtype)
+    assert not {"jit(_decode_stem)", "jit(_decode_strip)"} & set(compiled), compiled
 
 
 @pytest.mark.parametrize("frames", [1, 5, 9])
@@ -280,11 +309,11 @@ def test_caches_are_updated_in_place(pair):
     z = jnp.ones((1, vae.config.z_dim, 2, *(n // s for n in SIZES[name])), jnp.float32) * 0.1
     graphdef, state = nnx.split(vae)
     _, mid = vae_module._decode_stem(graphdef, state, z[:, :, :1], None, None)
-    (lo, hi), crops, final = vae.decoder.strip_plan(z.shape[-1], 0, z.shape[-1])
-    caches, _ = vae_module._decode_strip(graphdef, state, mid[:, :, :, lo:hi], None, None, False, crops, final)
+    (lo, hi), widths, offsets = vae.decoder.strip_plan(z.shape[-1], 0, z.shape[-1])
+    caches, _ = vae_module._decode_strip(graphdef, state, mid[:, :, :, lo:hi], None, None, False, widths, offsets)
     rings = {tuple(x.shape) for x in jax.tree.leaves(caches) if x.ndim == 4}
     assert rings, "no ring caches found"
-    hlo = vae_module._decode_strip.lower(graphdef, state, mid[:, :, :, lo:hi], caches, None, False, crops, final).compile().as_text()
+    hlo = vae_module._decode_strip.lower(graphdef, state, mid[:, :, :, lo:hi], caches, None, False, widths, offsets).compile().as_text()
     copied = [m.group(1) for m in re.finditer(r"= f32\[([\d,]+)\]\{[^}]*\} copy\(", hlo)
               if tuple(int(d) for d in m.group(1).split(",")) in rings]
     assert not copied, f"caches copied: {copied}"
@@ -298,13 +327,13 @@ def test_decode_and_encode_steps_export_for_tpu(pair):
     graphdef, state = nnx.split(vae)
     z = jnp.ones((1, vae.config.z_dim, 1, h, w))
     caches, mid = vae_module._decode_stem(graphdef, state, z, None, None)
-    (lo, hi), crops, final = vae.decoder.strip_plan(w, 0, w)
-    strip_caches, _ = vae_module._decode_strip(graphdef, state, mid, None, None, False, crops, final)
+    (lo, hi), widths, offsets = vae.decoder.strip_plan(w, 0, w)
+    strip_caches, _ = vae_module._decode_strip(graphdef, state, mid, None, None, False, widths, offsets)
     video = jnp.zeros((1, vae.config.video_channels, 5, *SIZES[name]))
     enc_caches, _ = vae_module._encode_chunk(graphdef, state, video[:, :, :1], None, None)
     steps = {
         "stem": (lambda st, z, c: vae_module._decode_stem(graphdef, st, z, c, None), (state, z, caches)),
-        "strip": (lambda st, m, c: vae_module._decode_strip(graphdef, st, m, c, None, False, crops, final),
+        "strip": (lambda st, m, c: vae_module._decode_strip(graphdef, st, m, c, None, False, widths, offsets),
                   (state, mid, strip_caches)),
         "encode": (lambda st, v, c: vae_module._encode_chunk(graphdef, st, v, c, None), (state, video[:, :, 1:], enc_caches)),
     }

@@ -5,7 +5,8 @@ scheduler step). Everything that changes between steps is an argument (the step 
 guidance scale, the latents, the scheduler state and its tables, the DiT weights), so the function
 is traced and compiled once per run shape (latent size, step count) and per DiT (the two Wan 2.2
 A14B experts compile once each). On accelerators latents and scheduler state are donated, so a
-step updates them in place.
+step updates them in place. `compile_steps` compiles that program ahead of time from shapes alone
+(what `WanPipeline.prepare` runs in a background thread), with the arguments `denoise` will pass.
 
 Driving the loop from Python (rather than `lax.fori_loop`) gives a per-step progress bar with s/it
 and a NaN/Inf check without stalling the device: the finite flag of step i is read only after step
@@ -145,28 +146,12 @@ def denoise(
 
     timesteps = np.asarray(scheduler.timesteps)
     n = len(timesteps)
-    switch = expert_switch_index(timesteps, boundary_ratio)
-    if switch < n and len(transformers) < 2:
-        raise ValueError(f"boundary_ratio={boundary_ratio} needs a low-noise transformer_2 for steps {switch}..{n - 1}")
-    experts = [nnx.split(t) for t in transformers]
-    dtype = transformers[0].dtype
-    cond = cond._replace(
-        prompt_embeds=cond.prompt_embeds.astype(dtype),
-        negative_prompt_embeds=None if cond.negative_prompt_embeds is None else cond.negative_prompt_embeds.astype(dtype),
-        image_embeds=None if cond.image_embeds is None else cond.image_embeds.astype(dtype),
-    )
-    fields = {f.name: jnp.asarray(getattr(scheduler, f.name)) for f in dataclasses.fields(scheduler)}
+    switch, experts, cond, fields, step_fn = _loop_setup(transformers, cond, scheduler, boundary_ratio)
     # A private copy: the step donates its latents buffer, and the caller may still hold this one.
     latents = jnp.array(latents, dtype=jnp.float32, copy=True)
     # Copies, so that no two donated state leaves share a buffer.
     state = jax.tree.map(lambda a: jnp.array(a, copy=True), scheduler.init_state(latents))
-    carry = None
-    if cache is not None:
-        cfg = transformers[0].config
-        tokens = math.prod(d // p for d, p in zip(latents.shape[2:], cfg.patch_size))
-        carry = step_cache.start(cache, n, 1 + (cond.negative_prompt_embeds is not None), switch, latents.shape[0],
-                                 tokens, cfg.inner_dim, dtype, per_token_time=cond.first_frame_mask is not None)
-    step_fn = _step_jit if jax.default_backend() == "cpu" else _step_jit_donated
+    carry = _start_carry(cache, transformers, cond, n, switch, latents.shape)
     pending = None
     last = time.perf_counter()
     with tqdm(total=n, unit="step", desc="denoise", disable=not progress) as bar:
@@ -202,3 +187,52 @@ def denoise(
     if cond.first_frame is not None:
         latents = model_input(latents, cond)
     return latents
+
+
+def compile_steps(transformers, latent_shape, cond: Conditioning, scheduler, boundary_ratio: float | None = None,
+                  mesh=None, cache=None) -> None:
+    """Compile, without running, the step program(s) `denoise` runs for these arguments, so that a later
+    `denoise` with the same shapes starts at once (e.g. from a background thread while the prompt is
+    encoded). `cond`'s arrays may be `jax.ShapeDtypeStruct`s; each expert that runs a step is lowered
+    with the arguments `denoise` passes it (the Wan 2.2 experts share one program)."""
+    n = len(scheduler.timesteps)
+    switch, experts, cond, fields, step_fn = _loop_setup(transformers, cond, scheduler, boundary_ratio)
+    latents = jax.ShapeDtypeStruct(tuple(latent_shape), jnp.float32)
+    state = jax.eval_shape(scheduler.init_state, latents)
+    carry = _start_carry(cache, transformers, cond, n, switch, latents.shape)
+    for e in sorted({0 if i < switch else 1 for i in range(n)}):
+        graphdef, params = experts[e]
+        step_fn.lower(type(scheduler), graphdef, transformers[e].config.patch_size, mesh, params, fields, state, latents,
+                      jax.ShapeDtypeStruct((), jnp.int32), cond, jax.ShapeDtypeStruct((), jnp.float32), carry).compile()
+
+
+def _start_carry(cache, transformers, cond: Conditioning, steps: int, switch: int, latent_shape):
+    """The step cache's carry at the first step (None without a step cache)."""
+    if cache is None:
+        return None
+    cfg = transformers[0].config
+    tokens = math.prod(d // p for d, p in zip(latent_shape[2:], cfg.patch_size))
+    return step_cache.start(cache, steps, 1 + (cond.negative_prompt_embeds is not None), switch, latent_shape[0],
+                            tokens, cfg.inner_dim, transformers[0].dtype, per_token_time=cond.first_frame_mask is not None)
+
+
+def _loop_setup(transformers, cond: Conditioning, scheduler, boundary_ratio: float | None):
+    """What every step call shares: the expert switch index, (graphdef, params) per expert, the
+    conditioning in the DiT's dtype, the scheduler's tables and the step function; the one place
+    `denoise` and `compile_steps` agree on it."""
+    n = len(scheduler.timesteps)
+    switch = expert_switch_index(np.asarray(scheduler.timesteps), boundary_ratio)
+    if switch < n and len(transformers) < 2:
+        raise ValueError(f"boundary_ratio={boundary_ratio} needs a low-noise transformer_2 for steps {switch}..{n - 1}")
+    dtype = transformers[0].dtype
+
+    def cast(x):
+        if x is None:
+            return None
+        return jax.ShapeDtypeStruct(x.shape, dtype) if isinstance(x, jax.ShapeDtypeStruct) else x.astype(dtype)
+
+    cond = cond._replace(prompt_embeds=cast(cond.prompt_embeds), negative_prompt_embeds=cast(cond.negative_prompt_embeds),
+                         image_embeds=cast(cond.image_embeds))
+    fields = {f.name: jnp.asarray(getattr(scheduler, f.name)) for f in dataclasses.fields(scheduler)}
+    step_fn = _step_jit if jax.default_backend() == "cpu" else _step_jit_donated
+    return switch, [nnx.split(t) for t in transformers], cond, fields, step_fn

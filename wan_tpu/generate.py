@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import time
 
 from wan_tpu.errors import WanInputError
 
@@ -70,6 +71,8 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", choices=DTYPES, default=None, help="DiT and text encoder dtype (default: bfloat16; VAE: float32)")
     p.add_argument("--mesh", default=None, help="device mesh dp,sp,tp (product = number of devices; default: one device)")
     p.add_argument("--attention", default=None, help="DiT attention kernel (reference, splash_exp2, pallas_gpu, cudnn)")
+    p.add_argument("--no-compile-cache", action="store_true",
+                   help="neither read nor write the persistent compilation cache (see wan_tpu.compile_cache)")
     p.add_argument("--no-memory-check", action="store_true",
                    help="run even when the estimated working set exceeds the free memory")
     p.add_argument("--quantize", choices=("fp8", "int8"), default=None,
@@ -231,7 +234,8 @@ def load_pipeline(args):
     dtype = {"bfloat16": jnp.bfloat16, "float32": jnp.float32}[args.dtype]
     pipe = WanPipeline.from_pretrained(args.model, mesh=mesh, dtype=dtype, attention_impl=args.attention,
                                        download=args.download, check_memory=not args.no_memory_check,
-                                       quantize=getattr(args, "quantize", None))
+                                       quantize=getattr(args, "quantize", None),
+                                       compile_cache=not args.no_compile_cache)
     for path, scale, expert in lora_specs(args):
         pipe.load_lora_weights(path, scale=scale, expert=expert)  # checked now, merged when the DiT loads
     return pipe
@@ -391,9 +395,11 @@ def report(pipe, s, timer, step_seconds, out=None) -> None:
     """Per-stage times, s/step (compile excluded: the first step is left out when there are more) and MFU."""
     import jax
 
+    from wan_tpu import compile_cache
     from wan_tpu.profiling import dit_forward_flops, mfu
 
-    extra = []
+    extra = [("compile cache", f"{compile_cache.stats()}  ({compile_cache.cache_dir()})" if compile_cache.is_enabled()
+              else "off")]
     cache = pipe.cache_stats
     if cache is not None:
         extra.append(("steps skipped", f"{cache.skipped:9d} of {cache.steps}  ({cache.method}, threshold "
@@ -459,7 +465,7 @@ def generate(args) -> None:
     resolve_defaults(args)
     jobs = plan_jobs(args)
     stages = stage_paths(args)
-    timer = StageTimer()
+    timer = StageTimer(since=getattr(args, "started", None))
     step_seconds: list[float] = []
     pipe = load_pipeline(args)
     s = run_settings(pipe, args)
@@ -468,7 +474,11 @@ def generate(args) -> None:
         os.makedirs(args.keep_stages, exist_ok=True)
     if args.model == "tiny":
         print("note: --model tiny has random weights; pass --model PATH (a diffusers-format Wan checkpoint) for a real video")
-    with trace(args.profile), scope("pipeline"):
+    # Read every component and compile the denoise step and the decode in background threads; the
+    # stages below wait only for what they need, and no thread outlives them (an error cancels the rest).
+    image = any((job.image or args.image) is not None for job in jobs)
+    with pipe.prepare(s, scheduler=args.scheduler, image=image, **sampling_kwargs(args)), trace(args.profile), \
+            scope("pipeline"):
         with scope("data_preparation"):
             embeds = encode_stage(pipe, args, s, timer, jobs)
         if stages is not None:
@@ -490,6 +500,7 @@ def generate(args) -> None:
 def cli(run, parser: argparse.ArgumentParser, argv=None) -> int:
     """Run `run(args)` with Ctrl-C/SIGTERM handled (`wan_tpu.interrupt`): user errors → one line on
     stderr and status 2; NaN latents → status 1; a signal → one line naming what was kept, 130/143."""
+    called = time.perf_counter()
     import warnings
 
     from wan_tpu import interrupt
@@ -498,7 +509,12 @@ def cli(run, parser: argparse.ArgumentParser, argv=None) -> int:
     warnings.filterwarnings("ignore", message="Explicitly requested dtype int64")
     with interrupt.handled():
         try:
-            run(parser.parse_args(argv))
+            args = parser.parse_args(argv)
+            from wan_tpu.profiling import process_start
+
+            # `startup` counts from the process start for a command line, from this call for a call from Python.
+            args.started = process_start() if argv is None else called
+            run(args)
         except WanInputError as e:
             print(f"error: {e}", file=sys.stderr)
             return 2

@@ -17,7 +17,9 @@ the transformer's config.json and model_index.json (`boundary_ratio`, `expand_ti
 `from_pretrained` checks every file the model will read (`wan_tpu.validate`) and the call checks its
 inputs and that the run fits in memory (`wan_tpu.memory`) before anything is loaded: bad input is a
 `WanInputError` within a second, not after minutes. Components load lazily, on first use, so a
-stage only loads what it needs; `release(...)` drops one.
+stage only loads what it needs; `release(...)` drops one. `prepare(settings)`
+instead reads them all at once and compiles the denoise step and the decode in background threads
+(`wan_tpu.warmup`), which is what `python -m wan_tpu.generate` does.
 
 Same seed, same model, same settings, same devices and mesh → identical latents: the initial noise
 is `jax.random.normal(jax.random.key(seed), (1, z, F, h, w), float32)`.
@@ -29,6 +31,7 @@ import dataclasses
 import functools
 import gc
 import os
+import threading
 from collections.abc import Callable
 
 import jax
@@ -62,21 +65,22 @@ class WanPipeline:
         self.vae_dtype = vae_dtype
         self.attention_impl = attention_impl
         self.mesh = mesh
-        # Component → weight element count (from the safetensors headers), for the memory check.
+        # Component → weight element count (from the safetensors headers), for the memory checks.
         self.weight_elements = weight_elements
         self.check_memory = check_memory
-        self._loaders = loaders
+        self._loaders = {n: _one_torch_load_at_a_time(f) if n in TORCH_COMPONENTS else f for n, f in loaders.items()}
         self._loaded: dict[str, object] = {}
         self._loras: list[tuple[str, float, tuple[str, ...]]] = []  # (path, scale, DiT component names)
         self.cache_stats = None  # the step cache's `CacheStats` of the last run that used one
         self.quantization = None  # "fp8"/"int8" once `quantize` was asked for
+        self._warmup = None
 
     # ---- construction -------------------------------------------------------------------------
 
     @classmethod
     def from_pretrained(cls, path_or_preset: str, mesh=None, dtype=jnp.bfloat16, attention_impl: str | None = None,
                         vae_dtype=jnp.float32, download: bool = False, check_memory: bool = True,
-                        quantize: str | None = None) -> WanPipeline:
+                        quantize: str | None = None, compile_cache: bool = True) -> WanPipeline:
         """A pipeline over a diffusers-format folder, a Hugging Face model id, or a preset name (`tiny`).
 
         `dtype` is the DiT and text encoder dtype; the VAE runs in `vae_dtype` (float32 by default,
@@ -86,9 +90,14 @@ class WanPipeline:
         the memory estimate that refuses runs too large for the devices (`wan_tpu.memory`).
         `quantize="fp8"` runs the DiT's block linears in FP8 (`wan_tpu.quantize`; checked against the
         device now, applied as each DiT loads, after its LoRAs are merged).
+        `compile_cache` turns the persistent compilation cache on (the default) or off for the whole
+        process (see `wan_tpu.compile_cache`).
         """
+        from wan_tpu import compile_cache as cache
         from wan_tpu import hub, presets
         from wan_tpu.validate import check_checkpoint
+
+        cache.enable() if compile_cache else cache.disable()
 
         if path_or_preset in presets.PRESETS:
             pipe = presets.PRESETS[path_or_preset](dtype=dtype, mesh=mesh, attention_impl=attention_impl,
@@ -133,26 +142,35 @@ class WanPipeline:
         return self
 
     def component(self, name: str):
-        """The component `name`, loaded on first use."""
+        """The component `name`, loaded on first use (or taken from `prepare`'s background load)."""
         if name not in self._loaded:
             if name not in self._loaders:
                 raise WanInputError(f"{self.variant.name} has no {name}; it is not part of this model")
             with scope(f"load_{name}"):
-                self._loaded[name] = self._loaders[name]()
-                for path, scale, names in self._loras:
-                    if name in names:
-                        self._loaded[name].load_lora(path, scale)
-                if self.quantization and name in ("transformer", "transformer_2"):
-                    from wan_tpu.quantize import quantize_transformer
-
-                    quantize_transformer(self._loaded[name], self.quantization, self.mesh)
+                loaded = self._warmup.take_load(name) if self._warmup is not None else None
+                self._loaded[name] = loaded if loaded is not None else self._load(name)
             interrupt.check("load")
         return self._loaded[name]
+
+    def _load(self, name: str):
+        """Component `name` read from its loader, with the LoRAs registered for it merged (and then, for
+        the DiT, quantised if asked for)."""
+        component = self._loaders[name]()
+        for path, scale, names in self._loras:
+            if name in names:
+                component.load_lora(path, scale)
+        if self.quantization and name in ("transformer", "transformer_2"):
+            from wan_tpu.quantize import quantize_transformer
+
+            quantize_transformer(component, self.quantization, self.mesh)
+        return component
 
     def release(self, *names: str) -> None:
         """Drop loaded components, freeing their device memory (unless the caller still holds them)."""
         for name in names:
             self._loaded.pop(name, None)
+            if self._warmup is not None:
+                self._warmup.loads.pop(name, None)
         # The encoders keep jitted bound methods of themselves: a reference cycle only the cyclic
         # collector frees, and 11 GB of UMT5 weights should not wait for it.
         gc.collect()
@@ -209,6 +227,91 @@ class WanPipeline:
     def settings(self, **kwargs) -> RunSettings:
         """Validated run settings; None values take the model's official defaults."""
         return resolve_settings(self.variant, self.vae_config, **kwargs)
+
+    def prepare(self, settings: RunSettings | None = None, *, scheduler: str = "unipc", image: bool = False,
+                sigmas=None, timesteps=None, cache=None, cache_threshold: float | None = None):
+        """Start reading every component a run with `settings` needs and compiling its denoise step and VAE
+        decode, in background threads; returns at once (a `wan_tpu.warmup.Warmup` of futures; as a
+        context manager, leaving it waits for the threads, cancelling what has not started).
+
+        `component()`, `denoise()` and `decode()` then wait for what they need only. `image`: the run
+        conditions on an image (I2V/TI2V); `scheduler`, `sigmas`, `timesteps`, `cache`, `cache_threshold`:
+        as the `denoise` call will get them (the step program depends on them). Results are bit-identical with and without it; see
+        `wan_tpu.warmup` for what runs when and what it does to peak memory. With a mesh, components
+        are read ahead but compile on first use.
+        """
+        from wan_tpu.warmup import Warmup, weights_fit
+
+        s = settings or self.settings()
+        sampling = self.sampling(s, scheduler, sigmas, timesteps, cache, cache_threshold,
+                                 with_image=image and self.variant.expand_timesteps)
+        warmup = self._warmup = Warmup()
+        dits = [n for n in ("transformer", "transformer_2") if n in self._loaders]
+        encoders = ["text_encoder"] + (["image_encoder"] if image and "image_encoder" in self._loaders else [])
+        todo = [n for n in (*encoders, *dits, "vae") if n not in self._loaded]
+        ahead = weights_fit(self._weight_bytes(), todo, self.mesh)
+        for name in todo:
+            if ahead or name not in dits:
+                warmup.start(name, self._load, name)
+        if self.mesh is not None:
+            # On a mesh the calls' arguments carry shardings that only the previous stage decides (the
+            # text encoder's output, the sharded latents): a program compiled ahead from shapes would
+            # not be the one they run. Loading ahead still helps.
+            return warmup
+        if ahead:
+            sources = [self._loaded[n] if n in self._loaded else warmup.loads[n] for n in dits]
+            warmup.start("denoise", self._compile_denoise, warmup, s, sampling, image, sources, kind="compile")
+        vae = self._loaded["vae"] if "vae" in self._loaded else warmup.loads["vae"]
+        warmup.start("decode", self._compile_decode, warmup, s, vae, kind="compile")
+        return warmup
+
+    def _weight_bytes(self) -> dict[str, int]:
+        """Component → device bytes of its weights (from the checkpoint's element counts; empty for presets)."""
+        itemsize = {"vae": jnp.dtype(self.vae_dtype).itemsize, "image_encoder": 4}  # CLIP runs float32
+        return {n: count * itemsize.get(n, jnp.dtype(self.dtype).itemsize)
+                for n, count in (self.weight_elements or {}).items()}
+
+    def _compile_denoise(self, warmup, s: RunSettings, sampling, image: bool, sources) -> None:
+        from wan_tpu.denoise import compile_steps
+
+        shape = self.latent_shape(s.height, s.width, s.num_frames)
+        cond = self._abstract_conditioning(s, shape, image)
+        if cond is None:
+            return
+        transformers = [src.result() if hasattr(src, "result") else src for src in sources]
+        if warmup.cancelled.is_set():
+            return
+        self.prepare_latents(0, s.height, s.width, s.num_frames)  # compiles the noise sampler (any seed: one program)
+        sched, step = sampling
+        compile_steps(transformers, shape, cond, sched, self.variant.boundary_ratio, mesh=self.mesh, cache=step)
+
+    def _abstract_conditioning(self, s: RunSettings, shape, image: bool) -> Conditioning | None:
+        """The shapes of what `_conditioning` builds for this run (None for Wan 2.1 I2V, whose CLIP token
+        count comes from the image encoder's own config: that step compiles on use)."""
+        from wan_tpu.text_encoder import MAX_SEQUENCE_LENGTH
+
+        if self.variant.uses_clip_image:
+            return None
+        text = jax.ShapeDtypeStruct((1, MAX_SEQUENCE_LENGTH, self.variant.transformer.text_dim), self.dtype)
+        _, z, f, h, w = shape
+        cond = Conditioning(prompt_embeds=text, negative_prompt_embeds=text if s.do_cfg else None)
+        if self.variant.task == "i2v":
+            temporal = self.vae_config.scale_factor_temporal
+            cond = cond._replace(condition=jax.ShapeDtypeStruct((1, temporal + z, f, h, w), jnp.float32))
+        if self.variant.expand_timesteps:
+            cond = cond._replace(first_frame_mask=conditioning.ti2v_mask(shape, conditioned=image),
+                                 first_frame=jax.ShapeDtypeStruct((1, z, 1, h, w), jnp.float32) if image else None)
+        return cond
+
+    def _compile_decode(self, warmup, s: RunSettings, source) -> None:
+        from wan_tpu.models import vae as vae_lib
+        from wan_tpu.warmup import free_bytes_after_release
+
+        vae = source.result() if hasattr(source, "result") else source
+        shape = self.latent_shape(s.height, s.width, s.num_frames)
+        video = vae.compile_decode(shape, free_bytes=free_bytes_after_release(vae), stop=warmup.cancelled)
+        if video is not None:
+            vae_lib._to_uint8.lower(video).compile()
 
     # ---- stage 1 ------------------------------------------------------------------------------
 
@@ -290,6 +393,8 @@ class WanPipeline:
         if self.variant.boundary_ratio is not None:
             experts.append(self.transformer_2)
             guidance.append(s.guidance_scale_2)
+        if self._warmup is not None:
+            self._warmup.wait_compiled("denoise")
         stats = []
         with scope("denoise"):
             out = denoise(experts, jnp.asarray(latents), cond, sched, guidance, self.variant.boundary_ratio,
@@ -339,6 +444,8 @@ class WanPipeline:
     def decode(self, latents) -> np.ndarray:
         """uint8 frames `(T, H, W, 3)` from normalized latents `(1, z, F, h, w)`."""
         vae = self.vae
+        if self._warmup is not None:
+            self._warmup.wait_compiled("decode")
         with scope("vae_decode"):
             z = vae.denormalize_latents(jnp.asarray(latents, jnp.float32)).astype(vae.dtype)
             video = jax.block_until_ready(vae.decode(z))
@@ -402,6 +509,22 @@ class WanPipeline:
             from wan_tpu.memory import check_fits
 
             check_fits(self, s, stages, self.attention_impl, keep_dit=keep_dit, image=image)
+
+
+# Loading a transformers model sets process-wide torch state for a while (the default dtype, meta-device
+# initialisation, the RNG of the tiny preset): two such loads in parallel threads (`prepare`) would see
+# each other's, so they take turns.
+TORCH_COMPONENTS = ("text_encoder", "image_encoder")
+_TORCH_LOADING = threading.Lock()
+
+
+def _one_torch_load_at_a_time(loader):
+    @functools.wraps(loader)
+    def load():
+        with _TORCH_LOADING:
+            return loader()
+
+    return load
 
 
 def schedule_steps(num_inference_steps, sigmas, timesteps):

@@ -15,9 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import regex
-from transformers import AutoTokenizer, UMT5EncoderModel
 
-from wan_tpu import torchax_compat
 from wan_tpu.errors import WanInputError
 
 try:  # diffusers and the official Wan code fix mojibake with ftfy when it is installed; so do we.
@@ -48,7 +46,7 @@ def prompt_clean(text: str) -> str:
 class UMT5TextEncoder:
     """`encode(prompts) -> (B, 512, d_model)` jax array; rows past each prompt's length are zero."""
 
-    def __init__(self, model: UMT5EncoderModel, tokenizer, state, max_sequence_length: int = MAX_SEQUENCE_LENGTH):
+    def __init__(self, model, tokenizer, state, max_sequence_length: int = MAX_SEQUENCE_LENGTH):
         self.model = model
         self.tokenizer = tokenizer
         self.state = state
@@ -59,6 +57,11 @@ class UMT5TextEncoder:
     @classmethod
     def from_pretrained(cls, text_encoder_dir, tokenizer_dir, dtype=jnp.bfloat16, mesh=None) -> UMT5TextEncoder:
         """diffusers' Wan layout: `text_encoder/` (weights, sharded by the `umt5` rules) and `tokenizer/`."""
+        # torch and transformers take seconds to import: only a run that loads the encoder pays.
+        from transformers import AutoTokenizer, UMT5EncoderModel
+
+        from wan_tpu import torchax_compat
+
         torchax_compat.require_file(text_encoder_dir, "config.json", "text_encoder")
         torchax_compat.require_file(tokenizer_dir, "tokenizer_config.json", "tokenizer")
         tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
@@ -88,6 +91,8 @@ class UMT5TextEncoder:
         return self._forward(self.state, input_ids, attention_mask)
 
     def _embed(self, state, input_ids, attention_mask):
+        from wan_tpu import torchax_compat
+
         # UMT5 passes its position bias as an SDPA mask, so its attention keeps torch's math path.
         hidden = torchax_compat.functional_call(
             self.model, state, (input_ids, attention_mask), output=lambda out: out.last_hidden_state

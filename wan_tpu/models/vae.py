@@ -31,7 +31,7 @@ from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
 from wan_tpu.configs.vae import WanVAEConfig
 from wan_tpu.errors import WanInputError
-from wan_tpu.models.vae_blocks import CausalConv3d, ChunkState, Decoder3d, Encoder3d
+from wan_tpu.models.vae_blocks import CausalConv3d, ChunkState, Decoder3d, Encoder3d, RingCache
 
 
 class WanVAE(nnx.Module):
@@ -96,6 +96,23 @@ class WanVAE(nnx.Module):
             return self._tiled_decode(z, tile_sample_size, tile_sample_stride)
         return self._decode(z, wmesh, strips=strips)
 
+    def compile_decode(self, shape, *, mesh: Mesh | None = None, strips: int | None = None,
+                       free_bytes: int | None = None, stop=None) -> jax.ShapeDtypeStruct | None:
+        """Compile, without running, the programs `decode` runs on latents of `shape` (B, z_dim, F, h, w),
+        so that a later `decode` (same shape, strips, mesh) starts at once; e.g. in a background thread
+        while the DiT denoises. `free_bytes` stands for the free device memory `decode` will see (the
+        strip count depends on it; default: what is free now). Returns the video's shape and dtype, or
+        None where `decode` would tile (many tile shapes: they compile on use). `stop`: a
+        `threading.Event`; once set, the next program is not compiled (`warmup.Cancelled` is raised)."""
+        wmesh = _width_mesh(mesh or self.mesh)
+        z = jax.ShapeDtypeStruct(tuple(shape), self.dtype)
+        if strips is None:
+            strips = 1 if wmesh is not None else self._auto_strips(z, free_bytes)
+        if wmesh is None and self._needs_tiling(z, strips, free_bytes):
+            return None
+        out = self._decode(z, wmesh, strips=strips, run=_Run(True, stop))
+        return jax.ShapeDtypeStruct(out.shape, out.dtype)
+
     def encode_chunk(self, video, caches=None):
         """Streaming encode: the next frames of a video → (posterior mean of their latent frame
         (B, z_dim, 1, h, w), the caches for the next call). `caches=None` starts a video with its first
@@ -145,28 +162,32 @@ class WanVAE(nnx.Module):
         inv_std = (1.0 / jnp.asarray(self.config.latents_std, jnp.float32)).reshape(shape).astype(z.dtype)
         return mean, inv_std
 
-    def _decode(self, z, wmesh, raw=False, strips=1):
+    def _decode(self, z, wmesh, raw=False, strips=1, run=None):
         """The mid block's output for every latent frame first (its attention sees whole frames), then
-        the rest of the decoder over all frames, one strip after another."""
+        the rest of the decoder over all frames, one strip after another. `run=_Run(True)`: compile every
+        program on the way instead (z abstract), visiting each distinct call once."""
+        run = run or _RUN
         graphdef, state = nnx.split(self)
         b, _, f, _, w = z.shape
-        caches, mid = _decode_stem(graphdef, state, z[:, :, :1], None, wmesh)
-        mids = _write(_zeros((b, f, *mid.shape[2:]), mid.dtype, wmesh), mid, (0, 0, 0, 0, 0))
-        for i in range(1, f):
-            caches, mid = _decode_stem(graphdef, state, z[:, :, i : i + 1], caches, wmesh)
-            mids = _write(mids, mid, (0, i, 0, 0, 0))
+        caches, mids = _stem_start_caches(graphdef, state, run.frame(z, 0), wmesh, run), None
+        for i in run.frames(f, distinct=1):
+            caches, mid = run(_decode_stem, graphdef, state, run.frame(z, i), caches, wmesh)
+            if mids is None:
+                mids = run.zeros((b, f, *mid.shape[2:]), mid.dtype, wmesh)
+            mids = run(_write, mids, mid, (0, i, 0, 0, 0))
         del caches, mid
         scale = self.config.scale_factor_spatial // ((self.config.patch_size or 1) if raw else 1)
         out = None
         for k in range(strips):
             start, stop = k * w // strips, (k + 1) * w // strips
-            (lo, hi), crops, final = self.decoder.strip_plan(w, start, stop)
+            (lo, hi), widths, offsets = self.decoder.strip_plan(w, start, stop)
             caches = None
-            for i in range(f):
-                caches, frames = _decode_strip(graphdef, state, _frame_columns(mids, i, lo, hi), caches, wmesh, raw, crops, final)
+            for i in run.frames(f, distinct=2):  # the first frame is not upsampled in time: its own program
+                columns = run(_frame_columns, mids, i, lo, hi - lo)
+                caches, frames = run(_decode_strip, graphdef, state, columns, caches, wmesh, raw, widths, offsets)
                 if out is None:
-                    out = _zeros((b, frames.shape[1], 1 + 4 * (f - 1), frames.shape[3], w * scale), frames.dtype, wmesh)
-                out = _write(out, frames, (0, 0, max(0, 4 * i - 3), 0, start * scale))
+                    out = run.zeros((b, frames.shape[1], 1 + 4 * (f - 1), frames.shape[3], w * scale), frames.dtype, wmesh)
+                out = run(_write, out, frames, (0, 0, max(0, 4 * i - 3), 0, start * scale))
         return out
 
     def _decode_bytes(self, z, strips=1) -> int:
@@ -177,10 +198,11 @@ class WanVAE(nnx.Module):
         key = (graphdef, z.shape, z.dtype, strips)
         if key not in _DECODE_BYTES:
             b, _, f, h, w = z.shape
-            (lo, hi), crops, final = self.decoder.strip_plan(w, 0, -(-w // strips))
+            (lo, hi), widths, offsets = self.decoder.strip_plan(w, 0, -(-w // strips))
             mids = jax.ShapeDtypeStruct((b, f, h, w, self.config.decoder_dim * self.config.dim_mult[-1]), z.dtype)
             strip = jax.ShapeDtypeStruct((b, 1, h, hi - lo, mids.shape[-1]), z.dtype)
-            caches, first = jax.eval_shape(lambda st, m: _decode_strip(graphdef, st, m, None, None, False, crops, final), state, strip)
+            # The jit's own eval_shape: the trace is cached, and the decode's first strip call reuses it.
+            caches, first = _decode_strip.eval_shape(graphdef, state, strip, None, None, False, widths, offsets)
             cache_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(caches))
             video_frame = first.size // first.shape[-1] * w * self.config.scale_factor_spatial
             frame = video_frame // first.shape[1] * self.config.decoder_dim * first.dtype.itemsize
@@ -196,18 +218,18 @@ class WanVAE(nnx.Module):
         """The strip counts `decode` chooses from for latents `z`, fewest (fastest) first."""
         return [n for n in (2, 3, 4, 6, 8) if z.shape[-1] >= 2 * n * self.decoder.halos[0]]
 
-    def _auto_strips(self, z) -> int:
+    def _auto_strips(self, z, free: int | None = None) -> int:
         """The fewest strips (fastest) whose decode fits in free device memory, 2 where it is not known."""
         counts = self.strip_counts(z)
         if not counts:
             return 1
-        free = _free_device_bytes()
+        free = free if free is not None else _free_device_bytes()
         if free is None:
             return counts[0]
         return next((n for n in counts if self._decode_bytes(z, n) <= 0.9 * free), counts[-1])
 
-    def _needs_tiling(self, z, strips=1) -> bool:
-        free = _free_device_bytes()
+    def _needs_tiling(self, z, strips=1, free: int | None = None) -> bool:
+        free = free if free is not None else _free_device_bytes()
         return free is not None and self._decode_bytes(z, strips) > 0.9 * free
 
     def _tiled_decode(self, z, tile_sample_size, tile_sample_stride):
@@ -303,7 +325,19 @@ def _place(x, wmesh):
 
 
 def _zeros(shape, dtype, wmesh):
-    return _place(jnp.zeros(shape, dtype), wmesh)
+    return _place(_filled(tuple(shape), 0, dtype), wmesh)
+
+
+@partial(jax.jit, static_argnums=(0, 1, 2))
+def _filled(shape, value, dtype):
+    # A named program rather than jnp.full's: `_Run` compiles it ahead of time with the rest.
+    return jnp.full(shape, value, dtype)
+
+
+@jax.jit
+def _frame(z, i):
+    """Latent frame i of (B, C, F, h, w), kept as a length-1 axis."""
+    return lax.dynamic_slice_in_dim(z, i, 1, axis=2)
 
 
 def patchify(x, p):
@@ -378,6 +412,49 @@ def _encode_chunk(graphdef, state, video, caches, wmesh):
     return (frame_caches, chunk_st.out), mu.transpose(0, 4, 1, 2, 3)
 
 
+def _stem_start_caches(graphdef, state, z, wmesh, run):
+    """The stem's caches before the first latent frame: zero rings, exactly what `_decode_stem` builds
+    itself when given None. Passing them makes the first frame run the same program as the others."""
+    caches, _ = _decode_stem.eval_shape(graphdef, state, z, None, wmesh)  # traced once per shape (jit's cache)
+    return [RingCache(run.zeros(c.frames.shape, c.frames.dtype, wmesh), run.full((), 2, jnp.int32)) for c in caches]
+
+
+class _Run:
+    """How `WanVAE._decode` makes its calls: run them (`_RUN`), or compile them for abstract inputs
+    (`_Run(True)`: each jitted call is lowered and compiled, its abstract outputs feed the next call)."""
+
+    def __init__(self, compile_only: bool, stop=None):
+        self.compile_only = compile_only
+        self.stop = stop
+
+    def __call__(self, fn, *args):
+        if not self.compile_only:
+            return fn(*args)
+        if self.stop is not None and self.stop.is_set():
+            from wan_tpu.warmup import Cancelled
+
+            raise Cancelled
+        lowered = fn.lower(*args)
+        lowered.compile()
+        return lowered.out_info
+
+    def frames(self, count: int, distinct: int):
+        """The frame indices to visit: all of them, or (compiling) the first `distinct` (the rest repeat one program)."""
+        return range(min(count, distinct) if self.compile_only else count)
+
+    def frame(self, z, i: int):
+        return self(_frame, z, i)
+
+    def zeros(self, shape, dtype, wmesh):
+        return self(_filled, tuple(shape), 0, dtype) if self.compile_only else _zeros(shape, dtype, wmesh)
+
+    def full(self, shape, value, dtype):
+        return self(_filled, tuple(shape), value, dtype)
+
+
+_RUN = _Run(False)
+
+
 @partial(jax.jit, static_argnums=(0, 4), donate_argnums=(3,))
 def _decode_stem(graphdef, state, z, caches, wmesh):
     """One latent frame → (caches, the mid block's output (B, 1, h, w, C))."""
@@ -387,16 +464,17 @@ def _decode_stem(graphdef, state, z, caches, wmesh):
     return st.out, model.decoder.stem(x, st)
 
 
-@partial(jax.jit, static_argnums=(0, 4, 5, 6, 7), donate_argnums=(3,))
-def _decode_strip(graphdef, state, mid, caches, wmesh, raw, crops, final):
+@partial(jax.jit, static_argnums=(0, 4, 5, 6), donate_argnums=(3,))
+def _decode_strip(graphdef, state, mid, caches, wmesh, raw, widths, offsets):
     """The mid block's output for one latent frame, a strip's input columns → (caches, video frames
-    (B, C, 1 or 4, H, strip width) clamped to [-1, 1]); `crops`/`final` from `Decoder3d.strip_plan`.
+    (B, C, 1 or 4, H, strip width) clamped to [-1, 1]); `widths` (static) and `offsets` (traced: one
+    program for strips of one width) from `Decoder3d.strip_plan`.
 
     `raw`: the decoder's output as is (still patchified, not clamped), for tiled decoding."""
     model: WanVAE = nnx.merge(graphdef, state)
     constrain = _constrain(wmesh)
     st = ChunkState(caches, constrain)
-    x = _nested(model.decoder.levels(crops, final), constrain)(mid, st)
+    x = _nested(model.decoder.levels(widths, offsets), constrain)(mid, st)
     if not raw:
         x = jnp.clip(unpatchify(x, model.config.patch_size), -1.0, 1.0)
     return st.out, x.transpose(0, 4, 1, 2, 3)
@@ -408,8 +486,8 @@ def _decode_chunk(graphdef, state, z, caches):
     strip as wide as the frame), the first frame of a video alone (its own trace), the rest scanned."""
     model: WanVAE = nnx.merge(graphdef, state)
     w = z.shape[-1]
-    _, crops, final = model.decoder.strip_plan(w, 0, w)
-    levels = _nested(model.decoder.levels(crops, final), None)
+    _, widths, offsets = model.decoder.strip_plan(w, 0, w)
+    levels = _nested(model.decoder.levels(widths, offsets), None)
 
     def frame(caches, zf):
         stem_caches, level_caches = (None, None) if caches is None else caches
@@ -433,10 +511,10 @@ def _decode_chunk(graphdef, state, z, caches):
     return caches, jnp.concatenate(videos, axis=2)
 
 
-@partial(jax.jit, static_argnums=(2, 3))
-def _frame_columns(x, i, lo, hi):
-    """Frame i, columns [lo, hi) of (B, T, H, W, C); one executable per strip, not per frame."""
-    return lax.dynamic_slice_in_dim(x, i, 1, axis=1)[:, :, :, lo:hi]
+@partial(jax.jit, static_argnums=(3,))
+def _frame_columns(x, i, lo, width):
+    """Frame i, `width` columns from `lo` of (B, T, H, W, C); one executable per strip width."""
+    return lax.dynamic_slice(x, (0, i, 0, lo, 0), (x.shape[0], 1, x.shape[2], width, x.shape[4]))
 
 
 @partial(jax.jit, donate_argnums=(0,))

@@ -461,11 +461,14 @@ class Decoder3d(nnx.Module):
         self.halos = tuple(reversed(halos))
 
     def strip_plan(self, width, start, stop):
-        """Latent columns [start, stop) of a `width`-wide latent → (input columns, per-block crops, final crop).
+        """Latent columns [start, stop) of a `width`-wide latent → (input columns, crop widths, crop offsets).
 
         The strip's input is its columns plus `halos[0]`, clipped to the frame; each up block crops its
-        input to the strip's columns plus its own halo at its resolution (offsets into what it receives),
-        and the head's output is cropped to exactly the strip."""
+        input to the strip's columns plus its own halo at its resolution, and the head's output is cropped
+        to exactly the strip: `widths[i]` columns from `offsets[i]` (an offset into what that block
+        receives; block 0 takes its input whole: width None), the head's crop last. The widths are static
+        and the offsets are arguments of the compiled strip step, so strips of one width (the two halves
+        of a 2-strip decode, the middle strips of more) share one program."""
         columns = (max(0, start - self.halos[0]), min(width, stop + self.halos[0]))
         received, scale, crops = columns[0], 1, []  # received: first column of what the block gets
         for block, halo in zip(self.up_blocks, self.halos):
@@ -474,27 +477,30 @@ class Decoder3d(nnx.Module):
             received = lo
             if block.upsampler is not None:
                 received, scale = 2 * lo, 2 * scale
-        return columns, tuple(crops), (scale * start - received, scale * stop - received)
+        crops.append((scale * start - received, scale * stop - received))
+        return (columns, tuple(None if c is None else c[1] - c[0] for c in crops),
+                tuple(0 if c is None else c[0] for c in crops))
 
     def stem(self, x, st: ChunkState):
         return self.mid_block(self.conv_in(x, st), st)
 
-    def levels(self, crops, final):
+    def levels(self, widths, offsets):
         """The up blocks and head as functions of one frame, split after each temporal upsample: level k+1
-        runs on each frame level k outputs (see vae._nested). Level 0 takes the mid block's output."""
+        runs on each frame level k outputs (see vae._nested). Level 0 takes the mid block's output.
+        `widths`, `offsets`: the crops of `strip_plan` (the offsets may be traced)."""
         bounds = [0] + [i + 1 for i, b in enumerate(self.up_blocks) if b.temporal] + [len(self.up_blocks)]
 
         def level(lo, hi, head):
             def fn(x, st: ChunkState):
-                for block, crop in zip(self.up_blocks[lo:hi], crops[lo:hi]):
-                    x = block(_crop(x, crop), st)
-                return _crop(self.conv_out(_norm_silu(self.norm_out, x), st), final) if head else x
+                for i in range(lo, hi):
+                    x = self.up_blocks[i](_crop(x, offsets[i], widths[i]), st)
+                return _crop(self.conv_out(_norm_silu(self.norm_out, x), st), offsets[-1], widths[-1]) if head else x
 
             return fn
 
         return [level(lo, hi, hi == len(self.up_blocks)) for lo, hi in zip(bounds[:-1], bounds[1:]) if lo < hi]
 
 
-def _crop(x, columns):
-    """Columns [start, stop) of a (B, T, H, W, C) activation; None keeps all."""
-    return x if columns is None else x[:, :, :, columns[0] : columns[1]]
+def _crop(x, start, width):
+    """`width` columns from `start` of a (B, T, H, W, C) activation; width None keeps all."""
+    return x if width is None or width == x.shape[3] else lax.dynamic_slice_in_dim(x, start, width, axis=3)

@@ -1,0 +1,156 @@
+"""Loading and compiling ahead of use: what `WanPipeline.prepare` starts in background threads.
+
+    pipe = wan_tpu.WanPipeline.from_pretrained("Wan2.1-T2V-1.3B-Diffusers")
+    s = pipe.settings(height=480, width=832, num_frames=81)
+    with pipe.prepare(s):                             # returns at once
+        frames = pipe("a cat walks on the grass", height=480, width=832, num_frames=81)   # waits only where needed
+
+What runs, each in its own thread:
+  * every component the run needs is read at the same time (text encoder, transformer(s), VAE, image
+    encoder): the weights of one come off the disk while another's are placed on the devices;
+  * once the transformer(s) are in, the denoise step is compiled (`denoise.compile_steps`) for the
+    run's latent and prompt shapes, while the text encoder loads and encodes;
+  * once the VAE is in, its decode programs (`WanVAE.compile_decode`) and the uint8 conversion are
+    compiled, typically while the DiT denoises.
+On a device mesh only the reading runs ahead (the calls' shardings come from the previous stage, so
+programs compiled from shapes would not be theirs). `component()`, `denoise()` and `decode()` of the
+pipeline wait for the piece they need and for nothing else; a compile that fails is reported as a warning and the call compiles as it always did. Leaving the
+`with` block (or `close()`) cancels what has not started and waits for what runs, so that no thread
+outlives it (an error or Ctrl-C then costs at most one load or one program's compile). Compiling
+ahead of time runs the very programs the calls would compile (same functions, same arguments' shapes
+and placements), so results are bit-identical with and without `prepare`.
+
+Memory: reading everything at once holds the text encoder's and the transformer's weights together
+while the prompt is encoded (the text encoder is still released before the first denoising step, so
+the denoising peak, the run's largest, is unchanged: DiT weights + activations, plus the VAE's
+weights, 0.5 GB for Wan 2.1). Where the devices report their memory and all weights do not fit in
+90% of what is free, only the text encoder and the VAE are read ahead and the transformer loads after
+the text encoder is released, as without `prepare`.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import threading
+import warnings
+import weakref
+
+import jax
+
+
+class Warmup:
+    """Background loads (`loads[name]`) and compiles (`compiles["denoise"|"decode"]`) for one run.
+
+    `cancel()` (called by itself when the interpreter exits, e.g. after an error or Ctrl-C) lets the
+    threads stop at the next program boundary: the process then waits for one program's compile at
+    most, not for all of them.
+    """
+
+    def __init__(self):
+        self.loads: dict[str, concurrent.futures.Future] = {}
+        self.compiles: dict[str, concurrent.futures.Future] = {}
+        self.cancelled = threading.Event()
+        self._threads: list[threading.Thread] = []
+        self._lock = threading.Lock()
+        _live.add(self)
+
+    def cancel(self) -> None:
+        self.cancelled.set()
+
+    def close(self) -> None:
+        """Cancel what has not started and wait for what runs (one load or one program at most per thread)."""
+        self.cancel()
+        for thread in self._threads:
+            thread.join()
+
+    def __enter__(self) -> Warmup:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def start(self, name: str, fn, *args, kind: str = "load") -> concurrent.futures.Future:
+        """Run `fn(*args)` in a new thread; its future goes under `kind` ("load" or "compile").
+
+        Not a daemon thread: the interpreter waits for it at exit, since a thread killed inside XLA's
+        compiler aborts the process ("exception not rethrown")."""
+        future: concurrent.futures.Future = concurrent.futures.Future()
+
+        def target():
+            if not future.set_running_or_notify_cancel():
+                return
+            if self.cancelled.is_set():
+                future.set_exception(Cancelled())
+                return
+            try:
+                future.set_result(fn(*args))
+            except BaseException as e:  # noqa: BLE001 - handed to whoever waits on it
+                future.set_exception(e)
+
+        (self.loads if kind == "load" else self.compiles)[name] = future
+        thread = threading.Thread(target=target, name=f"wan_tpu-{kind}-{name}")
+        self._threads.append(thread)
+        thread.start()
+        return future
+
+    def take_load(self, name: str):
+        """The loaded component `name` (waiting for it; its error, if loading failed), or None if it is not
+        being loaded. Taken once: the pipeline holds it from then on."""
+        with self._lock:
+            future = self.loads.pop(name, None)
+        if future is None or isinstance(future.exception(), Cancelled):
+            return None  # the caller loads it itself
+        return future.result()
+
+    def wait_compiled(self, name: str) -> None:
+        """Wait for the compile `name` if one was started; a failure becomes a warning (the call compiles)."""
+        future = self.compiles.pop(name, None)
+        if future is None:
+            return
+        try:
+            future.result()
+        except Cancelled:
+            pass
+        except Exception as e:  # noqa: BLE001 - compiling ahead is an optimisation only
+            warnings.warn(f"compiling {name} ahead of time failed ({type(e).__name__}: {e}); it compiles on use",
+                          stacklevel=3)
+
+
+class Cancelled(Exception):
+    """Raised in a warmup thread that stops early (`Warmup.cancel`)."""
+
+
+_live: weakref.WeakSet = weakref.WeakSet()
+
+
+def _cancel_all() -> None:
+    for warmup in list(_live):
+        warmup.cancel()
+
+
+# Runs before the interpreter joins its threads at exit (public `atexit` handlers run after): what
+# concurrent.futures uses for the same purpose.
+getattr(threading, "_register_atexit", lambda fn: None)(_cancel_all)
+
+
+def weights_fit(weight_bytes: dict[str, int], names, mesh) -> bool:
+    """Whether the weights of `names` fit together in 90% of the free memory of a device (their bytes
+    split over the mesh's devices); True where the backend does not report memory (CPU) or sizes are unknown."""
+    stats = jax.devices()[0].memory_stats() or {}
+    if "bytes_limit" not in stats or not weight_bytes:
+        return True
+    free = stats["bytes_limit"] - stats.get("bytes_in_use", 0)
+    devices = 1 if mesh is None else mesh.devices.size
+    return sum(weight_bytes.get(n, 0) for n in names) / devices <= 0.9 * free
+
+
+def free_bytes_after_release(vae) -> int | None:
+    """The free device memory `decode` will see once the encoders and the DiT are released: all of it
+    but the VAE's weights (None where the backend does not report memory)."""
+    stats = jax.devices()[0].memory_stats() or {}
+    if "bytes_limit" not in stats:
+        return None
+    from flax import nnx
+
+    weights = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(nnx.state(vae)))
+    return stats["bytes_limit"] - weights
