@@ -31,6 +31,7 @@ import dataclasses
 import functools
 import gc
 import os
+import threading
 from collections.abc import Callable
 
 import jax
@@ -56,8 +57,7 @@ class WanPipeline:
 
     def __init__(self, variant: WanVariant, vae_config: WanVAEConfig, loaders: dict[str, Callable[[], object]], *,
                  name: str, dtype, mesh=None, vae_dtype=jnp.float32, attention_impl: str | None = None,
-                 weight_elements: dict[str, int] | None = None, check_memory: bool = True,
-                 programs: dict[str, Callable[[], object]] | None = None):
+                 weight_elements: dict[str, int] | None = None, check_memory: bool = True):
         self.variant = variant
         self.vae_config = vae_config
         self.name = name
@@ -69,9 +69,6 @@ class WanPipeline:
         self.weight_elements = weight_elements
         self.check_memory = check_memory
         self._loaders = {n: _one_torch_load_at_a_time(f) if n in TORCH_COMPONENTS else f for n, f in loaders.items()}
-        # Component → its program without weights (`UMT5TextEncoder.abstract`), which `prepare` compiles
-        # while the weights are read.
-        self._programs = dict(programs or {})
         self._loaded: dict[str, object] = {}
         self._loras: list[tuple[str, float, tuple[str, ...]]] = []  # (path, scale, DiT component names)
         self.cache_stats = None  # the step cache's `CacheStats` of the last run that used one
@@ -128,9 +125,7 @@ class WanPipeline:
         weights = check_checkpoint(path, parts)
         return cls(variant, vae_config, _folder_loaders(path, parts, dtype, mesh, attention_impl, vae_dtype),
                    name=os.path.abspath(path), dtype=dtype, mesh=mesh, vae_dtype=vae_dtype, attention_impl=attention_impl,
-                   weight_elements=weights, check_memory=check_memory,
-                   programs={"text_encoder": functools.partial(_text_program, os.path.join(path, parts["text_encoder"]),
-                                                               dtype)}).quantize(quantize)
+                   weight_elements=weights, check_memory=check_memory).quantize(quantize)
 
     def quantize(self, mode: str | None) -> WanPipeline:
         """Quantise the DiT(s) (`"fp8"` or `"int8"`; None: no change): those loaded now, in place, and those
@@ -263,8 +258,6 @@ class WanPipeline:
             # text encoder's output, the sharded latents): a program compiled ahead from shapes would
             # not be the one they run. Loading ahead still helps.
             return warmup
-        if "text_encoder" in todo and "text_encoder" in self._programs:
-            warmup.start("text", self._compile_text, s, kind="compile")
         if ahead:
             sources = [self._loaded[n] if n in self._loaded else warmup.loads[n] for n in dits]
             warmup.start("denoise", self._compile_denoise, warmup, s, sampling, image, sources, kind="compile")
@@ -310,10 +303,6 @@ class WanPipeline:
                                  first_frame=jax.ShapeDtypeStruct((1, z, 1, h, w), jnp.float32) if image else None)
         return cond
 
-    def _compile_text(self, s: RunSettings) -> None:
-        # UMT5-XXL's program compiles in ~7 s on a GPU: from its config alone, while its weights are read.
-        self._programs["text_encoder"]().compile(2 if s.do_cfg else 1)
-
     def _compile_decode(self, warmup, s: RunSettings, source) -> None:
         from wan_tpu.models import vae as vae_lib
         from wan_tpu.warmup import free_bytes_after_release
@@ -338,11 +327,8 @@ class WanPipeline:
         settings = self.settings(guidance_scale=guidance_scale)
         check_prompts(prompt, negative_prompt, settings.do_cfg)
         prompts = [prompt, negative_prompt] if settings.do_cfg else [prompt]
-        encoder = self.text_encoder
-        if self._warmup is not None:
-            self._warmup.wait_compiled("text")
         with scope("text_encode"):
-            embeds = jax.block_until_ready(encoder.encode(prompts))
+            embeds = jax.block_until_ready(self.text_encoder.encode(prompts))
         interrupt.check("encode")
         out = {"prompt_embeds": embeds[:1]}
         if settings.do_cfg:
@@ -528,17 +514,14 @@ class WanPipeline:
 # Loading a transformers model sets process-wide torch state for a while (the default dtype, meta-device
 # initialisation, the RNG of the tiny preset): two such loads in parallel threads (`prepare`) would see
 # each other's, so they take turns.
-# Loaded by transformers' `from_pretrained` as a whole (the text encoder takes `TORCH_STATE` itself, for
-# building its module only, so its 11 GB are read while other threads build theirs).
-TORCH_COMPONENTS = ("image_encoder",)
+TORCH_COMPONENTS = ("text_encoder", "image_encoder")
+_TORCH_LOADING = threading.Lock()
 
 
 def _one_torch_load_at_a_time(loader):
     @functools.wraps(loader)
     def load():
-        from wan_tpu.warmup import TORCH_STATE
-
-        with TORCH_STATE:
+        with _TORCH_LOADING:
             return loader()
 
     return load
@@ -600,12 +583,6 @@ def _folder_loaders(path, parts, dtype, mesh, attention_impl, vae_dtype) -> dict
     if "image_encoder" in parts:
         loaders["image_encoder"] = image_encoder
     return loaders
-
-
-def _text_program(folder: str, dtype):
-    from wan_tpu.text_encoder import UMT5TextEncoder
-
-    return UMT5TextEncoder.abstract(folder, dtype)
 
 
 def set_attention(dit, impl: str | None, mesh):

@@ -113,25 +113,14 @@ def tiny(dtype=jnp.bfloat16, mesh=None, attention_impl=None, vae_dtype=jnp.float
         from wan_tpu.text_encoder import UMT5TextEncoder
         from wan_tpu.tokenizers import tiny_tokenizer
 
-        from wan_tpu.warmup import TORCH_STATE
-
-        with TORCH_STATE:
-            model = tiny_umt5(variant.transformer.text_dim, seed).to(torchax_compat.torch_dtype(dtype))
+        model = tiny_umt5(variant.transformer.text_dim, seed).to(torchax_compat.torch_dtype(dtype))
         with torch.no_grad():
             state = torchax_compat.module_state(model, mesh=mesh, family="umt5")
         return UMT5TextEncoder(model, tiny_tokenizer(), state)
 
-    def text_program():
-        """The tiny encoder with its state as shapes (what `UMT5TextEncoder.abstract` gives for a folder)."""
-        import jax
-
-        encoder = text_encoder()
-        encoder.state = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), encoder.state)
-        return encoder
-
     loaders = {"transformer": transformer, "vae": vae, "text_encoder": text_encoder}
     return WanPipeline(variant, TINY_VAE, loaders, name="tiny", dtype=dtype, mesh=mesh, vae_dtype=vae_dtype,
-                       attention_impl=attention_impl, programs={"text_encoder": text_program})
+                       attention_impl=attention_impl)
 
 
 PRESETS = {"tiny": tiny}

@@ -65,29 +65,11 @@ class UMT5TextEncoder:
         torchax_compat.require_file(text_encoder_dir, "config.json", "text_encoder")
         torchax_compat.require_file(tokenizer_dir, "tokenizer_config.json", "tokenizer")
         tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
-        # Weights go file → device; torch never holds the 11 GB (equal to from_pretrained + module_state).
-        model, state = torchax_compat.load_pretrained(UMT5EncoderModel, text_encoder_dir, dtype, mesh=mesh,
-                                                      family="umt5", what="text_encoder")
+        model = UMT5EncoderModel.from_pretrained(
+            text_encoder_dir, dtype=torchax_compat.torch_dtype(dtype), attn_implementation="sdpa"
+        ).eval()
+        state = torchax_compat.module_state(model, mesh=mesh, family="umt5")
         return cls(model, tokenizer, state)
-
-    @classmethod
-    def abstract(cls, text_encoder_dir, dtype=jnp.bfloat16) -> UMT5TextEncoder:
-        """The encoder without its weights (a meta-device module, the state as shapes and dtypes): enough to
-        `compile` its program while `from_pretrained` is still reading the 11 GB of UMT5-XXL."""
-        from transformers import UMT5EncoderModel
-
-        from wan_tpu import torchax_compat
-
-        torchax_compat.require_file(text_encoder_dir, "config.json", "text_encoder")
-        model, state = torchax_compat.load_pretrained(UMT5EncoderModel, text_encoder_dir, dtype, what="text_encoder",
-                                                      abstract=True)
-        return cls(model, None, state)
-
-    def compile(self, batch: int) -> None:
-        """Compile, without running, the program `encode` runs for `batch` prompts (same shapes, same
-        placement), so that `encode` on the loaded encoder finds it in the compilation cache."""
-        ids = jax.ShapeDtypeStruct((batch, self.max_sequence_length), jnp.int32)
-        self._forward.lower(self.state, ids, ids).compile()
 
     def tokenize(self, prompts: list[str]) -> tuple[np.ndarray, np.ndarray]:
         """Token ids and attention mask, (B, max_sequence_length) int32, padded and truncated."""

@@ -136,68 +136,6 @@ def module_state(module: torch.nn.Module, mesh=None, family: str | None = None) 
     return state
 
 
-def load_pretrained(model_cls, folder, dtype, mesh=None, family: str | None = None, what: str = "model",
-                    abstract: bool = False):
-    """`model_cls.from_pretrained(folder, dtype=...)` for a transformers model run through torchax, without
-    torch ever holding the weights: returns `(module, state)` as `module_state` would.
-
-    The module is built on the meta device (a program only) and each tensor goes from its memory-mapped
-    safetensors file straight to the device, converted to the dtype transformers would give it (its
-    `_keep_in_fp32_modules` stay float32 under float16, as in transformers) and sharded as rule table
-    `family` says. Why: `from_pretrained` copies every weight into torch CPU memory first and
-    `module_state` copies it once more to the device; for UMT5-XXL (11 GB) that was most of the load.
-    A tied weight is read once under whichever of its names the file holds. `abstract=True` reads no
-    weight: the state holds their shapes and dtypes (`jax.ShapeDtypeStruct`), enough to compile the
-    module's programs while the weights are still being read (no mesh only).
-    """
-    from transformers import AutoConfig
-
-    from wan_tpu.checkpoint import open_checkpoint, prefetch
-
-    from wan_tpu.warmup import TORCH_STATE
-
-    _, tensors = open_checkpoint(os.fspath(folder), what)
-    target = torch_dtype(dtype)
-    with TORCH_STATE, torch.device("meta"):
-        config = AutoConfig.from_pretrained(os.fspath(folder))
-        module = model_cls._from_config(config, dtype=target, attn_implementation="sdpa").eval()
-    keep_fp32 = tuple(model_cls._keep_in_fp32_modules or ()) if target == torch.float16 else ()
-    if any(True for _ in module.named_buffers()):
-        raise NotImplementedError(f"{model_cls.__name__} has buffers; load it with from_pretrained + module_state")
-    groups: dict[int, list[str]] = {}
-    params = dict(module.named_parameters(remove_duplicate=False))
-    for name, param in params.items():
-        groups.setdefault(id(param), []).append(name)
-    plan = []  # (names, stored name, dtype) per distinct parameter, checked before anything is read
-    for names in groups.values():
-        stored = next((n for n in names if n in tensors), None)
-        if stored is None:
-            raise WanInputError(f"{folder}: tensor {names[0]!r} is missing; re-download the {what}")
-        shape = tuple(params[names[0]].shape)
-        if tuple(tensors.shape(stored)) != shape:
-            raise WanInputError(f"{folder}: tensor {stored!r} has shape {tuple(tensors.shape(stored))}, but config.json "
-                                f"implies {shape}; the weights do not match config.json")
-        fp32 = any(seg in keep_fp32 for seg in names[0].split("."))
-        plan.append((names, stored, np.dtype(np.float32 if fp32 else jnp.dtype(dtype))))
-
-    if abstract:
-        if mesh is not None:
-            raise ValueError("load_pretrained(abstract=True) places nothing, so it takes no mesh")
-        return module, {n: jax.ShapeDtypeStruct(tuple(params[n].shape), dt) for names, _, dt in plan for n in names}
-
-    def read(entry):
-        _, stored, dt = entry
-        return tensors[stored].astype(dt, copy=False)
-
-    if mesh is not None:
-        from wan_tpu.sharding import place_param
-    state = {}
-    for (names, _, _), host in zip(plan, prefetch(read, plan)):
-        value = jnp.asarray(host) if mesh is None else place_param(mesh, family, names[0], host)
-        state.update(dict.fromkeys(names, value))
-    return module, state
-
-
 def _to_numpy(tensor: torch.Tensor) -> np.ndarray:
     tensor = tensor.detach().cpu().contiguous()
     if tensor.dtype == torch.bfloat16:  # numpy has no bfloat16; reinterpret the bits

@@ -38,12 +38,6 @@ import weakref
 import jax
 
 
-# Held while transformers builds a module: its loading sets process-wide torch state (the default
-# dtype, meta-device initialisation), so two encoders built at once in prepare's threads could get
-# each other's. Reading their weights needs no lock.
-TORCH_STATE = threading.Lock()
-
-
 class Warmup:
     """Background loads (`loads[name]`) and compiles (`compiles["denoise"|"decode"]`) for one run.
 

@@ -20,7 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from wan_tpu.checkpoint import TensorSource, open_checkpoint, prefetch
+from wan_tpu.checkpoint import TensorSource, open_checkpoint
 from wan_tpu.configs.models import WanTransformerConfig, config_from_json
 from wan_tpu.errors import WanInputError
 from wan_tpu.models.transformer import WanTransformer
@@ -200,11 +200,8 @@ def load_transformer(path: str, dtype=jnp.float32, mesh=None, quantize: str | No
     if mesh is not None:
         from wan_tpu.sharding import place_param
 
-    def read(pair):
-        s, (_, var) = pair
-        return s.read(tensors, np.dtype(var.get_value().dtype))
-
-    for (s, (key, var)), host in zip(zip(sources, flat), prefetch(read, zip(sources, flat))):
+    for s, (key, var) in zip(sources, flat):
+        host = s.read(tensors, np.dtype(var.get_value().dtype))
         if mesh is None:
             var.set_value(jax.device_put(host))
         else:
