@@ -474,6 +474,8 @@ def entry_ours(name: str, ckpt: str, args, s, cache: str) -> dict:
     if rc:
         return _failed(name, rc, text)
     rows = dict(re.findall(r"^(\S.*?)\s{2,}([\d.]+) s\s*$", text, flags=re.M))
+    print("\n".join(f"    {line}" for line in text.splitlines() if re.match(r"(startup|load|text|denoise|decode|write"
+                                                                         r"|total|compile cache) ", line)), flush=True)
     parts = {part: sum(float(rows.get(stage, 0.0)) for stage in stages) for part, stages in OUR_STAGES.items()}
     return {"entry": name, "status": "ok", "wall": wall, "parts": parts,
             "s_per_step": float(rows["s/step (median)"]), "startup": float(rows.get("startup", "nan"))}
