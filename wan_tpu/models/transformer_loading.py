@@ -153,18 +153,24 @@ class ParamSource:
                 )
 
     def read(self, tensors: TensorSource, dtype) -> np.ndarray:
-        def one(n):
-            a = np.asarray(tensors[n])
-            return (self.transform(a) if self.transform else a).astype(dtype, copy=False)
+        return read_param(lambda n: tensors[n], self.names, self.transform, self.stacked, dtype)
 
-        if not self.stacked:
-            return np.ascontiguousarray(one(self.names[0]))
-        first = one(self.names[0])
-        out = np.empty((len(self.names), *first.shape), dtype)
-        out[0] = first
-        for i, n in enumerate(self.names[1:], start=1):
-            out[i] = one(n)
-        return out
+
+def read_param(fetch, names: list[str], transform, stacked: bool, dtype) -> np.ndarray:
+    """One parameter as placed: `fetch(name)` of each stored tensor, `transform`ed (None: as stored), cast to
+    `dtype`; a block parameter (`stacked`) gathers one tensor per layer along a new leading axis."""
+    def one(n):
+        a = np.asarray(fetch(n))
+        return (transform(a) if transform else a).astype(dtype, copy=False)
+
+    if not stacked:
+        return np.ascontiguousarray(one(names[0]))
+    first = one(names[0])
+    out = np.empty((len(names), *first.shape), dtype)
+    out[0] = first
+    for i, n in enumerate(names[1:], start=1):
+        out[i] = one(n)
+    return out
 
 
 def load_transformer(path: str, dtype=jnp.float32, mesh=None, quantize: str | None = None) -> WanTransformer:

@@ -32,7 +32,8 @@ from wan_tpu.configs.matrix_game import MatrixGameTransformerConfig, config_from
 from wan_tpu.errors import WanInputError
 from wan_tpu.models.matrix_game.cache import MatrixGameCache
 from wan_tpu.models.matrix_game.model import MatrixGameTransformer
-from wan_tpu.models.transformer_loading import diffusers_name, diffusers_to_original_wan, original_wan_to_diffusers
+from wan_tpu.models.transformer_loading import (diffusers_name, diffusers_to_original_wan, original_wan_to_diffusers,
+                                                read_param)
 
 PREFIX = "model."
 # Our action-module submodules → the authors' (`nn.Sequential` indices).
@@ -98,18 +99,7 @@ class _Param:
         self.stacked = layers is not None
 
     def read(self, tensors, names: dict[str, str], dtype) -> np.ndarray:
-        def one(n):
-            a = np.asarray(tensors[names[n]])
-            return (self.transform(a) if self.transform else a).astype(dtype, copy=False)
-
-        if not self.stacked:
-            return np.ascontiguousarray(one(self.names[0]))
-        first = one(self.names[0])
-        out = np.empty((len(self.names), *first.shape), dtype)
-        out[0] = first
-        for i, n in enumerate(self.names[1:], start=1):
-            out[i] = one(n)
-        return out
+        return read_param(lambda n: tensors[names[n]], self.names, self.transform, self.stacked, dtype)
 
 
 def _check(params: list[_Param], tensors: TensorSource, names: dict[str, str], path: str):
