@@ -50,9 +50,11 @@ def host_reference(p: StoredParam, tensors) -> np.ndarray:
 
 
 @pytest.mark.parametrize("batch_bytes", [1, 1 << 30])  # one batch per parameter; everything in one batch
-def test_device_layout_matches_host_bitwise(source, monkeypatch, batch_bytes):
+@pytest.mark.parametrize("device_layout_bytes", [0, 1 << 30])  # every layout change on the device; all on the host
+def test_device_layout_matches_host_bitwise(source, monkeypatch, batch_bytes, device_layout_bytes):
     src, tensors = source
     monkeypatch.setattr(param_loading, "BATCH_BYTES", batch_bytes)
+    monkeypatch.setattr(param_loading, "DEVICE_LAYOUT_BYTES", device_layout_bytes)
     params = cases(src)
     for p, out in zip(params, load_params(params)):
         ref = host_reference(p, tensors)

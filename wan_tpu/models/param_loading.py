@@ -13,8 +13,10 @@ casting) bf16 weights in numpy took our DiT loader down to 0.43 GB/s. So here:
   * parameters go to the device in batches (one `jax.device_put` of a list per ~256 MB), read ahead by
     a few threads while the previous batch transfers;
   * the layout change (`Layout`: a reshape and a transpose, e.g. torch's (out, in) → (in, out)) and the
-    cast to the model's dtype run on the device, where they cost microseconds, in one small program per
-    distinct (shape, layout, dtype) that the compilation cache keeps.
+    cast to the model's dtype of a large parameter run on the device, where they cost microseconds, in
+    one small program per distinct (shape, layout, dtype) that the compilation cache keeps; a small one
+    (under `DEVICE_LAYOUT_BYTES`, e.g. the VAE's many convolutions) is converted on the host, where it
+    is cheap, rather than compiling a program for each of its shapes.
 Results are bit-identical to converting on the host: a transpose moves bits and both sides round
 float32 → bfloat16 to nearest even.
 
@@ -37,6 +39,7 @@ from wan_tpu.checkpoint import TensorSource
 
 BATCH_BYTES = 256 << 20  # host bytes per device_put batch: large enough to amortise, small enough to pipeline
 READ_THREADS = 4
+DEVICE_LAYOUT_BYTES = 16 << 20  # at least this many stored bytes: layout and cast on the device
 
 
 @dataclasses.dataclass(frozen=True)
@@ -93,6 +96,15 @@ class StoredParam:
             self.tensors.read_into(self.names[0], out)
         return out
 
+    @property
+    def stored_bytes(self) -> int:
+        return int(np.prod(self.stored_shape, dtype=np.int64)) * self.stored_dtype.itemsize
+
+    @property
+    def as_stored(self) -> bool:
+        """Placed exactly as stored (no layout change, no cast)."""
+        return self.layout.identity and np.dtype(self.dtype) == self.stored_dtype
+
     def read_host(self) -> np.ndarray:
         """The parameter as placed (our layout and dtype), built on the host."""
         return np.ascontiguousarray(self.layout.apply(self.read_stored(), self.stacked).astype(self.dtype, copy=False))
@@ -117,17 +129,20 @@ def load_params(params: Sequence[StoredParam], place: Callable[[int, np.ndarray]
             batches.append([])
             size = 0
         batches[-1].append(i)
-        size += int(np.prod(p.stored_shape, dtype=np.int64)) * p.stored_dtype.itemsize
+        size += p.stored_bytes
+    on_device = [not p.as_stored and p.stored_bytes >= DEVICE_LAYOUT_BYTES for p in params]
     out: list[jax.Array | None] = [None] * len(params)
+
+    def read(batch):
+        return [params[i].read_stored() if on_device[i] else params[i].read_host() for i in batch]
+
     with concurrent.futures.ThreadPoolExecutor(threads) as pool:
-        read = lambda batch: [params[i].read_stored() for i in batch]  # noqa: E731
         ahead = collections.deque(pool.submit(read, b) for b in batches[:threads])
         for n, batch in enumerate(batches):
             hosts = ahead.popleft().result()
             if n + threads < len(batches):
                 ahead.append(pool.submit(read, batches[n + threads]))
-            for i, stored in zip(batch, jax.device_put(hosts)):
+            for i, placed in zip(batch, jax.device_put(hosts)):
                 p = params[i]
-                same = p.layout.identity and np.dtype(p.dtype) == p.stored_dtype
-                out[i] = stored if same else _to_ours(stored, p.layout, p.stacked, np.dtype(p.dtype))
+                out[i] = _to_ours(placed, p.layout, p.stacked, np.dtype(p.dtype)) if on_device[i] else placed
     return out
