@@ -35,6 +35,7 @@ def cases(src):
         StoredParam(src, ["conv"], Layout(reshape=(5, 18), perm=(1, 0)), bf16),
         StoredParam(src, ["gamma"], Layout(reshape=(7,)), np.dtype(np.float32)),
         StoredParam(src, ["bias"], Layout(), np.dtype(np.float32)),
+        StoredParam(src, [f"blocks.{i}.w" for i in range(3)], Layout(), np.dtype(np.float32), stacked=True),
     ]
 
 
@@ -49,14 +50,13 @@ def host_reference(p: StoredParam, tensors) -> np.ndarray:
     return np.ascontiguousarray(a.astype(p.dtype))
 
 
-@pytest.mark.parametrize("batch_bytes", [1, 1 << 30])  # one batch per parameter; everything in one batch
+@pytest.mark.parametrize("threads", [1, 3])
 @pytest.mark.parametrize("device_layout_bytes", [0, 1 << 30])  # every layout change on the device; all on the host
-def test_device_layout_matches_host_bitwise(source, monkeypatch, batch_bytes, device_layout_bytes):
+def test_device_layout_matches_host_bitwise(source, monkeypatch, threads, device_layout_bytes):
     src, tensors = source
-    monkeypatch.setattr(param_loading, "BATCH_BYTES", batch_bytes)
     monkeypatch.setattr(param_loading, "DEVICE_LAYOUT_BYTES", device_layout_bytes)
     params = cases(src)
-    for p, out in zip(params, load_params(params)):
+    for p, out in zip(params, load_params(params, threads=threads)):
         ref = host_reference(p, tensors)
         assert isinstance(out, jax.Array) and out.dtype == ref.dtype and out.shape == ref.shape
         np.testing.assert_array_equal(np.asarray(out).view(np.uint8), ref.view(np.uint8))

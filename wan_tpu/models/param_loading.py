@@ -3,20 +3,20 @@
     params = [StoredParam(tensors, ["blocks.0.attn1.to_q.weight", ...], Layout(perm=(1, 0)), jnp.bfloat16), ...]
     arrays = load_params(params)                 # one jax.Array per StoredParam, in order
 
-Measured on an H100 host (`scripts/profile_load.py`), what a loader spends beyond the bytes is per-tensor
-overhead and host-side layout work: `jax.device_put` of a 2.7 GB DiT tensor by tensor ran at 1.7 GB/s
-against 5.2 GB/s for reading the same files, a VAE of small tensors at 0.4 GB/s, and transposing (and
-casting) bf16 weights in numpy took our DiT loader down to 0.43 GB/s. So here:
-  * each parameter is read **as stored** (dtype and layout) straight from the file into one host buffer,
-    per-layer tensors of a stacked parameter side by side (`TensorSource.read_into`: plain reads, no
-    page-by-page faults of a memory map, the GIL released);
-  * parameters go to the device in batches (one `jax.device_put` of a list per ~256 MB), read ahead by
-    a few threads while the previous batch transfers;
-  * the layout change (`Layout`: a reshape and a transpose, e.g. torch's (out, in) → (in, out)) and the
-    cast to the model's dtype of a large parameter run on the device, where they cost microseconds, in
-    one small program per distinct (shape, layout, dtype) that the compilation cache keeps; a small one
-    (under `DEVICE_LAYOUT_BYTES`, e.g. the VAE's many convolutions) is converted on the host, where it
-    is cheap, rather than compiling a program for each of its shapes.
+Measured on an H100 host (`scripts/profile_load.py`, 2026-11-23): the page cache reads at 5–6 GB/s;
+`jax.device_put` straight from a memory map reaches 3.8 GB/s for UMT5's large tensors with one thread
+and 5.8 GB/s with four, while copying into fresh host buffers first (1.7 GB/s: the kernel zeroes every
+new page) or one batched `device_put` of them all (1.3 GB/s) is slower; and transposing and casting
+bf16 weights in numpy took the DiT loader down to 0.43 GB/s. So here:
+  * a few threads put parameters on the device at once, each large one as stored (dtype and layout),
+    layer by layer straight from the checkpoint's memory map: no host copy at all;
+  * the layout change (`Layout`: a reshape and a transpose, e.g. torch's (out, in) → (in, out)), the
+    stacking of per-layer tensors on a leading axis and the cast to the model's dtype run on the device,
+    where they cost microseconds, in one small program per distinct (layers, shape, layout, dtype) that
+    the compilation cache keeps;
+  * a small parameter (under `DEVICE_LAYOUT_BYTES`, e.g. the VAE's many convolutions, a layer norm's
+    stacked gains) is built on the host, where that is cheap, rather than compiling a program for each
+    of its shapes.
 Results are bit-identical to converting on the host: a transpose moves bits and both sides round
 float32 → bfloat16 to nearest even.
 
@@ -33,11 +33,11 @@ import functools
 from collections.abc import Callable, Sequence
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from wan_tpu.checkpoint import TensorSource
 
-BATCH_BYTES = 256 << 20  # host bytes per device_put batch: large enough to amortise, small enough to pipeline
 READ_THREADS = 4
 DEVICE_LAYOUT_BYTES = 16 << 20  # at least this many stored bytes: layout and cast on the device
 
@@ -111,38 +111,44 @@ class StoredParam:
 
 
 @functools.partial(jax.jit, static_argnames=("layout", "stacked", "dtype"))
-def _to_ours(stored, layout: Layout, stacked: bool, dtype):
+def _to_ours(layers, layout: Layout, stacked: bool, dtype):
+    stored = jnp.stack(layers) if stacked else layers[0]
     return layout.apply(stored, stacked).astype(dtype)
+
+
+def _ordered(pool, fn, items, ahead: int):
+    """`fn` over `items` in `pool`, results in order, at most `ahead` of them pending beyond the consumer."""
+    pending = collections.deque()
+    items = iter(items)
+    for item in items:
+        pending.append(pool.submit(fn, item))
+        if len(pending) > ahead:
+            yield pending.popleft().result()
+    while pending:
+        yield pending.popleft().result()
 
 
 def load_params(params: Sequence[StoredParam], place: Callable[[int, np.ndarray], jax.Array] | None = None,
                 threads: int = READ_THREADS) -> list[jax.Array]:
     """Every parameter on the device, in order: the default device, or where `place(i, host)` puts
     `params[i]` given in our layout and dtype (e.g. sharded over a mesh)."""
-    if place is not None:
-        with concurrent.futures.ThreadPoolExecutor(threads) as pool:
-            # map() reads ahead of the placing loop, at most `threads` parameters held beyond it.
-            return [place(i, host) for i, host in enumerate(pool.map(StoredParam.read_host, params))]
-    batches, size = [[]], 0
-    for i, p in enumerate(params):
-        if batches[-1] and size >= BATCH_BYTES:
-            batches.append([])
-            size = 0
-        batches[-1].append(i)
-        size += p.stored_bytes
-    on_device = [not p.as_stored and p.stored_bytes >= DEVICE_LAYOUT_BYTES for p in params]
-    out: list[jax.Array | None] = [None] * len(params)
-
-    def read(batch):
-        return [params[i].read_stored() if on_device[i] else params[i].read_host() for i in batch]
-
     with concurrent.futures.ThreadPoolExecutor(threads) as pool:
-        ahead = collections.deque(pool.submit(read, b) for b in batches[:threads])
-        for n, batch in enumerate(batches):
-            hosts = ahead.popleft().result()
-            if n + threads < len(batches):
-                ahead.append(pool.submit(read, batches[n + threads]))
-            for i, placed in zip(batch, jax.device_put(hosts)):
-                p = params[i]
-                out[i] = _to_ours(placed, p.layout, p.stacked, np.dtype(p.dtype)) if on_device[i] else placed
-    return out
+        if place is not None:
+            hosts = _ordered(pool, StoredParam.read_host, params, threads)
+            return [place(i, host) for i, host in enumerate(hosts)]
+        out = []
+        for p, on_device, arrays in _ordered(pool, _put, params, 2 * threads):
+            out.append(_to_ours(tuple(arrays), p.layout, p.stacked, np.dtype(p.dtype)) if on_device else arrays[0])
+        return out
+
+
+def _put(p: StoredParam):
+    """`p` host → device: (p, whether its layout and cast are still to do on the device, the arrays put).
+
+    Large parameters go as stored, each layer straight from its memory map (no host copy); small ones
+    are converted on the host first, so that they compile no program of their own."""
+    if p.as_stored and not p.stacked:
+        return p, False, [jax.device_put(np.asarray(p.tensors[p.names[0]]))]
+    if p.stored_bytes < DEVICE_LAYOUT_BYTES:
+        return p, False, [jax.device_put(p.read_host())]
+    return p, True, [jax.device_put(np.asarray(p.tensors[n])) for n in p.names]
