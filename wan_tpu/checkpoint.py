@@ -183,6 +183,23 @@ def open_checkpoint(path: str, what: str = "model") -> tuple[dict, TensorSource]
     return config, TensorSource(component_files(path, what))
 
 
+def read_param(fetch, names: list[str], transform, stacked: bool, dtype) -> np.ndarray:
+    """One parameter as placed: `fetch(name)` of each stored tensor, `transform`ed (None: as stored), cast to
+    `dtype`; a block parameter (`stacked`) gathers one tensor per layer along a new leading axis."""
+    def one(n):
+        a = np.asarray(fetch(n))
+        return (transform(a) if transform else a).astype(dtype, copy=False)
+
+    if not stacked:
+        return np.ascontiguousarray(one(names[0]))
+    first = one(names[0])
+    out = np.empty((len(names), *first.shape), dtype)
+    out[0] = first
+    for i, n in enumerate(names[1:], start=1):
+        out[i] = one(n)
+    return out
+
+
 def open_component(folder: str, name: str) -> TensorSource:
     """The tensors of one component of a multi-component folder: `folder/NAME.safetensors`, or shards
     listed by `folder/NAME.safetensors.index.json` (UniFoLM: unet, conditioning, vae, ...)."""

@@ -20,7 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from wan_tpu.checkpoint import TensorSource, open_checkpoint
+from wan_tpu.checkpoint import TensorSource, open_checkpoint, read_param
 from wan_tpu.configs.models import WanTransformerConfig, config_from_json
 from wan_tpu.errors import WanInputError
 from wan_tpu.models.transformer import WanTransformer
@@ -154,23 +154,6 @@ class ParamSource:
 
     def read(self, tensors: TensorSource, dtype) -> np.ndarray:
         return read_param(lambda n: tensors[n], self.names, self.transform, self.stacked, dtype)
-
-
-def read_param(fetch, names: list[str], transform, stacked: bool, dtype) -> np.ndarray:
-    """One parameter as placed: `fetch(name)` of each stored tensor, `transform`ed (None: as stored), cast to
-    `dtype`; a block parameter (`stacked`) gathers one tensor per layer along a new leading axis."""
-    def one(n):
-        a = np.asarray(fetch(n))
-        return (transform(a) if transform else a).astype(dtype, copy=False)
-
-    if not stacked:
-        return np.ascontiguousarray(one(names[0]))
-    first = one(names[0])
-    out = np.empty((len(names), *first.shape), dtype)
-    out[0] = first
-    for i, n in enumerate(names[1:], start=1):
-        out[i] = one(n)
-    return out
 
 
 def load_transformer(path: str, dtype=jnp.float32, mesh=None, quantize: str | None = None) -> WanTransformer:

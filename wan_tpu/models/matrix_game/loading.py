@@ -27,13 +27,12 @@ from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from wan_tpu.checkpoint import TensorSource
+from wan_tpu.checkpoint import TensorSource, read_param
 from wan_tpu.configs.matrix_game import MatrixGameTransformerConfig, config_from_json, get_variant
 from wan_tpu.errors import WanInputError
 from wan_tpu.models.matrix_game.cache import MatrixGameCache
 from wan_tpu.models.matrix_game.model import MatrixGameTransformer
-from wan_tpu.models.transformer_loading import (diffusers_name, diffusers_to_original_wan, original_wan_to_diffusers,
-                                                read_param)
+from wan_tpu.models.transformer_loading import diffusers_name, diffusers_to_original_wan, original_wan_to_diffusers
 
 PREFIX = "model."
 # Our action-module submodules → the authors' (`nn.Sequential` indices).
