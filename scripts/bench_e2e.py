@@ -95,7 +95,7 @@ class BenchConfig:
 
         dit = VARIANTS[self.variant].transformer
         if self.vae == "tiny":
-            return dit, presets.TINY_VAE, presets.tiny_umt5_config(dit.text_dim)
+            return dit, presets.TINY_VAE, presets.hf_umt5_config(presets.tiny_umt5_config(dit.text_dim))
         return dit, VAE_PRESETS[self.vae], umt5_xxl_config()
 
 

@@ -74,6 +74,14 @@ def tiny_umt5_config(d_model: int):
                       relative_attention_num_buckets=8, relative_attention_max_distance=32)
 
 
+def hf_umt5_config(cfg):
+    """transformers' `UMT5Config` for one of ours (to write checkpoints with `UMT5EncoderModel`)."""
+    from transformers import UMT5Config
+
+    return UMT5Config(**dataclasses.asdict(cfg), dropout_rate=0.0, pad_token_id=0, eos_token_id=1,
+                      decoder_start_token_id=0)
+
+
 def umt5_draw(cfg):
     """`random_module`'s `draw` for a `UMT5Encoder`: transformers' (Mesh TensorFlow) init scales, torch layout:
     embedding N(0, 1), linears N(0, 1/fan_in) with fan_in the last axis, relative-position tables
@@ -162,7 +170,7 @@ def save_diffusers_checkpoint(path: str, transformer, vae, *, transformer_2=None
 
     import diffusers
     import torch
-    from transformers import CLIPImageProcessor, CLIPVisionModel, UMT5Config, UMT5EncoderModel
+    from transformers import CLIPImageProcessor, CLIPVisionModel, UMT5EncoderModel
 
     from wan_tpu.configs.models import config_to_json
     from wan_tpu.tokenizers import tiny_hf_tokenizer
@@ -192,9 +200,7 @@ def save_diffusers_checkpoint(path: str, transformer, vae, *, transformer_2=None
                 p.copy_(1.0 + 0.2 * torch.randn_like(p))
             else:
                 p.copy_(torch.randn_like(p) * (0.5 / max(1, p[0].numel()) ** 0.5 if p.dim() > 1 else 0.05))
-        tiny_fields = dataclasses.asdict(tiny_umt5_config(transformer.text_dim))
-        umt5 = text_encoder or UMT5Config(**tiny_fields, dropout_rate=0.0, pad_token_id=0, eos_token_id=1,
-                                          decoder_start_token_id=0)
+        umt5 = text_encoder or hf_umt5_config(tiny_umt5_config(transformer.text_dim))
         parts["text_encoder"] = build(lambda: UMT5EncoderModel(umt5).eval(), torch_dtype)
         parts["tokenizer"] = tiny_hf_tokenizer()
         parts["scheduler"] = diffusers.UniPCMultistepScheduler(
