@@ -4,9 +4,10 @@
 
 config.json gives the `UMT5Config`; the safetensors (one file, or shards listed by an index) are read
 through `wan_tpu.checkpoint`. Every parameter's checkpoint names and shapes are checked against
-config.json before any data is read. Tensors keep their torch layout, so each parameter is a copy
-(per-layer tensors `encoder.block.{i}.…` stacked on the leading layer axis); with a mesh each is
-placed by the `umt5` rules of `wan_tpu.configs.sharding` as it is read, each device receiving its slice.
+config.json before any data is read. Tensors keep their torch layout, so each parameter goes to the
+device as stored through the loaders' one placement path (`wan_tpu.models.param_loading`; per-layer
+tensors `encoder.block.{i}.…` stacked on the leading layer axis); with a mesh each is placed by the
+`umt5` rules of `wan_tpu.configs.sharding`, each device receiving its slice.
 The embedding is tied: `shared.weight` or `encoder.embed_tokens.weight`, whichever the file holds.
 """
 
@@ -14,13 +15,13 @@ from __future__ import annotations
 
 import os
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from wan_tpu.checkpoint import TensorSource, open_checkpoint, read_param
+from wan_tpu.checkpoint import TensorSource, open_checkpoint
 from wan_tpu.errors import WanInputError
+from wan_tpu.models.param_loading import Layout, StoredParam, load_params
 from wan_tpu.models.umt5 import UMT5Config, UMT5Encoder
 
 # Our block submodules → transformers' (`encoder.block.{i}.` + this).
@@ -83,15 +84,14 @@ def load_umt5(path, dtype=jnp.bfloat16, mesh=None) -> UMT5Encoder:
     graphdef, state = nnx.split(nnx.eval_shape(lambda: UMT5Encoder(cfg, dtype)))
     flat = nnx.to_flat_state(state)
     sources = _sources(tensors, path, flat, cfg)
+    place = None
     if mesh is not None:
         from wan_tpu.sharding import place_param
 
-    for names, (key, var) in zip(sources, flat):
-        stacked = str(key[0]) == "blocks"
-        host = read_param(lambda n: tensors[n], names, None, stacked, np.dtype(var.get_value().dtype))
-        if mesh is None:
-            var.set_value(jax.device_put(host))
-        else:
-            var.set_value(place_param(mesh, "umt5", ".".join(str(k) for k in key), host))
-        del host
+        paths = [".".join(str(k) for k in key) for key, _ in flat]
+        place = lambda i, host: place_param(mesh, "umt5", paths[i], host)  # noqa: E731
+    stored = [StoredParam(tensors, names, Layout(), np.dtype(var.get_value().dtype), str(key[0]) == "blocks")
+              for names, (key, var) in zip(sources, flat)]
+    for (_, var), value in zip(flat, load_params(stored, place)):
+        var.set_value(value)
     return nnx.merge(graphdef, nnx.from_flat_state(flat))
