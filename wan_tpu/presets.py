@@ -40,6 +40,7 @@ def random_module(build, seed: int, draw=None):
     """
     import math
 
+    import jax
     import numpy as np
     from flax import nnx
 
@@ -61,7 +62,9 @@ def random_module(build, seed: int, draw=None):
             value = rng.standard_normal(shape) / math.sqrt(shape[-1])
         elif value is None:
             value = 0.02 * rng.standard_normal(shape)
-        var.set_value(jnp.asarray(value.astype(np.float32), dtype=dtype))
+        # Cast on the host (round to nearest even, as XLA does): loaders in parallel threads then compile no
+        # conversion programs, which they would race to compile and to read from the compilation cache.
+        var.set_value(jax.device_put(np.asarray(value, np.float32).astype(dtype)))
     return nnx.merge(graphdef, nnx.from_flat_state(flat))
 
 
