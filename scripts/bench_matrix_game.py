@@ -299,6 +299,7 @@ def ours(args, first_frame_only=False) -> dict:
     dtypes = {"bfloat16": jnp.bfloat16, "float32": jnp.float32}
     model = CONFIGS[args.config]["preset"] or os.path.join(args.workdir, "converted")
     pipe = MatrixGamePipeline.from_pretrained(model, dtype=dtypes[args.dtype], vae_dtype=dtypes[args.vae_dtype])
+    pipe.prepare()  # as the CLI: the components read at once
     for name in ("transformer", "vae", "image_encoder"):
         pipe.component(name)
     load_s = time.time() - t0
