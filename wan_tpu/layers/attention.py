@@ -39,12 +39,13 @@ from wan_tpu.kernels.tuning import GPU_FASTEST, check_block_keys, gpu_shape_clas
 _HALF = (jnp.bfloat16, jnp.float16)
 
 
-def reference_attention(q, k, v, kv_len=None):
+def reference_attention(q, k, v, kv_len=None, *, causal: bool = False):
     """Plain XLA attention; logits and softmax in float32 whatever the input dtype. Products at
     HIGHEST precision: this is the yardstick, so float32 must not become TF32 on a GPU.
 
     `kv_len` (optional, (B,) integers ≥ 1): row b attends only to keys [0, kv_len[b]) (UniFoLM's
     block-causal action tokens); the kernels of `attention` take no mask, so masked calls come here.
+    `causal`: query i attends only to keys [0, i] (CLIP's text tower; Sq == Skv).
     """
     scale = 1.0 / math.sqrt(q.shape[-1])
     highest = jax.lax.Precision.HIGHEST
@@ -52,6 +53,8 @@ def reference_attention(q, k, v, kv_len=None):
     if kv_len is not None:
         keep = jnp.arange(k.shape[1])[None, :] < kv_len[:, None]
         logits = jnp.where(keep[:, None, None, :], logits, -jnp.inf)
+    if causal:
+        logits = jnp.where(jnp.tril(jnp.ones((q.shape[1], k.shape[1]), bool)), logits, -jnp.inf)
     p = jax.nn.softmax(logits, axis=-1)
     out = jnp.einsum("bhqk,bkhd->bqhd", p.astype(v.dtype), v, precision=highest, preferred_element_type=jnp.float32)
     return out.astype(q.dtype)
