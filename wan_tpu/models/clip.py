@@ -34,7 +34,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from wan_tpu.errors import WanInputError
-from wan_tpu.layers.attention import attention, reference_attention
+from wan_tpu.layers import attention as attention_lib
 from wan_tpu.layers.norms import layer_norm
 
 ACTIVATIONS = {
@@ -151,9 +151,9 @@ class CLIPAttention(nnx.Module):
         b, s, _ = x.shape
         q, k, v = (p(x).reshape(b, s, self.num_heads, -1) for p in (self.q_proj, self.k_proj, self.v_proj))
         if self.causal:  # the kernels of `attention` take no mask
-            out = reference_attention(q, k, v, causal=True)
+            out = attention_lib.reference_attention(q, k, v, causal=True)
         else:
-            out = attention(q, k, v, impl=self.attention_impl)
+            out = attention_lib.attention(q, k, v, impl=self.attention_impl)
         return self.out_proj(out.reshape(b, s, -1))
 
 
