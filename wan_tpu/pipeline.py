@@ -514,7 +514,7 @@ class WanPipeline:
 # Loading a transformers model sets process-wide torch state for a while (the default dtype, meta-device
 # initialisation, the RNG of the tiny preset): two such loads in parallel threads (`prepare`) would see
 # each other's, so they take turns.
-TORCH_COMPONENTS = ("text_encoder", "image_encoder")
+TORCH_COMPONENTS = ("text_encoder",)  # the CLIP image encoder is native JAX (wan_tpu.models.clip)
 _TORCH_LOADING = threading.Lock()
 
 
