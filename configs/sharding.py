@@ -16,7 +16,7 @@ Norm scales, biases of row-parallel layers, modulation tables, and the small pat
 weights are replicated on purpose (`REPLICATED`): they are tiny and used whole by every device.
 
 Layouts differ by family: our DiT is Flax (`kernel` is (in, out), stacked blocks have a leading
-layer axis); UMT5 and CLIP keep torch names and layouts (`weight` is (out, in)).
+layer axis); UMT5 and CLIP keep torch layouts (`weight` is (out, in)), CLIP torch names too.
 """
 
 from jax.sharding import PartitionSpec as P
@@ -53,15 +53,16 @@ DIT = (
 # The VAE is a convolution stack with small weights: replicate them and shard activations on width.
 VAE = ((r".*", REPLICATED),)
 
-# transformers UMT5EncoderModel; torch layout, `weight` is (out, in).
+# Our UMT5 encoder (`wan_tpu.models.umt5`): torch layout, `weight` is (out, in); block parameters are
+# stacked on a leading layer axis, which is never sharded.
 UMT5 = (
-    (r"(^|\.)(shared|embed_tokens)\.weight$", P(FSDP, "tp")),  # (vocab 256,384, d_model)
-    (r"\.SelfAttention\.(q|k|v)\.weight$", P("tp", FSDP)),
-    (r"\.SelfAttention\.o\.weight$", P(FSDP, "tp")),
-    (r"\.SelfAttention\.relative_attention_bias\.weight$", REPLICATED),
-    (r"\.DenseReluDense\.(wi|wi_0|wi_1)\.weight$", P("tp", FSDP)),
-    (r"\.DenseReluDense\.wo\.weight$", P(FSDP, "tp")),
-    (r"layer_norm\.weight$", REPLICATED),
+    (r"^shared\.weight$", P(FSDP, "tp")),  # (vocab 256,384, d_model)
+    (r"^blocks\.attention\.(q|k|v)\.weight$", P(None, "tp", FSDP)),
+    (r"^blocks\.attention\.o\.weight$", P(None, FSDP, "tp")),
+    (r"^blocks\.attention\.relative_attention_bias\.weight$", REPLICATED),
+    (r"^blocks\.ffn\.(wi|wi_0|wi_1)\.weight$", P(None, "tp", FSDP)),
+    (r"^blocks\.ffn\.wo\.weight$", P(None, FSDP, "tp")),
+    (r"(^|\.)(attention_norm|ffn_norm|final_layer_norm)\.weight$", REPLICATED),
 )
 
 # Our CLIP towers (`wan_tpu.models.clip`): transformers' names without the `vision_model.`/`text_model.`

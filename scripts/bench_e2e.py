@@ -95,7 +95,7 @@ class BenchConfig:
 
         dit = VARIANTS[self.variant].transformer
         if self.vae == "tiny":
-            return dit, presets.TINY_VAE, presets.tiny_umt5_config(dit.text_dim)
+            return dit, presets.TINY_VAE, presets.hf_umt5_config(presets.tiny_umt5_config(dit.text_dim))
         return dit, VAE_PRESETS[self.vae], umt5_xxl_config()
 
 
@@ -225,7 +225,7 @@ def write_random_checkpoint(path: str, config: BenchConfig, seed: int = SEED, wo
     import diffusers
     import torch
 
-    from wan_tpu.tokenizers import tiny_tokenizer
+    from wan_tpu.tokenizers import tiny_hf_tokenizer
 
     plan = checkpoint_plan(config)
     total = sum(t.size * np.dtype(dtype).itemsize for *_, tensors, dtype in plan for t in tensors)
@@ -246,7 +246,7 @@ def write_random_checkpoint(path: str, config: BenchConfig, seed: int = SEED, wo
             module.save_config(sub)
         shards = _plan_shards(sub, prefix, tensors, np.dtype(dtype).itemsize)
         jobs += [(file, group, dtype) for file, group in shards]
-    tiny_tokenizer().save_pretrained(os.path.join(path, "tokenizer"))
+    tiny_hf_tokenizer().save_pretrained(os.path.join(path, "tokenizer"))
     diffusers.UniPCMultistepScheduler(prediction_type="flow_prediction", use_flow_sigmas=True, num_train_timesteps=1000,
                                       flow_shift=5.0).save_config(os.path.join(path, "scheduler"))
     index = {"_class_name": "WanPipeline", "_diffusers_version": diffusers.__version__,

@@ -1,6 +1,6 @@
-"""`WanPipeline.prepare` (`wan_tpu.warmup`): components load and the denoise step and the VAE decode
-compile in background threads, so the calls compile none of the big programs themselves; latents and
-frames are bit-identical to a run without `prepare` in a fresh process (reference: that run; tolerance:
+"""`WanPipeline.prepare` (`wan_tpu.warmup`): components load and the text encoder (from its config
+alone), the denoise step and the VAE decode compile in background threads, so the calls compile none
+of the big programs themselves; latents and frames are bit-identical to a run without `prepare` in a fresh process (reference: that run; tolerance:
 none). Load errors surface where the component is used; a failed ahead-of-time compile is a warning;
 no thread outlives the `with` block; torch-based components never load at the same time."""
 
@@ -20,7 +20,7 @@ from wan_tpu.errors import WanInputError
 
 # A size no other test uses, so this process has compiled none of its programs before.
 RUN = dict(height=48, width=80, num_frames=9, num_inference_steps=3, guidance_scale=4.0, seed=5)
-BIG = ("jit(_step)", "jit(_decode_stem)", "jit(_decode_strip)", "jit(_to_uint8)", "jit(_normal)")
+BIG = ("jit(_embed)", "jit(_step)", "jit(_decode_stem)", "jit(_decode_strip)", "jit(_to_uint8)", "jit(_normal)")
 
 REFERENCE = """
 import json, sys, numpy as np, wan_tpu
@@ -55,14 +55,14 @@ def test_prepare_compiles_ahead_and_changes_no_bit(tmp_path):
     s = pipe.settings(**{k: RUN[k] for k in ("height", "width", "num_frames", "num_inference_steps", "guidance_scale")})
     with pipe.prepare(s) as prepared:
         assert set(prepared.loads) == {"text_encoder", "transformer", "vae"}
-        assert set(prepared.compiles) == {"denoise", "decode"}
+        assert set(prepared.compiles) == {"text", "denoise", "decode"}
         latents = pipe("a red kite", **RUN, output_type="latent", progress=False)
         frames = pipe.decode(latents)
 
     main = [f for f, thread in seen if thread == threading.main_thread().name and f in BIG]
     assert not main, f"compiled on the caller's thread: {main}"
     ahead = {f for f, thread in seen if thread.startswith("wan_tpu-compile-")}
-    assert {"jit(_step)", "jit(_decode_stem)", "jit(_decode_strip)", "jit(_to_uint8)"} <= ahead
+    assert {"jit(_embed)", "jit(_step)", "jit(_decode_stem)", "jit(_decode_strip)", "jit(_to_uint8)"} <= ahead
     assert np.array_equal(np.asarray(latents), np.load(tmp_path / "l.npy"))
     assert np.array_equal(frames, np.load(tmp_path / "f.npy"))
 
@@ -83,8 +83,8 @@ def test_load_errors_surface_where_the_component_is_used():
 
 
 def test_torch_components_load_one_at_a_time():
-    """transformers' loading sets process-wide torch state (default dtype, meta init): the text and image
-    encoders' loaders hold one lock, whichever threads call them."""
+    """transformers' loading sets process-wide torch state (default dtype, meta init): the (CLIP) image
+    encoder's loader holds a lock, whichever threads call it; the text encoder (JAX) loads alongside."""
     pipe = wan_tpu.WanPipeline.from_pretrained("tiny")
     inside, overlaps = [], []
 
@@ -100,12 +100,13 @@ def test_torch_components_load_one_at_a_time():
 
     loaders = {"text_encoder": slow("text_encoder"), "image_encoder": slow("image_encoder"), "vae": slow("vae")}
     pipe = type(pipe)(pipe.variant, pipe.vae_config, loaders, name="t", dtype=pipe.dtype)
-    threads = [threading.Thread(target=pipe._loaders[n]) for n in ("text_encoder", "image_encoder")]
+    threads = [threading.Thread(target=pipe._loaders["image_encoder"]) for _ in range(2)]
     for t in threads:
         t.start()
     for t in threads:
         t.join()
     assert overlaps == [0, 0]
+    assert pipe._loaders["text_encoder"] is loaders["text_encoder"]  # no torch inside: not serialised
 
 
 def test_weights_fit_against_free_device_memory(monkeypatch):

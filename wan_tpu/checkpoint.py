@@ -96,6 +96,27 @@ class TensorSource(Mapping):
         count = int(np.prod(e.shape, dtype=np.int64))
         return np.memmap(e.file, dtype=e.dtype, mode="r", offset=e.begin, shape=(count,)).reshape(e.shape)
 
+    def read_into(self, name: str, out: np.ndarray) -> None:
+        """Read tensor `name` into `out` (C-contiguous, its shape's element count, its dtype's itemsize).
+
+        Plain positioned reads straight into the destination: no memory map faulted in page by page,
+        and the GIL is released while the bytes move, so several threads read at once."""
+        e = self._entries[name]
+        view = memoryview(out.reshape(-1).view(np.uint8)) if out.flags.c_contiguous else memoryview(b"")
+        if not out.flags.c_contiguous or view.nbytes != e.end - e.begin or out.dtype.itemsize != e.dtype.itemsize:
+            raise ValueError(f"read_into({name!r}): a {out.dtype} buffer of {out.nbytes} bytes does not fit the "
+                             f"{e.dtype} tensor of {e.end - e.begin} bytes")
+        fd = os.open(e.file, os.O_RDONLY)
+        try:
+            done = 0
+            while done < view.nbytes:
+                n = os.preadv(fd, [view[done:]], e.begin + done)
+                if n <= 0:
+                    raise WanInputError(f"{e.file}: ends inside tensor {name!r} (truncated download?); re-download it")
+                done += n
+        finally:
+            os.close(fd)
+
     @property
     def files(self) -> list[str]:
         """The safetensors files the tensors live in."""

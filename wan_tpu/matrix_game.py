@@ -44,7 +44,9 @@ from __future__ import annotations
 import functools
 import json
 import os
+import threading
 import time
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -74,6 +76,7 @@ class MatrixGamePipeline:
         self.vae_dtype = vae_dtype
         self._loaders = loaders
         self._loaded: dict = {}
+        self._warmup = None
         from wan_tpu.models.matrix_game.sampling import chunk_schedule
 
         v = variant
@@ -122,10 +125,24 @@ class MatrixGamePipeline:
         loaders = {"transformer": transformer, "vae": vae, "image_encoder": image_encoder}
         return cls(v, loaders, name=os.path.abspath(path), dtype=dtype, vae_dtype=vae_dtype)
 
+    def prepare(self):
+        """Start reading every component at once, in background threads; returns at once (a
+        `wan_tpu.warmup.Warmup`; as a context manager, leaving it waits for the threads). `component()`
+        then waits for the one it needs only. The weights of one come off the disk while another's are
+        placed, so a first frame waits for the slowest load, not for their sum."""
+        from wan_tpu.warmup import Warmup
+
+        warmup = self._warmup = Warmup()
+        for name, loader in self._loaders.items():
+            if name not in self._loaded:
+                warmup.start(name, loader)
+        return warmup
+
     def component(self, name: str):
         if name not in self._loaded:
             with scope(f"load_{name}"):
-                self._loaded[name] = self._loaders[name]()
+                loaded = self._warmup.take_load(name) if self._warmup is not None else None
+                self._loaded[name] = loaded if loaded is not None else self._loaders[name]()
         return self._loaded[name]
 
     def split(self, name: str):
@@ -300,6 +317,35 @@ class MatrixGameSession:
         self.vae_caches = None
         with scope("1.5_Noise_Sampling"):
             self.key = jax.random.key(seed)
+        # The first chunk's program compiles on its call; the one every later chunk runs (its VAE caches
+        # no longer empty) compiles meanwhile, so the second chunk does not stall the stream. Not a
+        # daemon thread: one killed inside XLA's compiler aborts the process.
+        self._steady = threading.Thread(target=self._compile_steady, name="wan_tpu-compile-chunk")
+        if max_latents > pipe.frames_per_chunk:
+            self._steady.start()
+
+    def _chunk_args(self, keyboard_window, mouse_window, chunk_index):
+        pipe = self.pipe
+        return ((*self._dit, *self._vae, self.cache, self.vae_caches, self.condition.latents, keyboard_window,
+                 mouse_window, chunk_index, self.key),
+                dict(schedule=pipe.schedule, frames_per_chunk=pipe.frames_per_chunk,
+                     repeat=(self.condition.repeat_start, self.condition.repeat_len)))
+
+    def _compile_steady(self) -> None:
+        from wan_tpu.models.matrix_game.action import chunk_action_window
+
+        f = self.pipe.frames_per_chunk
+        frames = self.pipe.chunk_frames(0) + self.pipe.chunk_frames(1)
+        windows = [jax.ShapeDtypeStruct((1, *chunk_action_window(np.zeros((frames, a.shape[1]), np.float32), 1, f).shape),
+                                        jnp.float32) if a is not None else None for a in (self.keyboard, self.mouse)]
+        args, kwargs = self._chunk_args(*windows, jax.ShapeDtypeStruct((), jnp.int32))
+        try:
+            _, _, vae_caches = _chunk_program.eval_shape(*args, **kwargs)
+            args = (*args[:5], vae_caches, *args[6:])
+            _chunk_program.lower(*args, **kwargs).compile()
+        except Exception as e:  # noqa: BLE001 - compiling ahead is an optimisation only; the call compiles
+            warnings.warn(f"compiling the chunk program ahead of time failed ({type(e).__name__}: {e}); it compiles "
+                          "on the second chunk", stacklevel=2)
 
     @property
     def fps(self) -> list[float]:
@@ -325,11 +371,11 @@ class MatrixGameSession:
             else:
                 windows.append(None)
         start = time.perf_counter()
+        if k == 1 and self._steady.is_alive():
+            self._steady.join()
         with scope(f"2.3_Block_{k}"):
-            frames, self.cache, self.vae_caches = _chunk_program(
-                *self._dit, *self._vae, self.cache, self.vae_caches, self.condition.latents, *windows,
-                jnp.int32(k), self.key, schedule=pipe.schedule, frames_per_chunk=f,
-                repeat=(self.condition.repeat_start, self.condition.repeat_len))
+            args, kwargs = self._chunk_args(*windows, jnp.int32(k))
+            frames, self.cache, self.vae_caches = _chunk_program(*args, **kwargs)
             with scope("3_Video_Postprocessing"):
                 frames = np.asarray(frames)[0]
         self.chunk_seconds.append(time.perf_counter() - start)

@@ -120,6 +120,7 @@ def play(args) -> None:
     if args.model == "matrix-game-tiny":
         print("note: matrix-game-tiny has random weights; pass --model PATH (a converted Matrix-Game-2 folder) for a real video")
     with timer.stage("load"):
+        pipe.prepare()  # the three components read at once
         for name in ("transformer", "vae", "image_encoder"):
             pipe.component(name)
     max_frames = len(scripted[0]) if scripted is not None else args.frames

@@ -8,8 +8,8 @@ killer after minutes of loading (on CPU) or stopped by an XLA allocation error a
 ran (on a GPU/TPU). Each stage's peak, in bytes per device, is estimated from the weights' element
 counts (the safetensors headers, `wan_tpu.validate.check_checkpoint`) and the activation shapes:
 
-- text encode: the UMT5 weights in the run dtype, twice on CPU, where transformers' torch copy and
-  ours coexist while it loads (`torchax_compat.module_state` frees the torch copy afterwards).
+- text encode: the UMT5 weights in the run dtype (read from the memory-mapped files straight onto the
+  devices: no second host copy).
 - image encode (I2V/TI2V): CLIP + VAE weights + 1.15× the 2-strip VAE decode working set (the
   encode/decode peak ratio measured in docs/PERFORMANCE.md: 2.51/2.21 GiB at 480p, 5.34/4.79 at 720p;
   the estimate gives 2.56 and 5.54 GiB).
@@ -175,7 +175,7 @@ def stage_bytes(pipe, s, stages=("text", "image", "denoise", "decode"), attentio
     out = {}
     if "text" in stages:
         te = elements.get("text_encoder", 0) * size
-        out["text encode"] = (te * (2 if layout.platform == "cpu" else 1) // n, "text encoder weights")
+        out["text encode"] = (te // n, "text encoder weights")
     if "image" in stages and image:
         model, vae_weights = _vae(pipe)
         clip = elements.get("image_encoder", 0) * 4

@@ -18,7 +18,7 @@ the transformer's config.json and model_index.json (`boundary_ratio`, `expand_ti
 inputs and that the run fits in memory (`wan_tpu.memory`) before anything is loaded: bad input is a
 `WanInputError` within a second, not after minutes. Components load lazily, on first use, so a
 stage only loads what it needs; `release(...)` drops one. `prepare(settings)`
-instead reads them all at once and compiles the denoise step and the decode in background threads
+instead reads them all at once and compiles the text encoder, the denoise step and the decode in background threads
 (`wan_tpu.warmup`), which is what `python -m wan_tpu.generate` does.
 
 Same seed, same model, same settings, same devices and mesh → identical latents: the initial noise
@@ -31,7 +31,6 @@ import dataclasses
 import functools
 import gc
 import os
-import threading
 from collections.abc import Callable
 
 import jax
@@ -57,7 +56,7 @@ class WanPipeline:
 
     def __init__(self, variant: WanVariant, vae_config: WanVAEConfig, loaders: dict[str, Callable[[], object]], *,
                  name: str, dtype, mesh=None, vae_dtype=jnp.float32, attention_impl: str | None = None,
-                 weight_elements: dict[str, int] | None = None, check_memory: bool = True):
+                 weight_elements: dict[str, int] | None = None, check_memory: bool = True, text_encoder_config=None):
         self.variant = variant
         self.vae_config = vae_config
         self.name = name
@@ -68,7 +67,9 @@ class WanPipeline:
         # Component → weight element count (from the safetensors headers), for the memory checks.
         self.weight_elements = weight_elements
         self.check_memory = check_memory
-        self._loaders = {n: _one_torch_load_at_a_time(f) if n in TORCH_COMPONENTS else f for n, f in loaders.items()}
+        # The UMT5 config (`wan_tpu.models.umt5.UMT5Config`): lets `prepare` compile the text encoder from shapes.
+        self.text_encoder_config = text_encoder_config
+        self._loaders = dict(loaders)
         self._loaded: dict[str, object] = {}
         self._loras: list[tuple[str, float, tuple[str, ...]]] = []  # (path, scale, DiT component names)
         self.cache_stats = None  # the step cache's `CacheStats` of the last run that used one
@@ -123,9 +124,13 @@ class WanPipeline:
                     f"diffusers-format checkpoint ({variant.repo or 'model_index.json lists the parts'})"
                 )
         weights = check_checkpoint(path, parts)
+        from wan_tpu.models.umt5 import UMT5Config
+
+        text_config = UMT5Config.from_folder(os.path.join(path, parts["text_encoder"]))
         return cls(variant, vae_config, _folder_loaders(path, parts, dtype, mesh, attention_impl, vae_dtype),
                    name=os.path.abspath(path), dtype=dtype, mesh=mesh, vae_dtype=vae_dtype, attention_impl=attention_impl,
-                   weight_elements=weights, check_memory=check_memory).quantize(quantize)
+                   weight_elements=weights, check_memory=check_memory,
+                   text_encoder_config=text_config).quantize(quantize)
 
     def quantize(self, mode: str | None) -> WanPipeline:
         """Quantise the DiT(s) (`"fp8"` or `"int8"`; None: no change): those loaded now, in place, and those
@@ -230,8 +235,8 @@ class WanPipeline:
 
     def prepare(self, settings: RunSettings | None = None, *, scheduler: str = "unipc", image: bool = False,
                 sigmas=None, timesteps=None, cache=None, cache_threshold: float | None = None):
-        """Start reading every component a run with `settings` needs and compiling its denoise step and VAE
-        decode, in background threads; returns at once (a `wan_tpu.warmup.Warmup` of futures; as a
+        """Start reading every component a run with `settings` needs and compiling its text encoder, denoise step
+        and VAE decode, in background threads; returns at once (a `wan_tpu.warmup.Warmup` of futures; as a
         context manager, leaving it waits for the threads, cancelling what has not started).
 
         `component()`, `denoise()` and `decode()` then wait for what they need only. `image`: the run
@@ -250,6 +255,9 @@ class WanPipeline:
         encoders = ["text_encoder"] + (["image_encoder"] if image and "image_encoder" in self._loaders else [])
         todo = [n for n in (*encoders, *dits, "vae") if n not in self._loaded]
         ahead = weights_fit(self._weight_bytes(), todo, self.mesh)
+        if self.mesh is None and self.text_encoder_config is not None:
+            # From the config alone: compiles while the weights are read (one program per prompt count).
+            warmup.start("text", self._compile_text, 2 if s.do_cfg else 1, kind="compile")
         for name in todo:
             if ahead or name not in dits:
                 warmup.start(name, self._load, name)
@@ -270,6 +278,11 @@ class WanPipeline:
         itemsize = {"vae": jnp.dtype(self.vae_dtype).itemsize, "image_encoder": 4}  # CLIP runs float32
         return {n: count * itemsize.get(n, jnp.dtype(self.dtype).itemsize)
                 for n, count in (self.weight_elements or {}).items()}
+
+    def _compile_text(self, batch: int) -> None:
+        from wan_tpu.text_encoder import compile_encode
+
+        compile_encode(self.text_encoder_config, self.dtype, batch)
 
     def _compile_denoise(self, warmup, s: RunSettings, sampling, image: bool, sources) -> None:
         from wan_tpu.denoise import compile_steps
@@ -327,8 +340,11 @@ class WanPipeline:
         settings = self.settings(guidance_scale=guidance_scale)
         check_prompts(prompt, negative_prompt, settings.do_cfg)
         prompts = [prompt, negative_prompt] if settings.do_cfg else [prompt]
+        encoder = self.text_encoder
+        if self._warmup is not None:
+            self._warmup.wait_compiled("text")
         with scope("text_encode"):
-            embeds = jax.block_until_ready(self.text_encoder.encode(prompts))
+            embeds = jax.block_until_ready(encoder.encode(prompts))
         interrupt.check("encode")
         out = {"prompt_embeds": embeds[:1]}
         if settings.do_cfg:
@@ -509,23 +525,6 @@ class WanPipeline:
             from wan_tpu.memory import check_fits
 
             check_fits(self, s, stages, self.attention_impl, keep_dit=keep_dit, image=image)
-
-
-# Loading a transformers model sets process-wide torch state for a while (the default dtype, meta-device
-# initialisation, the RNG of the tiny preset): two such loads in parallel threads (`prepare`) would see
-# each other's, so they take turns.
-TORCH_COMPONENTS = ("text_encoder",)  # the CLIP image encoder is native JAX (wan_tpu.models.clip)
-_TORCH_LOADING = threading.Lock()
-
-
-def _one_torch_load_at_a_time(loader):
-    @functools.wraps(loader)
-    def load():
-        with _TORCH_LOADING:
-            return loader()
-
-    return load
-
 
 def schedule_steps(num_inference_steps, sigmas, timesteps):
     """The step count of a run with a given schedule: its length (a different `num_inference_steps` is an error)."""

@@ -1,8 +1,8 @@
 """Built-in presets: whole pipelines with random weights from a fixed seed, nothing downloaded.
 
 `tiny` is a 2-layer DiT (`wan_tpu.configs.models.VARIANTS["tiny"]`) and a few-channel Wan 2.1 VAE
-with 16 latent channels (weights drawn by `random_module`), a 2-layer UMT5 (transformers'
-`UMT5EncoderModel` under `torch.manual_seed`) and the in-process tokenizer of `wan_tpu.tokenizers`.
+with 16 latent channels and a 2-layer UMT5 (`wan_tpu.models.umt5`; weights of all three drawn by
+`random_module`), and the in-process tokenizer of `wan_tpu.tokenizers`: no torch or transformers.
 It exists to run every stage quickly on any machine:
 
     python -m wan_tpu.generate --model tiny --prompt "a cat walks on the grass"   # CPU, seconds
@@ -28,13 +28,15 @@ TINY_VAE = dataclasses.replace(VAE_PRESETS["tiny"], z_dim=16, latents_mean=WAN21
                                latents_std=WAN21_LATENTS_STD)
 
 
-def random_module(build, seed: int):
+def random_module(build, seed: int, draw=None):
     """`build()` (an nnx module constructor) with seeded random weights drawn on the host.
 
     The module is only traced abstractly; each parameter is then drawn with numpy's PCG64 from
     `seed`, so a preset is the same on every machine and takes no compilation or per-op dispatch
     (building the tiny VAE eagerly costs tens of seconds on a small CPU). Scales are the usual
     ones: kernels N(0, 1/fan_in), biases N(0, 0.02²), norm weights 1, modulation tables N(0, 1/dim).
+    `draw(names, shape, rng)` (optional) gives a parameter's value (a numpy array), or None for the
+    usual one: for modules whose parameter names these rules do not fit (UMT5's torch-layout `weight`s).
     """
     import math
 
@@ -48,39 +50,63 @@ def random_module(build, seed: int):
         names = [str(p) for p in path]
         shape, dtype = var.get_value().shape, var.get_value().dtype
         leaf = names[-1]
-        if leaf == "kernel":
+        value = None if draw is None else draw(names, shape, rng)
+        if value is None and leaf == "kernel":
             # Stacked transformer blocks carry the layer axis first; it is not part of fan-in.
             fan_in = math.prod(shape[1:-1] if names[0] == "blocks" else shape[:-1])
             value = rng.standard_normal(shape) / math.sqrt(fan_in)
-        elif leaf in ("weight", "gamma", "scale") and len(shape) <= 2:
+        elif value is None and leaf in ("weight", "gamma", "scale") and len(shape) <= 2:
             value = np.ones(shape)
-        elif leaf == "scale_shift_table":
+        elif value is None and leaf == "scale_shift_table":
             value = rng.standard_normal(shape) / math.sqrt(shape[-1])
-        else:
+        elif value is None:
             value = 0.02 * rng.standard_normal(shape)
         var.set_value(jnp.asarray(value.astype(np.float32), dtype=dtype))
     return nnx.merge(graphdef, nnx.from_flat_state(flat))
 
 
 def tiny_umt5_config(d_model: int):
-    from transformers import UMT5Config
-
+    """The tiny preset's 2-layer UMT5 (`wan_tpu.models.umt5.UMT5Config`) over the tiny tokenizer's vocabulary."""
+    from wan_tpu.models.umt5 import UMT5Config
     from wan_tpu.tokenizers import TINY_VOCAB_SIZE
 
     return UMT5Config(vocab_size=TINY_VOCAB_SIZE, d_model=d_model, d_kv=16, d_ff=64, num_layers=2, num_heads=2,
-                      relative_attention_num_buckets=8, relative_attention_max_distance=32, dropout_rate=0.0,
-                      pad_token_id=0, eos_token_id=1, decoder_start_token_id=0)
+                      relative_attention_num_buckets=8, relative_attention_max_distance=32)
 
 
-def tiny_umt5(d_model: int, seed: int = TINY_SEED):
-    """A random-weight UMT5 encoder (float32), the same for a given seed on every machine."""
-    import torch
-    from transformers import UMT5EncoderModel
+def hf_umt5_config(cfg):
+    """transformers' `UMT5Config` for one of ours (to write checkpoints with `UMT5EncoderModel`)."""
+    from transformers import UMT5Config
 
-    # fork_rng: seeding must not disturb the caller's torch RNG.
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        return UMT5EncoderModel(tiny_umt5_config(d_model)).eval()
+    return UMT5Config(**dataclasses.asdict(cfg), dropout_rate=0.0, pad_token_id=0, eos_token_id=1,
+                      decoder_start_token_id=0)
+
+
+def umt5_draw(cfg):
+    """`random_module`'s `draw` for a `UMT5Encoder`: transformers' (Mesh TensorFlow) init scales, torch layout:
+    embedding N(0, 1), linears N(0, 1/fan_in) with fan_in the last axis, relative-position tables
+    N(0, 1/d_model), norm weights 1."""
+    import numpy as np
+
+    def draw(names, shape, rng):
+        module = names[-2]
+        if module in ("attention_norm", "ffn_norm", "final_layer_norm"):
+            return np.ones(shape)
+        if module == "shared":
+            return rng.standard_normal(shape)
+        if module == "relative_attention_bias":
+            return rng.standard_normal(shape) / cfg.d_model**0.5
+        return rng.standard_normal(shape) / shape[-1] ** 0.5
+
+    return draw
+
+
+def tiny_umt5(d_model: int, dtype=jnp.float32, seed: int = TINY_SEED):
+    """A random-weight `UMT5Encoder`, the same for a given seed on every machine."""
+    from wan_tpu.models.umt5 import UMT5Encoder
+
+    cfg = tiny_umt5_config(d_model)
+    return random_module(lambda: UMT5Encoder(cfg, dtype), seed, draw=umt5_draw(cfg))
 
 
 def tiny(dtype=jnp.bfloat16, mesh=None, attention_impl=None, vae_dtype=jnp.float32, seed: int = TINY_SEED):
@@ -107,20 +133,19 @@ def tiny(dtype=jnp.bfloat16, mesh=None, attention_impl=None, vae_dtype=jnp.float
         return model
 
     def text_encoder():
-        import torch
-
-        from wan_tpu import torchax_compat
         from wan_tpu.text_encoder import UMT5TextEncoder
         from wan_tpu.tokenizers import tiny_tokenizer
 
-        model = tiny_umt5(variant.transformer.text_dim, seed).to(torchax_compat.torch_dtype(dtype))
-        with torch.no_grad():
-            state = torchax_compat.module_state(model, mesh=mesh, family="umt5")
-        return UMT5TextEncoder(model, tiny_tokenizer(), state)
+        model = tiny_umt5(variant.transformer.text_dim, dtype, seed + 2)
+        if mesh is not None:
+            from wan_tpu.sharding import shard_module
+
+            shard_module(model, mesh, "umt5")
+        return UMT5TextEncoder(model, tiny_tokenizer())
 
     loaders = {"transformer": transformer, "vae": vae, "text_encoder": text_encoder}
     return WanPipeline(variant, TINY_VAE, loaders, name="tiny", dtype=dtype, mesh=mesh, vae_dtype=vae_dtype,
-                       attention_impl=attention_impl)
+                       attention_impl=attention_impl, text_encoder_config=tiny_umt5_config(variant.transformer.text_dim))
 
 
 PRESETS = {"tiny": tiny}
@@ -148,7 +173,7 @@ def save_diffusers_checkpoint(path: str, transformer, vae, *, transformer_2=None
     from transformers import CLIPImageProcessor, CLIPVisionModel, UMT5EncoderModel
 
     from wan_tpu.configs.models import config_to_json
-    from wan_tpu.tokenizers import tiny_tokenizer
+    from wan_tpu.tokenizers import tiny_hf_tokenizer
 
     def dit(cfg):
         return diffusers.WanTransformer3DModel(**config_to_json(cfg))
@@ -175,9 +200,9 @@ def save_diffusers_checkpoint(path: str, transformer, vae, *, transformer_2=None
                 p.copy_(1.0 + 0.2 * torch.randn_like(p))
             else:
                 p.copy_(torch.randn_like(p) * (0.5 / max(1, p[0].numel()) ** 0.5 if p.dim() > 1 else 0.05))
-        umt5 = text_encoder or tiny_umt5_config(transformer.text_dim)
+        umt5 = text_encoder or hf_umt5_config(tiny_umt5_config(transformer.text_dim))
         parts["text_encoder"] = build(lambda: UMT5EncoderModel(umt5).eval(), torch_dtype)
-        parts["tokenizer"] = tiny_tokenizer()
+        parts["tokenizer"] = tiny_hf_tokenizer()
         parts["scheduler"] = diffusers.UniPCMultistepScheduler(
             prediction_type="flow_prediction", use_flow_sigmas=True, num_train_timesteps=1000, flow_shift=flow_shift)
         if image_encoder is not None:

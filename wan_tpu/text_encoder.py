@@ -1,14 +1,21 @@
-"""The UMT5 text encoder: transformers' `UMT5EncoderModel` run on JAX through torchax.
+"""The UMT5 text encoder of Wan: our JAX `UMT5Encoder` (`wan_tpu.models.umt5`) and its tokenizer.
 
-The torch module is only the program: its weights move to JAX (sharded over a mesh when one is
-given) and the whole forward is traced into one `jax.jit` computation, compiled once per batch size.
-Prompts are cleaned, tokenized to 512 tokens, encoded, and each embedding is cut to the prompt's
-true length and zero-padded back to 512, exactly as diffusers' `WanPipeline._get_t5_prompt_embeds`
-(and the official Wan `T5EncoderModel`) hand them to the DiT.
+    encoder = UMT5TextEncoder.from_pretrained("ckpt/text_encoder", "ckpt/tokenizer", dtype=jnp.bfloat16)
+    embeds = encoder.encode(["a cat walks on the grass"])        # (1, 512, 4096)
+
+No torch, transformers or torchax: the weights go from the safetensors to the devices
+(`wan_tpu.models.umt5_loading`, sharded over a mesh when one is given), the tokenizer is the folder's
+tokenizer.json (`wan_tpu.tokenizers.UMT5Tokenizer`), and the encoder is one `jax.jit` program per
+batch size, its layers a `lax.scan`. `compile_encode(config, dtype, batch)` compiles that program from
+shapes alone, before any weight is read (what `WanPipeline.prepare` does in a background thread).
+Prompts are cleaned, tokenized to 512 tokens, encoded, and each embedding is cut to the prompt's true
+length and zero-padded back to 512, exactly as diffusers' `WanPipeline._get_t5_prompt_embeds` (and
+the official Wan `T5EncoderModel`) hand them to the DiT.
 """
 
 from __future__ import annotations
 
+import functools
 import html
 
 import jax
@@ -46,58 +53,75 @@ def prompt_clean(text: str) -> str:
 class UMT5TextEncoder:
     """`encode(prompts) -> (B, 512, d_model)` jax array; rows past each prompt's length are zero."""
 
-    def __init__(self, model, tokenizer, state, max_sequence_length: int = MAX_SEQUENCE_LENGTH):
+    def __init__(self, model, tokenizer, max_sequence_length: int = MAX_SEQUENCE_LENGTH):
+        from flax import nnx
+
         self.model = model
         self.tokenizer = tokenizer
-        self.state = state
         self.max_sequence_length = max_sequence_length
         self.config = model.config
-        self._forward = jax.jit(self._embed)
+        self.graphdef, self.state = nnx.split(model)
 
     @classmethod
     def from_pretrained(cls, text_encoder_dir, tokenizer_dir, dtype=jnp.bfloat16, mesh=None) -> UMT5TextEncoder:
         """diffusers' Wan layout: `text_encoder/` (weights, sharded by the `umt5` rules) and `tokenizer/`."""
-        # torch and transformers take seconds to import: only a run that loads the encoder pays.
-        from transformers import AutoTokenizer, UMT5EncoderModel
+        from wan_tpu.models.umt5 import UMT5Config
+        from wan_tpu.models.umt5_loading import load_umt5
+        from wan_tpu.tokenizers import UMT5Tokenizer
 
-        from wan_tpu import torchax_compat
-
-        torchax_compat.require_file(text_encoder_dir, "config.json", "text_encoder")
-        torchax_compat.require_file(tokenizer_dir, "tokenizer_config.json", "tokenizer")
-        tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
-        model = UMT5EncoderModel.from_pretrained(
-            text_encoder_dir, dtype=torchax_compat.torch_dtype(dtype), attn_implementation="sdpa"
-        ).eval()
-        state = torchax_compat.module_state(model, mesh=mesh, family="umt5")
-        return cls(model, tokenizer, state)
+        UMT5Config.from_folder(text_encoder_dir)  # a missing config.json is named before the tokenizer is read
+        tokenizer = UMT5Tokenizer.from_folder(tokenizer_dir, MAX_SEQUENCE_LENGTH)
+        return cls(load_umt5(text_encoder_dir, dtype=dtype, mesh=mesh), tokenizer)
 
     def tokenize(self, prompts: list[str]) -> tuple[np.ndarray, np.ndarray]:
         """Token ids and attention mask, (B, max_sequence_length) int32, padded and truncated."""
         if isinstance(prompts, str) or not prompts:
             raise WanInputError("encode() takes a non-empty list of prompts; wrap a single prompt in a list: [prompt]")
-        inputs = self.tokenizer(
-            [prompt_clean(p) for p in prompts],
-            padding="max_length",
-            max_length=self.max_sequence_length,
-            truncation=True,
-            add_special_tokens=True,
-            return_attention_mask=True,
-            return_tensors="np",
-        )
-        return inputs["input_ids"].astype(np.int32), inputs["attention_mask"].astype(np.int32)
+        return self.tokenizer([prompt_clean(p) for p in prompts])
 
     def encode(self, prompts: list[str]) -> jax.Array:
         input_ids, attention_mask = self.tokenize(prompts)
-        return self._forward(self.state, input_ids, attention_mask)
+        return _embed(self.graphdef, self.state, input_ids, attention_mask)
 
-    def _embed(self, state, input_ids, attention_mask):
-        from wan_tpu import torchax_compat
+    def compile(self, batch: int) -> None:
+        """Compile (without running) the program `encode` runs for `batch` prompts, from shapes alone."""
+        _lower(self.graphdef, _abstract(self.state), batch, self.max_sequence_length).compile()
 
-        # UMT5 passes its position bias as an SDPA mask, so its attention keeps torch's math path.
-        hidden = torchax_compat.functional_call(
-            self.model, state, (input_ids, attention_mask), output=lambda out: out.last_hidden_state
-        )
-        # Cut each prompt at its true length (the count of mask ones), then zero-pad to the full length.
-        seq_lens = (attention_mask > 0).sum(axis=1)
-        keep = jnp.arange(hidden.shape[1])[None, :] < seq_lens[:, None]
-        return jnp.where(keep[..., None], hidden, 0)
+
+def compile_encode(config, dtype, batch: int, max_sequence_length: int = MAX_SEQUENCE_LENGTH) -> None:
+    """Compile the program `UMT5TextEncoder.encode` runs for `batch` prompts on an unsharded encoder of
+    `config` (a `wan_tpu.models.umt5.UMT5Config`) in `dtype`, before any weight exists: the encoder
+    loaded later finds it compiled (same function, same argument shapes and placements)."""
+    from flax import nnx
+
+    from wan_tpu.models.umt5 import UMT5Encoder
+
+    graphdef, state = nnx.split(nnx.eval_shape(lambda: UMT5Encoder(config, dtype)))
+    _lower(graphdef, _abstract(state), batch, max_sequence_length).compile()
+
+
+def _abstract(state):
+    """Shapes, dtypes and placements of `state` (concrete or abstract): what a program is compiled for.
+    Arrays put on the default device without naming one (uncommitted) get no placement, as jit sees them."""
+    def one(x):
+        if isinstance(x, jax.Array):
+            return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding if x.committed else None)
+        return x
+
+    return jax.tree.map(one, state)
+
+
+def _lower(graphdef, state, batch: int, length: int):
+    tokens = jax.ShapeDtypeStruct((batch, length), jnp.int32)
+    return _embed.lower(graphdef, state, tokens, tokens)
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _embed(graphdef, state, input_ids, attention_mask):
+    from flax import nnx
+
+    hidden = nnx.merge(graphdef, state).apply(input_ids, attention_mask)
+    # Cut each prompt at its true length (the count of mask ones), then zero-pad to the full length.
+    seq_lens = (attention_mask > 0).sum(axis=1)
+    keep = jnp.arange(hidden.shape[1])[None, :] < seq_lens[:, None]
+    return jnp.where(keep[..., None], hidden, 0)

@@ -29,7 +29,6 @@ import numpy as np
 import torch
 
 import wan_tpu.layers.attention as attention_module
-from wan_tpu.checkpoint import require_file  # noqa: F401 - callers use torchax_compat.require_file
 from wan_tpu.errors import WanInputError
 
 _NAMED_TENSOR_MARKERS = ("dimname", "Dimname", "names")

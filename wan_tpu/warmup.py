@@ -8,13 +8,15 @@
 What runs, each in its own thread:
   * every component the run needs is read at the same time (text encoder, transformer(s), VAE, image
     encoder): the weights of one come off the disk while another's are placed on the devices;
+  * at once, the text encoder's program is compiled from its config alone (`text_encoder.compile_encode`)
+    while its weights are read;
   * once the transformer(s) are in, the denoise step is compiled (`denoise.compile_steps`) for the
     run's latent and prompt shapes, while the text encoder loads and encodes;
   * once the VAE is in, its decode programs (`WanVAE.compile_decode`) and the uint8 conversion are
     compiled, typically while the DiT denoises.
 On a device mesh only the reading runs ahead (the calls' shardings come from the previous stage, so
 programs compiled from shapes would not be theirs). `component()`, `denoise()` and `decode()` of the
-pipeline wait for the piece they need and for nothing else; a compile that fails is reported as a warning and the call compiles as it always did. Leaving the
+pipeline (and `encode_prompt`) wait for the piece they need and for nothing else; a compile that fails is reported as a warning and the call compiles as it always did. Leaving the
 `with` block (or `close()`) cancels what has not started and waits for what runs, so that no thread
 outlives it (an error or Ctrl-C then costs at most one load or one program's compile). Compiling
 ahead of time runs the very programs the calls would compile (same functions, same arguments' shapes
@@ -39,7 +41,7 @@ import jax
 
 
 class Warmup:
-    """Background loads (`loads[name]`) and compiles (`compiles["denoise"|"decode"]`) for one run.
+    """Background loads (`loads[name]`) and compiles (`compiles["text"|"denoise"|"decode"]`) for one run.
 
     `cancel()` (called by itself when the interpreter exits, e.g. after an error or Ctrl-C) lets the
     threads stop at the next program boundary: the process then waits for one program's compile at

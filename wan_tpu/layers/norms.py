@@ -35,6 +35,16 @@ def rms_norm(x, eps: float, weight=None):
     return _rms_normalize(x, eps, weight).astype(x.dtype)
 
 
+def t5_layer_norm(x, weight, eps: float):
+    """T5/UMT5's RMSNorm (transformers' `T5LayerNorm`): mean(x²) in float32, x·rsqrt(·) in float32, cast
+    to a half-precision `weight`'s dtype *before* the weight multiplies (in that dtype)."""
+    variance = jnp.mean(jnp.square(x.astype(jnp.float32)), axis=-1, keepdims=True)
+    y = x * jax.lax.rsqrt(variance + eps)
+    if weight.dtype in (jnp.bfloat16, jnp.float16):
+        y = y.astype(weight.dtype)
+    return weight * y
+
+
 def modulated_layer_norm(x, eps: float, scale, shift, out_dtype):
     """LayerNorm (no affine) then ·(1 + scale) + shift, as one float32 expression rounded once.
 

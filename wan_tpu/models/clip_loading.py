@@ -19,7 +19,6 @@ from __future__ import annotations
 import dataclasses
 import os
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
@@ -27,7 +26,7 @@ from flax import nnx
 from wan_tpu.checkpoint import open_checkpoint
 from wan_tpu.errors import WanInputError
 from wan_tpu.models.clip import CLIPTextConfig, CLIPTextTransformer, CLIPVisionConfig, CLIPVisionTransformer
-from wan_tpu.models.transformer_loading import read_param
+from wan_tpu.models.param_loading import Layout, StoredParam, load_params
 
 _LAYERS = ("encoder", "layers")
 
@@ -90,16 +89,15 @@ def _load(path, what, prefix, config_class, num_layers, mesh, build, unread=()):
     kept = dataclasses.replace(cfg, num_hidden_layers=keep)
     graphdef, state = nnx.split(nnx.eval_shape(lambda: build(kept)))
     flat = nnx.to_flat_state(state)
+    paths = [tuple(str(k) for k in key) for key, _ in flat]
+    # Stored as used (torch layout): every parameter is a plain copy.
+    stored = [StoredParam(tensors, checkpoint_names(prefix, p, keep), Layout(), np.dtype(var.get_value().dtype),
+                          p[:2] == _LAYERS) for p, (_, var) in zip(paths, flat)]
+    place = None
     if mesh is not None:
         from wan_tpu.sharding import place_param
 
-    for key, var in flat:
-        p = tuple(str(k) for k in key)
-        names = checkpoint_names(prefix, p, kept.num_hidden_layers)
-        host = read_param(lambda n: tensors[n], names, None, p[:2] == _LAYERS, np.dtype(var.get_value().dtype))
-        if mesh is None:
-            var.set_value(jax.device_put(host))
-        else:
-            var.set_value(place_param(mesh, "clip", ".".join(p), host))
-        del host
+        place = lambda i, host: place_param(mesh, "clip", ".".join(paths[i]), host)  # noqa: E731
+    for (_, var), value in zip(flat, load_params(stored, place)):
+        var.set_value(value)
     return nnx.merge(graphdef, nnx.from_flat_state(flat))

@@ -23,6 +23,7 @@ from flax import nnx
 from wan_tpu.checkpoint import TensorSource, open_checkpoint
 from wan_tpu.configs.models import WanTransformerConfig, config_from_json
 from wan_tpu.errors import WanInputError
+from wan_tpu.models.param_loading import TRANSPOSE, Layout, StoredParam, load_params
 from wan_tpu.models.transformer import WanTransformer
 
 # Checkpoint tensors diffusers itself ignores (`_keys_to_ignore_on_load_unexpected`).
@@ -122,14 +123,14 @@ class ParamSource:
         self.stacked = bool(module) and module[0] == "blocks"
         layer_shape = target.shape[1:] if self.stacked else target.shape
         base = diffusers_name(tuple(module))
-        self.transform = None
+        self.layout = Layout()
         if leaf == "kernel" and base == "patch_embedding":
             # Conv3d (out, in, pt, ph, pw) with stride == kernel is a matmul over flattened (in, pt, ph, pw).
             self.source_shape = (cfg.inner_dim, cfg.in_channels, *cfg.patch_size)
-            self.transform = lambda a: a.reshape(a.shape[0], -1).T
+            self.layout = Layout(reshape=layer_shape[::-1], perm=(1, 0))
         elif leaf == "kernel":
             self.source_shape = layer_shape[::-1]
-            self.transform = lambda a: a.T
+            self.layout = TRANSPOSE
         else:
             self.source_shape = layer_shape
         name = f"{base}.weight" if leaf == "kernel" else f"{base}.{leaf}" if base else leaf
@@ -152,25 +153,16 @@ class ParamSource:
                     f"{self.source_shape}; the weights do not match config.json"
                 )
 
+    @property
+    def transform(self):
+        """The layout change as a function of one layer's array (None: none), for deltas in stored layout (LoRA)."""
+        return None if self.layout.identity else self.layout.apply
+
+    def stored(self, tensors: TensorSource, dtype) -> StoredParam:
+        return StoredParam(tensors, self.names, self.layout, np.dtype(dtype), self.stacked)
+
     def read(self, tensors: TensorSource, dtype) -> np.ndarray:
-        return read_param(lambda n: tensors[n], self.names, self.transform, self.stacked, dtype)
-
-
-def read_param(fetch, names: list[str], transform, stacked: bool, dtype) -> np.ndarray:
-    """One parameter as placed: `fetch(name)` of each stored tensor, `transform`ed (None: as stored), cast to
-    `dtype`; a block parameter (`stacked`) gathers one tensor per layer along a new leading axis."""
-    def one(n):
-        a = np.asarray(fetch(n))
-        return (transform(a) if transform else a).astype(dtype, copy=False)
-
-    if not stacked:
-        return np.ascontiguousarray(one(names[0]))
-    first = one(names[0])
-    out = np.empty((len(names), *first.shape), dtype)
-    out[0] = first
-    for i, n in enumerate(names[1:], start=1):
-        out[i] = one(n)
-    return out
+        return self.stored(tensors, dtype).read_host()
 
 
 def load_transformer(path: str, dtype=jnp.float32, mesh=None, quantize: str | None = None) -> WanTransformer:
@@ -203,16 +195,14 @@ def load_transformer(path: str, dtype=jnp.float32, mesh=None, quantize: str | No
                 f"transformer that config.json describes; check that config.json belongs to these weights"
             )
 
+    place = None
     if mesh is not None:
         from wan_tpu.sharding import place_param
 
-    for s, (key, var) in zip(sources, flat):
-        host = s.read(tensors, np.dtype(var.get_value().dtype))
-        if mesh is None:
-            var.set_value(jax.device_put(host))
-        else:
-            var.set_value(place_param(mesh, "dit", s.path, host, num_heads=cfg.num_attention_heads))
-        del host
+        place = lambda i, host: place_param(mesh, "dit", sources[i].path, host, num_heads=cfg.num_attention_heads)  # noqa: E731
+    stored = [s.stored(tensors, var.get_value().dtype) for s, (_, var) in zip(sources, flat)]
+    for (_, var), value in zip(flat, load_params(stored, place)):
+        var.set_value(value)
     dit = nnx.merge(graphdef, nnx.from_flat_state(flat))
     _ORIGINS[dit] = CheckpointOrigin(path, tensors, {s.path: s for s in sources},
                                      {s.path: np.dtype(var.get_value().dtype) for s, (_, var) in zip(sources, flat)})

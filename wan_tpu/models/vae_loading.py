@@ -21,6 +21,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from wan_tpu.checkpoint import open_checkpoint
 from wan_tpu.configs.vae import WanVAEConfig, config_from_json
 from wan_tpu.errors import WanInputError
+from wan_tpu.models.param_loading import Layout, StoredParam, load_params
 from wan_tpu.models.vae import WanVAE, _width_mesh
 
 
@@ -45,14 +46,15 @@ def diffusers_shape(name: str, shape: tuple) -> tuple:
     return shape
 
 
-def to_ours(array: np.ndarray, shape: tuple) -> np.ndarray:
+def layout(stored: tuple, shape: tuple) -> Layout:
+    """Stored (diffusers) layout → ours, for a parameter of our `shape` stored as `stored`."""
     if len(shape) == 5:
-        return array.transpose(2, 3, 4, 1, 0)
+        return Layout(perm=(2, 3, 4, 1, 0))
     if len(shape) == 4:
-        return array.transpose(2, 3, 1, 0)
+        return Layout(perm=(2, 3, 1, 0))
     if len(shape) == 2:
-        return array.reshape(array.shape[:2]).T
-    return array.reshape(shape)
+        return Layout(reshape=tuple(stored[:2]), perm=(1, 0))
+    return Layout() if tuple(stored) == tuple(shape) else Layout(reshape=tuple(shape))
 
 
 _ORIGINAL_RESIDUAL = {"residual.0.": "norm1.", "residual.2.": "conv1.", "residual.3.": "norm2.", "residual.6.": "conv2.",
@@ -122,7 +124,7 @@ def load_vae(path: str, dtype=jnp.float32, mesh=None) -> WanVAE:
     wmesh = _width_mesh(mesh)
     sharding = None if wmesh is None else NamedSharding(wmesh, PartitionSpec())
     flat = nnx.to_flat_state(state)
-    used = set()
+    used, stored = set(), []
     for key, var in flat:
         name = diffusers_name(key, config.is_residual)
         shape = tuple(var.shape)
@@ -135,14 +137,16 @@ def load_vae(path: str, dtype=jnp.float32, mesh=None) -> WanVAE:
             raise WanInputError(
                 f"{path}: tensor {name!r} has shape {tuple(tensors.shape(name))}, expected {expected} for this config.json; re-save with save_pretrained"
             )
-        value = jnp.asarray(np.ascontiguousarray(to_ours(np.asarray(tensors[name]), shape)), dtype=var.dtype)
-        var.set_value(value if sharding is None else jax.device_put(value, sharding))
+        stored.append(StoredParam(tensors, [name], layout(expected, shape), np.dtype(var.dtype)))
         used.add(name)
     extra = sorted(set(tensors) - used)
     if extra:
         raise WanInputError(
             f"{path}: unexpected tensor {extra[0]!r} ({len(extra)} unexpected in all); the weights do not match config.json — check the folder"
         )
+    place = None if sharding is None else (lambda i, host: jax.device_put(host, sharding))
+    for (_, var), value in zip(flat, load_params(stored, place)):
+        var.set_value(value)
     model = nnx.merge(graphdef, nnx.from_flat_state(flat))
     model.mesh = mesh
     return model

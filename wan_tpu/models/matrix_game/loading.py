@@ -32,8 +32,8 @@ from wan_tpu.configs.matrix_game import MatrixGameTransformerConfig, config_from
 from wan_tpu.errors import WanInputError
 from wan_tpu.models.matrix_game.cache import MatrixGameCache
 from wan_tpu.models.matrix_game.model import MatrixGameTransformer
-from wan_tpu.models.transformer_loading import (diffusers_name, diffusers_to_original_wan, original_wan_to_diffusers,
-                                                read_param)
+from wan_tpu.models.param_loading import TRANSPOSE, Layout, StoredParam, load_params
+from wan_tpu.models.transformer_loading import diffusers_name, diffusers_to_original_wan, original_wan_to_diffusers
 
 PREFIX = "model."
 # Our action-module submodules → the authors' (`nn.Sequential` indices).
@@ -84,22 +84,22 @@ class _Param:
             base = "action_model." + _ACTION_NAMES.get(sub, ".".join(sub))
         else:
             base = diffusers_name(tuple(module))
-        self.transform = None
+        self.layout = Layout()
         if leaf == "kernel" and base == "patch_embedding":
             # Conv3d (out, in, pt, ph, pw) with stride == kernel is a matmul over flattened (in, pt, ph, pw).
             self.source_shape = (cfg.dim, cfg.in_dim, *cfg.patch_size)
-            self.transform = lambda a: a.reshape(a.shape[0], -1).T
+            self.layout = Layout(reshape=tuple(shape[::-1]), perm=(1, 0))
         elif leaf == "kernel":
             self.source_shape = tuple(shape[::-1])
-            self.transform = lambda a: a.T
+            self.layout = TRANSPOSE
         else:
             self.source_shape = tuple(shape)
         name = f"{base}.weight" if leaf == "kernel" else f"{base}.{leaf}" if base else leaf
         self.names = [name] if layers is None else [f"blocks.{i}.{name}" for i in layers]
         self.stacked = layers is not None
 
-    def read(self, tensors, names: dict[str, str], dtype) -> np.ndarray:
-        return read_param(lambda n: tensors[names[n]], self.names, self.transform, self.stacked, dtype)
+    def stored(self, tensors, names: dict[str, str], dtype) -> StoredParam:
+        return StoredParam(tensors, [names[n] for n in self.names], self.layout, np.dtype(dtype), self.stacked)
 
 
 def _check(params: list[_Param], tensors: TensorSource, names: dict[str, str], path: str):
@@ -137,15 +137,14 @@ def load_matrix_game_transformer(path: str, variant=None, dtype=jnp.float32, mes
     names = {original_wan_to_diffusers(n[len(PREFIX):] if n.startswith(PREFIX) else n): n for n in tensors}
     _check(params, tensors, names, path)
 
+    place = None
     if mesh is not None:
         from wan_tpu.sharding import place_param
-    for p, (_, var) in zip(params, flat):
-        host = p.read(tensors, names, np.dtype(var.get_value().dtype))
-        if mesh is None:
-            var.set_value(jax.device_put(host))
-        else:
-            var.set_value(place_param(mesh, "matrix_game", p.path, host, num_heads=cfg.num_heads))
-        del host
+
+        place = lambda i, host: place_param(mesh, "matrix_game", params[i].path, host, num_heads=cfg.num_heads)  # noqa: E731
+    stored = [p.stored(tensors, names, var.get_value().dtype) for p, (_, var) in zip(params, flat)]
+    for (_, var), value in zip(flat, load_params(stored, place)):
+        var.set_value(value)
     model = nnx.merge(graphdef, nnx.from_flat_state(flat))
     return model if mesh is None else shard_matrix_game(model, mesh)
 
