@@ -65,18 +65,20 @@ UMT5 = (
     (r"(^|\.)(attention_norm|ffn_norm|final_layer_norm)\.weight$", REPLICATED),
 )
 
-# transformers CLIPVisionModel (with or without the `vision_model.` prefix); torch layout.
+# Our CLIP towers (`wan_tpu.models.clip`): transformers' names without the `vision_model.`/`text_model.`
+# prefix, torch layout (`weight` is (out, in)); block parameters stacked on a leading layer axis, never sharded.
 CLIP = (
-    (r"\.self_attn\.(q|k|v)_proj\.weight$", P("tp", FSDP)),
-    (r"\.self_attn\.(q|k|v)_proj\.bias$", P("tp")),
-    (r"\.self_attn\.out_proj\.weight$", P(FSDP, "tp")),
-    (r"\.self_attn\.out_proj\.bias$", REPLICATED),
-    (r"\.mlp\.fc1\.weight$", P("tp", FSDP)),
-    (r"\.mlp\.fc1\.bias$", P("tp")),
-    (r"\.mlp\.fc2\.weight$", P(FSDP, "tp")),
-    (r"\.mlp\.fc2\.bias$", REPLICATED),
-    (r"(layer_norm\d|pre_layrnorm|post_layernorm)\.(weight|bias)$", REPLICATED),
-    (r"(^|\.)embeddings\.(class_embedding|patch_embedding\.weight|position_embedding\.weight|position_ids)$", REPLICATED),
+    (r"^encoder\.layers\.self_attn\.(q|k|v)_proj\.weight$", P(None, "tp", FSDP)),
+    (r"^encoder\.layers\.self_attn\.(q|k|v)_proj\.bias$", P(None, "tp")),
+    (r"^encoder\.layers\.self_attn\.out_proj\.weight$", P(None, FSDP, "tp")),
+    (r"^encoder\.layers\.self_attn\.out_proj\.bias$", REPLICATED),
+    (r"^encoder\.layers\.mlp\.fc1\.weight$", P(None, "tp", FSDP)),
+    (r"^encoder\.layers\.mlp\.fc1\.bias$", P(None, "tp")),
+    (r"^encoder\.layers\.mlp\.fc2\.weight$", P(None, FSDP, "tp")),
+    (r"^encoder\.layers\.mlp\.fc2\.bias$", REPLICATED),
+    (r"(layer_norm\d|pre_layrnorm|final_layer_norm)\.(weight|bias)$", REPLICATED),
+    (r"^embeddings\.(class_embedding|patch_embedding\.weight|position_embedding\.weight|token_embedding\.weight)$",
+     REPLICATED),
 )
 
 # Matrix-Game-2's causal DiT: the DiT rules for its runs of stacked blocks (`blocks.{run}.…`), plus its

@@ -176,8 +176,7 @@ def test_bad_inputs_are_user_errors(tmp_path):
 
 
 def test_a_pickle_where_safetensors_are_expected_is_named(tmp_path):
-    config = vision_config(width=32, layers=1, heads=4, patch_size=4, image_size=16)
-    config.save_pretrained(tmp_path)
+    write_tower(tmp_path, vision_config(width=32, layers=1, heads=4, patch_size=4, image_size=16), {})
     torch.save({"x": torch.zeros(1)}, tmp_path / "model.safetensors")  # a pickle under the safetensors name
     with pytest.raises(WanInputError, match="model.safetensors: (not a safetensors file|corrupt safetensors header)"):
         OpenCLIPImageEncoder.from_pretrained(tmp_path)

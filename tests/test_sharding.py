@@ -6,8 +6,8 @@
   devices, batch 1 on dp=2, a token count no mesh axis divides).
 - The sharded attention hooks match `wan_tpu.layers.attention.reference_attention` to 1e-5.
 - Weights land with their rule's spec and each device holds 1/8 of every 8-way-sharded weight.
-- The rule tables cover every parameter of every preset's DiT, of our UMT5 encoder and
-  CLIP vision model: nothing falls through, and what is replicated is on an explicit allow-list.
+- The rule tables cover every parameter of every preset's DiT, of our UMT5 encoder and of our
+  CLIP towers (tests/test_clip.py): nothing falls through, and what is replicated is on an explicit allow-list.
 - The compiled sharded forward gathers only one layer's weights at a time (FSDP) and K/V inside
   the attention `shard_map`: no activation all-gathers, no all-to-all, no full rematerialization.
 """
@@ -251,18 +251,16 @@ def _shards(mesh, spec):
 
 def test_umt5_and_clip_rules_cover_every_parameter():
     from flax import nnx
-    from transformers import CLIPVisionConfig, CLIPVisionModel
 
+    from wan_tpu.models.clip import CLIPVisionConfig, CLIPVisionTransformer
     from wan_tpu.models.umt5 import UMT5Config, UMT5Encoder
 
     umt5 = nnx.eval_shape(lambda: UMT5Encoder(UMT5Config(vocab_size=64, d_model=16, d_kv=4, d_ff=32, num_layers=2,
                                                          num_heads=4)))
-    clip = CLIPVisionModel(CLIPVisionConfig(hidden_size=16, intermediate_size=32, num_hidden_layers=2,
-                                            num_attention_heads=4, image_size=28, patch_size=14))
+    clip = nnx.eval_shape(lambda: CLIPVisionTransformer(CLIPVisionConfig(
+        hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=4, image_size=28, patch_size=14)))
     mesh = AbstractMesh((2, 2, 2), ("dp", "sp", "tp"))
-    names = {"vision_model." + n: p.detach().numpy() for n, p in clip.state_dict().items()}
-    names.update({n: p.detach().numpy() for n, p in clip.state_dict().items()})
-    for family, model in (("umt5", umt5), ("clip", names)):
+    for family, model in (("umt5", umt5), ("clip", clip)):
         rows = {r.path: r for r in describe_sharding(model, mesh, family)}
         assert [p for p, r in rows.items() if r.rule is None] == []
         assert all(r.replicated for p, r in rows.items() if re.search(r"(norm|layrnorm|relative_attention_bias|embeddings\.)", p))
@@ -271,7 +269,7 @@ def test_umt5_and_clip_rules_cover_every_parameter():
     assert param_spec(mesh, "umt5", "blocks.attention.o.weight", (2, 16, 16)) == P(None, ("dp", "sp"), "tp")
     assert param_spec(mesh, "umt5", "blocks.ffn.wo.weight", (2, 16, 32)) == P(None, ("dp", "sp"), "tp")
     assert param_spec(mesh, "umt5", "shared.weight", (64, 16)) == P(("dp", "sp"), "tp")
-    assert param_spec(mesh, "clip", "vision_model.encoder.layers.0.mlp.fc2.weight", (16, 32)) == P(("dp", "sp"), "tp")
+    assert param_spec(mesh, "clip", "encoder.layers.mlp.fc2.weight", (2, 16, 32)) == P(None, ("dp", "sp"), "tp")
     assert param_spec(mesh, "vae", "decoder.up_blocks.0.resnets.0.conv1.weight", (16, 16, 3, 3, 3)) == P()
 
 

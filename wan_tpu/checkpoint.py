@@ -204,6 +204,15 @@ def open_checkpoint(path: str, what: str = "model") -> tuple[dict, TensorSource]
     return config, TensorSource(component_files(path, what))
 
 
+def require_file(folder, filename: str, component: str) -> None:
+    """Raise `WanInputError` unless `folder` (a diffusers `component/` folder) holds `filename`."""
+    if not os.path.isfile(os.path.join(os.fspath(folder), filename)):
+        raise WanInputError(
+            f"{component} folder {os.fspath(folder)!r} has no {filename}; "
+            f"pass the {component}/ folder of a diffusers-format Wan checkpoint"
+        )
+
+
 def open_component(folder: str, name: str) -> TensorSource:
     """The tensors of one component of a multi-component folder: `folder/NAME.safetensors`, or shards
     listed by `folder/NAME.safetensors.index.json` (UniFoLM: unet, conditioning, vae, ...)."""

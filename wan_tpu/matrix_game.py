@@ -472,18 +472,12 @@ def _tiny(dtype, vae_dtype, attention_impl) -> MatrixGamePipeline:
         return random_module(lambda: WanVAE(TINY_VAE, dtype=vae_dtype, rngs=nnx.Rngs(0)), TINY_SEED + 1)
 
     def image_encoder():
-        import torch
-        from transformers import CLIPVisionConfig, CLIPVisionModel
-
-        from wan_tpu import torchax_compat
         from wan_tpu.image_encoder import CLIPImageEncoder
+        from wan_tpu.models.clip import CLIPVisionConfig, CLIPVisionTransformer, random_clip
 
-        config = CLIPVisionConfig(**TINY_CLIP)
-        with torch.random.fork_rng(devices=[]), torch.no_grad():
-            torch.manual_seed(TINY_SEED + 2)
-            model = CLIPVisionModel(config).eval().to(torchax_compat.torch_dtype(dtype))
-            state = torchax_compat.module_state(model)
-        return CLIPImageEncoder(model, None, state)
+        # The penultimate hidden state: the tower without its last block.
+        config = CLIPVisionConfig(**{**TINY_CLIP, "num_hidden_layers": TINY_CLIP["num_hidden_layers"] - 1})
+        return CLIPImageEncoder(random_clip(lambda: CLIPVisionTransformer(config, dtype, attention_impl), TINY_SEED + 2))
 
     loaders = {"transformer": transformer, "vae": vae, "image_encoder": image_encoder}
     return MatrixGamePipeline(variant, loaders, name=PRESET, dtype=dtype, vae_dtype=vae_dtype)

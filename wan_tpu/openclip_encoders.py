@@ -1,4 +1,4 @@
-"""OpenCLIP ViT-H/14 towers of UnifoLM-WMA on JAX: transformers' CLIP modules run through torchax.
+"""OpenCLIP ViT-H/14 towers of UnifoLM-WMA on JAX: the native CLIP towers of `wan_tpu.models.clip`.
 
 The authors' `FrozenOpenCLIPImageEmbedderV2` returns all 257 tokens of the vision transformer
 (class + 16×16 patches) *before* `ln_post` and the projection; their `FrozenOpenCLIPEmbedder`
@@ -7,7 +7,9 @@ ViT-H-14 blocks (pre-LN, exact GELU, fused q/k/v, bias-free patch conv, `ln_pre`
 transformers' `CLIPVisionModel` (`last_hidden_state` is before `post_layernorm`) and `CLIPTextModel`
 (`hidden_act="gelu"`; with the last block dropped, `last_hidden_state` is the penultimate block's
 output through `final_layer_norm`), as `tests/test_openclip_encoders.py` checks against open_clip.
-`scripts/convert_unifolm_checkpoint.py` renames the weights with `open_clip_to_hf`.
+`scripts/convert_unifolm_checkpoint.py` renames the weights with `open_clip_to_hf` and writes transformers
+folders; they load file → device (`wan_tpu.models.clip_loading`) and run without torch or transformers
+(the converters and `write_tower` use them, offline).
 
     image_encoder = OpenCLIPImageEncoder.from_pretrained("ckpt/image_encoder")
     tokens = image_encoder.encode(images)          # (B, 3, H, W) in [-1, 1] → (B, 257, 1280)
@@ -18,13 +20,15 @@ Image preprocessing is the authors' kornia chain (`resize` to 224² bicubic with
 and antialias: a reflect-padded Gaussian blur when shrinking, then `(x + 1) / 2` and CLIP's mean/std),
 done as two constant matrices per input size (blur ∘ bicubic along each axis), computed in float64.
 Text is cleaned and framed as `open_clip.tokenize` does: `[sot] + BPE + [eot]`, cut to 77 with the
-last token forced to `eot`, zero-padded.
+last token forced to `eot`, zero-padded; the BPE is the folder's tokenizer run by the `tokenizers` library
+(`wan_tpu.clip_tokenizer`).
 """
 
 from __future__ import annotations
 
 import functools
 import html
+import json
 import math
 import os
 
@@ -32,9 +36,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import regex
-from transformers import CLIPTextConfig, CLIPTextModel, CLIPTokenizer, CLIPVisionConfig, CLIPVisionModel
+from flax import nnx
 
-from wan_tpu import torchax_compat
+from wan_tpu.checkpoint import require_file
 from wan_tpu.errors import WanInputError
 
 try:  # open_clip's tokenizer fixes mojibake with ftfy; so do we when it is installed.
@@ -119,58 +123,39 @@ def preprocess_images(images, size: int = 224) -> jax.Array:
 # ---- towers --------------------------------------------------------------------------------------
 
 
-def _load_checked(model_class, folder, dtype):
-    """`from_pretrained` of safetensors only (never a pickled `.bin`), with a missing, unexpected or
-    mis-shaped tensor an error naming it (transformers would initialise a missing one at random and warn)."""
-    from wan_tpu.checkpoint import open_checkpoint
-
-    open_checkpoint(os.fspath(folder), model_class.__name__)  # config.json + readable *.safetensors headers
-    try:
-        model, info = model_class.from_pretrained(
-            folder, dtype=torchax_compat.torch_dtype(dtype), attn_implementation="sdpa", output_loading_info=True,
-            use_safetensors=True,
-        )
-    except (RuntimeError, OSError, ValueError) as e:  # e.g. transformers' size-mismatch report
-        raise WanInputError(f"{folder}: {str(e).splitlines()[0][:200]}; the weights do not match config.json") from None
-    for kind in ("missing_keys", "unexpected_keys", "mismatched_keys"):
-        if info.get(kind):
-            key = sorted(map(str, info[kind]))[0]
-            raise WanInputError(f"{folder}: {kind.replace('_keys', '')} tensor {key!r}; the weights do not match config.json")
-    return model.eval()
-
-
 def write_tower(folder, config, tensors: dict) -> None:
-    """A transformers model folder: `config.json` + `model.safetensors` (torch tensors, canonical names)."""
+    """A transformers model folder (`CLIPVisionModel` / `CLIPTextModel.from_pretrained` loads it): `config.json`
+    of a `wan_tpu.models.clip` config + `model.safetensors` (torch tensors, transformers' names)."""
     from safetensors.torch import save_file
 
     os.makedirs(folder, exist_ok=True)
-    config.save_pretrained(folder)
+    with open(os.path.join(folder, "config.json"), "w") as f:
+        json.dump(config.to_json(), f, indent=2)
     save_file({k: v.contiguous() for k, v in tensors.items()}, os.path.join(folder, "model.safetensors"), metadata={"format": "pt"})
 
 
 class OpenCLIPImageEncoder:
     """`encode(images) -> (B, 257, width)`: the authors' `FrozenOpenCLIPImageEmbedderV2`."""
 
-    def __init__(self, model: CLIPVisionModel, state, attention_impl: str | None = None):
-        self.model, self.state, self.attention_impl = model, state, attention_impl
+    def __init__(self, model):
+        self.model = model  # a `CLIPVisionTransformer`
         self.config = model.config
-        self._forward = jax.jit(self._tokens)
 
     @classmethod
     def from_pretrained(cls, folder, dtype=jnp.float32, mesh=None, attention_impl=None) -> OpenCLIPImageEncoder:
-        torchax_compat.require_file(folder, "config.json", "image_encoder")
-        model = _load_checked(CLIPVisionModel, folder, dtype)
-        return cls(model, torchax_compat.module_state(model, mesh=mesh, family="clip"), attention_impl)
+        from wan_tpu.models.clip_loading import load_clip_vision
+
+        require_file(folder, "config.json", "image_encoder")
+        return cls(load_clip_vision(folder, dtype=dtype, mesh=mesh, attention_impl=attention_impl))
 
     def encode(self, images) -> jax.Array:
-        return self._forward(self.state, images)
+        return _image_tokens(*nnx.split(self.model), jnp.asarray(images, jnp.float32))
 
-    def _tokens(self, state, images):
-        pixels = preprocess_images(images, self.config.image_size)
-        with torchax_compat.attention_impl(self.attention_impl):
-            return torchax_compat.functional_call(
-                self.model, state, (pixels,), output=lambda out: out.last_hidden_state
-            )
+
+@functools.partial(jax.jit, static_argnums=0)
+def _image_tokens(graphdef, state, images):
+    model = nnx.merge(graphdef, state)
+    return model.apply(preprocess_images(images, model.config.image_size))
 
 
 def clean_text(text: str) -> str:
@@ -184,18 +169,18 @@ def clean_text(text: str) -> str:
 class OpenCLIPTextEncoder:
     """`encode(prompts) -> (B, 77, width)`: the authors' `FrozenOpenCLIPEmbedder(layer="penultimate")`."""
 
-    def __init__(self, model: CLIPTextModel, tokenizer, state):
-        self.model, self.tokenizer, self.state = model, tokenizer, state
+    def __init__(self, model, tokenizer):
+        self.model, self.tokenizer = model, tokenizer  # a `CLIPTextTransformer`, a `CLIPBPETokenizer`
         self.config = model.config
-        self._forward = jax.jit(self._hidden)
 
     @classmethod
     def from_pretrained(cls, folder, tokenizer_folder, dtype=jnp.float32, mesh=None) -> OpenCLIPTextEncoder:
-        torchax_compat.require_file(folder, "config.json", "text_encoder")
-        torchax_compat.require_file(tokenizer_folder, "tokenizer_config.json", "tokenizer")
-        tokenizer = CLIPTokenizer.from_pretrained(tokenizer_folder)
-        model = _load_checked(CLIPTextModel, folder, dtype)
-        return cls(model, tokenizer, torchax_compat.module_state(model, mesh=mesh, family="clip"))
+        from wan_tpu.clip_tokenizer import CLIPBPETokenizer
+        from wan_tpu.models.clip_loading import load_clip_text
+
+        require_file(folder, "config.json", "text_encoder")
+        require_file(tokenizer_folder, "tokenizer_config.json", "tokenizer")
+        return cls(load_clip_text(folder, dtype=dtype, mesh=mesh), CLIPBPETokenizer.from_folder(tokenizer_folder))
 
     def tokenize(self, prompts: list[str]) -> np.ndarray:
         """(B, 77) int32 ids, exactly `open_clip.tokenize(prompts)`."""
@@ -204,8 +189,7 @@ class OpenCLIPTextEncoder:
         n = self.config.max_position_embeddings
         out = np.zeros((len(prompts), n), np.int32)
         for row, prompt in zip(out, prompts):
-            bpe = self.tokenizer(clean_text(prompt), add_special_tokens=False)["input_ids"]
-            ids = [self.config.bos_token_id, *bpe, self.config.eos_token_id][:n]
+            ids = [self.config.bos_token_id, *self.tokenizer(clean_text(prompt)), self.config.eos_token_id][:n]
             ids[-1] = self.config.eos_token_id
             row[: len(ids)] = ids
         return out
@@ -215,11 +199,7 @@ class OpenCLIPTextEncoder:
 
     def encode_tokens(self, input_ids) -> jax.Array:
         """(B, 77) token ids (as `tokenize` makes them) → (B, 77, width)."""
-        return self._forward(self.state, jnp.asarray(input_ids, jnp.int32))
-
-    def _hidden(self, state, input_ids):
-        # A causal mask: the SDPA swap leaves it on torch's exact math path.
-        return torchax_compat.functional_call(self.model, state, (input_ids,), output=lambda out: out.last_hidden_state)
+        return self.model(jnp.asarray(input_ids, jnp.int32))
 
 
 # ---- open_clip → transformers names ----------------------------------------------------------------
@@ -275,37 +255,26 @@ def open_clip_text_to_hf(src: dict, layers: int) -> dict:
 
 def vision_config(width: int, layers: int, heads: int, patch_size: int, image_size: int = 224, mlp_ratio: float = 4.0):
     """The `CLIPVisionConfig` of an open_clip vision tower (ViT-H-14: 1280, 32, 16, 14)."""
-    return CLIPVisionConfig(
-        hidden_size=width,
-        intermediate_size=int(width * mlp_ratio),
-        num_hidden_layers=layers,
-        num_attention_heads=heads,
-        patch_size=patch_size,
-        image_size=image_size,
-        hidden_act="gelu",
-        layer_norm_eps=1e-5,
-    )
+    from wan_tpu.models.clip import CLIPVisionConfig
+
+    return CLIPVisionConfig(hidden_size=width, intermediate_size=int(width * mlp_ratio), num_hidden_layers=layers,
+                            num_attention_heads=heads, patch_size=patch_size, image_size=image_size, hidden_act="gelu",
+                            layer_norm_eps=1e-5)
 
 
 def text_config(width: int, layers: int, heads: int, vocab_size: int = 49408, context_length: int = CONTEXT_LENGTH):
     """The `CLIPTextConfig` of an open_clip text tower cut to `layers` blocks (ViT-H-14 penultimate: 1024, 23, 16)."""
-    return CLIPTextConfig(
-        vocab_size=vocab_size,
-        hidden_size=width,
-        intermediate_size=4 * width,
-        num_hidden_layers=layers,
-        num_attention_heads=heads,
-        max_position_embeddings=context_length,
-        hidden_act="gelu",
-        layer_norm_eps=1e-5,
-        bos_token_id=vocab_size - 2,
-        eos_token_id=vocab_size - 1,
-        pad_token_id=0,
-    )
+    from wan_tpu.models.clip import CLIPTextConfig
+
+    return CLIPTextConfig(vocab_size=vocab_size, hidden_size=width, intermediate_size=4 * width, num_hidden_layers=layers,
+                          num_attention_heads=heads, max_position_embeddings=context_length, hidden_act="gelu",
+                          layer_norm_eps=1e-5, bos_token_id=vocab_size - 2, eos_token_id=vocab_size - 1, pad_token_id=0)
 
 
-def tokenizer_from_open_clip(open_clip_tokenizer) -> CLIPTokenizer:
-    """A `CLIPTokenizer` with the BPE of an `open_clip.SimpleTokenizer` (vocabulary and merge ranks)."""
+def tokenizer_from_open_clip(open_clip_tokenizer):
+    """A transformers `CLIPTokenizer` with the BPE of an `open_clip.SimpleTokenizer` (vocabulary and merge ranks)."""
+    from transformers import CLIPTokenizer
+
     vocab = dict(open_clip_tokenizer.encoder)
     n = len(vocab)  # open_clip's start/end-of-text tokens are the last two ids
     names = {n - 2: "<|startoftext|>", n - 1: "<|endoftext|>"}

@@ -31,7 +31,6 @@ import dataclasses
 import functools
 import gc
 import os
-import threading
 from collections.abc import Callable
 
 import jax
@@ -70,7 +69,7 @@ class WanPipeline:
         self.check_memory = check_memory
         # The UMT5 config (`wan_tpu.models.umt5.UMT5Config`): lets `prepare` compile the text encoder from shapes.
         self.text_encoder_config = text_encoder_config
-        self._loaders = {n: _one_torch_load_at_a_time(f) if n in TORCH_COMPONENTS else f for n, f in loaders.items()}
+        self._loaders = dict(loaders)
         self._loaded: dict[str, object] = {}
         self._loras: list[tuple[str, float, tuple[str, ...]]] = []  # (path, scale, DiT component names)
         self.cache_stats = None  # the step cache's `CacheStats` of the last run that used one
@@ -526,23 +525,6 @@ class WanPipeline:
             from wan_tpu.memory import check_fits
 
             check_fits(self, s, stages, self.attention_impl, keep_dit=keep_dit, image=image)
-
-
-# Loading a transformers model sets process-wide torch state for a while (the default dtype, meta-device
-# initialisation): two such loads in parallel threads (`prepare`) would see each other's, so they take
-# turns. (The text encoder is ours, in JAX: only the CLIP image encoder is a transformers model.)
-TORCH_COMPONENTS = ("image_encoder",)
-_TORCH_LOADING = threading.Lock()
-
-
-def _one_torch_load_at_a_time(loader):
-    @functools.wraps(loader)
-    def load():
-        with _TORCH_LOADING:
-            return loader()
-
-    return load
-
 
 def schedule_steps(num_inference_steps, sigmas, timesteps):
     """The step count of a run with a given schedule: its length (a different `num_inference_steps` is an error)."""

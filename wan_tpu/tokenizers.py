@@ -125,29 +125,3 @@ def tiny_hf_tokenizer(model_max_length: int = 512):
     from transformers import T5TokenizerFast
 
     return T5TokenizerFast(vocab=_vocab(), extra_ids=0, model_max_length=model_max_length)
-
-
-def _bytes_to_unicode() -> list[str]:
-    """CLIP's byte-level alphabet: the 256 byte values as printable characters, in CLIP's id order."""
-    printable = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
-    chars, extra = [], 0
-    for b in range(256):
-        if b in printable:
-            chars.append(chr(b))
-        else:
-            chars.append(chr(256 + extra))
-            extra += 1
-    order = printable + [b for b in range(256) if b not in printable]
-    return [chars[b] for b in order]
-
-
-def tiny_clip_tokenizer():
-    """A `CLIPTokenizer` with CLIP's byte alphabet and no merges (514 ids; start/end of text last).
-
-    Every text tokenizes (one id per character), which is all a random-weight model needs.
-    """
-    from transformers import CLIPTokenizer
-
-    alphabet = _bytes_to_unicode()
-    tokens = alphabet + [c + "</w>" for c in alphabet] + ["<|startoftext|>", "<|endoftext|>"]
-    return CLIPTokenizer(vocab={t: i for i, t in enumerate(tokens)}, merges=[])

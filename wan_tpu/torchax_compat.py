@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import contextlib
 import math
-import os
 import threading
 import warnings
 
@@ -98,15 +97,6 @@ def torch_dtype(dtype) -> torch.dtype:
     if jnp.dtype(dtype) not in dtypes:
         raise WanInputError(f"dtype {jnp.dtype(dtype).name} is not supported here; use jnp.float32 or jnp.bfloat16")
     return dtypes[jnp.dtype(dtype)]
-
-
-def require_file(folder, filename: str, component: str) -> None:
-    """Raise `WanInputError` unless `folder` (a diffusers `component/` folder) holds `filename`."""
-    if not os.path.isfile(os.path.join(os.fspath(folder), filename)):
-        raise WanInputError(
-            f"{component} folder {os.fspath(folder)!r} has no {filename}; "
-            f"pass the {component}/ folder of a diffusers-format Wan checkpoint"
-        )
 
 
 def module_state(module: torch.nn.Module, mesh=None, family: str | None = None) -> dict[str, jax.Array]:

@@ -255,9 +255,9 @@ def write_tokenizer(folder: str, vocab_size: int, source: str | None = None) -> 
             raise WanInputError(f"--tokenizer {source!r} is not a folder; pass a CLIP tokenizer folder (tokenizer_config.json, ...)")
         shutil.copytree(source, folder)
         return
-    from wan_tpu.tokenizers import tiny_clip_tokenizer
+    from wan_tpu.clip_tokenizer import tiny_hf_clip_tokenizer
 
-    tiny = tiny_clip_tokenizer()
+    tiny = tiny_hf_clip_tokenizer()
     if vocab_size == len(tiny):
         tiny.save_pretrained(folder)
         return

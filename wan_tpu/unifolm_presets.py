@@ -18,22 +18,17 @@ TINY_SEED = 0
 
 
 def tiny_towers(text_width: int, image_width: int, seed: int = TINY_SEED):
-    """Random one-block OpenCLIP towers (transformers modules, float32) + the tiny CLIP tokenizer."""
-    import torch
-    from transformers import CLIPTextModel, CLIPVisionModel
-
-    from wan_tpu import torchax_compat
+    """Random one-block OpenCLIP towers (float32, drawn by `random_clip`) + the tiny CLIP tokenizer."""
+    from wan_tpu.clip_tokenizer import tiny_clip_tokenizer
+    from wan_tpu.models.clip import CLIPTextTransformer, CLIPVisionTransformer, random_clip
     from wan_tpu.openclip_encoders import OpenCLIPImageEncoder, OpenCLIPTextEncoder, text_config, vision_config
-    from wan_tpu.tokenizers import tiny_clip_tokenizer
 
     tokenizer = tiny_clip_tokenizer()
-    with torch.random.fork_rng(devices=[]):  # seeding must not disturb the caller's torch RNG
-        torch.manual_seed(seed)
-        vision = CLIPVisionModel(vision_config(image_width, 1, max(image_width // 16, 1), 14)).eval()
-        text = CLIPTextModel(text_config(text_width, 1, max(text_width // 16, 1), len(tokenizer))).eval()
+    vision = vision_config(image_width, 1, max(image_width // 16, 1), 14)
+    text = text_config(text_width, 1, max(text_width // 16, 1), len(tokenizer))
     return (
-        OpenCLIPImageEncoder(vision, torchax_compat.module_state(vision)),
-        OpenCLIPTextEncoder(text, tokenizer, torchax_compat.module_state(text)),
+        OpenCLIPImageEncoder(random_clip(lambda: CLIPVisionTransformer(vision), seed)),
+        OpenCLIPTextEncoder(random_clip(lambda: CLIPTextTransformer(text), seed + 1), tokenizer),
     )
 
 

@@ -39,7 +39,8 @@ from wan_tpu.kernels.tuning import GPU_FASTEST, check_block_keys, gpu_shape_clas
 _HALF = (jnp.bfloat16, jnp.float16)
 
 
-def reference_attention(q, k, v, kv_len=None, *, scale: float | None = None, bias=None, key_mask=None):
+def reference_attention(q, k, v, kv_len=None, *, scale: float | None = None, bias=None, key_mask=None,
+                        causal: bool = False):
     """Plain XLA attention; logits and softmax in float32 whatever the input dtype. Products at
     HIGHEST precision: this is the yardstick, so float32 must not become TF32 on a GPU.
 
@@ -48,6 +49,7 @@ def reference_attention(q, k, v, kv_len=None, *, scale: float | None = None, bia
     `scale` (default 1/sqrt(D)), `bias` (added to the logits, broadcast to (B, H, Sq, Skv)) and
     `key_mask` ((B, Skv) booleans, False: never attended) serve T5-style attention (UMT5: scale 1,
     a relative-position bias, the padding mask); every row must keep at least one key.
+    `causal`: query i attends only to keys [0, i] (CLIP's text tower; Sq == Skv).
     """
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
     highest = jax.lax.Precision.HIGHEST
@@ -58,6 +60,8 @@ def reference_attention(q, k, v, kv_len=None, *, scale: float | None = None, bia
         key_mask = jnp.arange(k.shape[1])[None, :] < kv_len[:, None]
     if key_mask is not None:
         logits = jnp.where(key_mask[:, None, None, :], logits, -jnp.inf)
+    if causal:
+        logits = jnp.where(jnp.tril(jnp.ones((q.shape[1], k.shape[1]), bool)), logits, -jnp.inf)
     p = jax.nn.softmax(logits, axis=-1)
     out = jnp.einsum("bhqk,bkhd->bqhd", p.astype(v.dtype), v, precision=highest, preferred_element_type=jnp.float32)
     return out.astype(q.dtype)

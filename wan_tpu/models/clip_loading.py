@@ -1,0 +1,103 @@
+"""Loading CLIP towers from transformers folders (config.json + model.safetensors), file → device.
+
+    vision = load_clip_vision("image_encoder", dtype=jnp.float32, mesh=None, num_layers=None)
+    text = load_clip_text("text_encoder")
+
+The folders are what `CLIPVisionModel` / `CLIPTextModel.save_pretrained` write (tensors
+`vision_model.encoder.layers.{i}.self_attn.q_proj.weight`, `text_model.embeddings.token_embedding.weight`,
+…; transformers 5 writes them without the `vision_model.` / `text_model.` prefix, which is then
+optional). Every tensor the config implies is checked by name and shape before any data is read (a missing,
+unexpected or mis-shaped one is a `WanInputError` naming it); only the first `num_layers` blocks (None:
+all; negative: all but the last -num_layers) are then read, as stored (torch layout), per-layer tensors stacked on the leading layer axis. With
+a mesh each parameter is placed by the `clip` rules of `wan_tpu.configs.sharding` as it is read.
+The vision `post_layernorm` is checked but not read (it feeds only the pooled output); `position_ids`
+buffers, which older transformers saved, are ignored.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from wan_tpu.checkpoint import open_checkpoint
+from wan_tpu.errors import WanInputError
+from wan_tpu.models.clip import CLIPTextConfig, CLIPTextTransformer, CLIPVisionConfig, CLIPVisionTransformer
+from wan_tpu.models.param_loading import Layout, StoredParam, load_params
+
+_LAYERS = ("encoder", "layers")
+
+
+def checkpoint_names(prefix: str, path: tuple[str, ...], num_layers: int) -> list[str]:
+    """Our parameter path → its transformers tensor name(s): one per layer for the stacked blocks."""
+    if path[:2] == _LAYERS:
+        rest = ".".join(path[2:])
+        return [f"{prefix}encoder.layers.{i}.{rest}" for i in range(num_layers)]
+    return [prefix + ".".join(path)]
+
+
+def load_clip_vision(path, dtype=jnp.float32, mesh=None, num_layers: int | None = None,
+                     attention_impl: str | None = None) -> CLIPVisionTransformer:
+    """A `CLIPVisionModel` folder → `CLIPVisionTransformer` keeping its first `num_layers` blocks (None: all;
+    negative: all but the last -num_layers, so -1 gives `hidden_states[-2]`)."""
+    return _load(path, "image_encoder", "vision_model.", CLIPVisionConfig, num_layers, mesh,
+                 lambda cfg: CLIPVisionTransformer(cfg, dtype, attention_impl),
+                 unread=("post_layernorm.weight", "post_layernorm.bias"))
+
+
+def load_clip_text(path, dtype=jnp.float32, mesh=None, num_layers: int | None = None) -> CLIPTextTransformer:
+    """A `CLIPTextModel` folder → `CLIPTextTransformer` keeping its first `num_layers` blocks (as `load_clip_vision`)."""
+    return _load(path, "text_encoder", "text_model.", CLIPTextConfig, num_layers, mesh,
+                 lambda cfg: CLIPTextTransformer(cfg, dtype))
+
+
+def _load(path, what, prefix, config_class, num_layers, mesh, build, unread=()):
+    path = os.fspath(path)
+    config, tensors = open_checkpoint(path, what)
+    if not any(n.startswith(prefix) for n in tensors):
+        prefix = ""  # transformers 5 saves the towers' tensors without it
+    cfg = config_class.from_json(config, os.path.join(path, "config.json"))
+    total = cfg.num_hidden_layers
+    keep = total if num_layers is None else num_layers + total if num_layers < 0 else num_layers
+    if not 1 <= keep <= total:
+        raise WanInputError(f"{path}: cannot keep {keep} of the {total} CLIP blocks config.json describes (at least 1 "
+                            "must remain); check config.json")
+    # Every tensor of the whole checkpoint is checked (the full model), the kept blocks are read.
+    full = nnx.to_flat_state(nnx.state(nnx.eval_shape(lambda: build(cfg))))
+    expected = {}
+    for key, var in full:
+        p = tuple(str(k) for k in key)
+        shape = tuple(var.get_value().shape)
+        for n in checkpoint_names(prefix, p, total):
+            expected[n] = shape[1:] if p[:2] == _LAYERS else shape
+    expected.update({prefix + n: (cfg.hidden_size,) for n in unread})
+    for n, shape in expected.items():
+        if n not in tensors:
+            raise WanInputError(f"{path}: missing tensor {n!r} (shape {shape}); the weights do not match config.json — "
+                                f"re-download or re-save the {what}")
+        if tuple(tensors.shape(n)) != shape:
+            raise WanInputError(f"{path}: tensor {n!r} has shape {tuple(tensors.shape(n))}, but config.json implies "
+                                f"{shape}; the weights do not match config.json")
+    for n in tensors:
+        if n not in expected and not n.endswith("position_ids"):
+            raise WanInputError(f"{path}: unexpected tensor {n!r} (shape {tuple(tensors.shape(n))}) is not a parameter "
+                                f"of the CLIP model config.json describes; check that config.json belongs to these weights")
+
+    kept = dataclasses.replace(cfg, num_hidden_layers=keep)
+    graphdef, state = nnx.split(nnx.eval_shape(lambda: build(kept)))
+    flat = nnx.to_flat_state(state)
+    paths = [tuple(str(k) for k in key) for key, _ in flat]
+    # Stored as used (torch layout): every parameter is a plain copy.
+    stored = [StoredParam(tensors, checkpoint_names(prefix, p, keep), Layout(), np.dtype(var.get_value().dtype),
+                          p[:2] == _LAYERS) for p, (_, var) in zip(paths, flat)]
+    place = None
+    if mesh is not None:
+        from wan_tpu.sharding import place_param
+
+        place = lambda i, host: place_param(mesh, "clip", ".".join(paths[i]), host)  # noqa: E731
+    for (_, var), value in zip(flat, load_params(stored, place)):
+        var.set_value(value)
+    return nnx.merge(graphdef, nnx.from_flat_state(flat))
