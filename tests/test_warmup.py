@@ -2,7 +2,7 @@
 alone), the denoise step and the VAE decode compile in background threads, so the calls compile none
 of the big programs themselves; latents and frames are bit-identical to a run without `prepare` in a fresh process (reference: that run; tolerance:
 none). Load errors surface where the component is used; a failed ahead-of-time compile is a warning;
-no thread outlives the `with` block; torch-based components never load at the same time."""
+no thread outlives the `with` block."""
 
 import json
 import os
@@ -80,33 +80,6 @@ def test_load_errors_surface_where_the_component_is_used():
                 pipe.vae
             prepared.wait_compiled("decode")
     assert not [t for t in threading.enumerate() if t.name.startswith("wan_tpu-")]  # none outlives the block
-
-
-def test_torch_components_load_one_at_a_time():
-    """transformers' loading sets process-wide torch state (default dtype, meta init): the (CLIP) image
-    encoder's loader holds a lock, whichever threads call it; the text encoder (JAX) loads alongside."""
-    pipe = wan_tpu.WanPipeline.from_pretrained("tiny")
-    inside, overlaps = [], []
-
-    def slow(name):
-        def load():
-            overlaps.append(len(inside))
-            inside.append(name)
-            threading.Event().wait(0.2)
-            inside.remove(name)
-            return name
-
-        return load
-
-    loaders = {"text_encoder": slow("text_encoder"), "image_encoder": slow("image_encoder"), "vae": slow("vae")}
-    pipe = type(pipe)(pipe.variant, pipe.vae_config, loaders, name="t", dtype=pipe.dtype)
-    threads = [threading.Thread(target=pipe._loaders["image_encoder"]) for _ in range(2)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    assert overlaps == [0, 0]
-    assert pipe._loaders["text_encoder"] is loaders["text_encoder"]  # no torch inside: not serialised
 
 
 def test_weights_fit_against_free_device_memory(monkeypatch):
