@@ -12,8 +12,8 @@ Rows (seconds and GB/s of the component's stored bytes):
                 of the list;
   * `torch-put` the same tensors through `safetensors.torch.load_file(device="cuda")` (diffusers'
                 path), where torch has CUDA;
-  * `load`      our loader for the component (`WanPipeline.component`), alone in its process, with its
-                imports timed apart (`import`);
+  * `load`      our loader for the component (`WanPipeline.component`), alone in its process, with
+                `import wan_tpu.pipeline` timed apart (`import`);
   * `prepare`   all components read at once as `WanPipeline.prepare` does, the time each one is ready.
 A process's start-up (python + `import jax` + the first device) is its own row.
 """
@@ -127,11 +127,9 @@ def part_load(path, component):
 
     jax.devices()
     t0 = time.perf_counter()
-    if component == "text_encoder":  # the imports the loader pays first, timed apart
-        import torch  # noqa: F401
-        import transformers  # noqa: F401
-    t1 = time.perf_counter()
     from wan_tpu.pipeline import WanPipeline
+
+    t1 = time.perf_counter()
 
     pipe = WanPipeline.from_pretrained(path)
     t2 = time.perf_counter()
@@ -193,7 +191,7 @@ def main(argv=None):
     if args.child:
         return child(args)
     parts = args.parts.split(",")
-    print(f"| component | part | seconds | GB/s | process s | detail |\n|---|---|---|---|---|---|", flush=True)
+    print("| component | part | seconds | GB/s | process s | detail |\n|---|---|---|---|---|---|", flush=True)
     for part in parts:
         comps = ["-"] if part in ("startup", "prepare") else args.components.split(",")
         for comp in comps:
