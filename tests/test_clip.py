@@ -62,6 +62,9 @@ def test_vision_matches_transformers(tmp_path, act, prefix):
     penultimate = load_clip_vision(folder, num_layers=-1)
     assert penultimate.config.num_hidden_layers == 2
     assert rel_err(penultimate(jnp.asarray(pixels.numpy())), ref.hidden_states[-2]) <= TOL
+    # No block kept (a one-block tower's penultimate state, as a tiny Wan I2V checkpoint has): the embeddings.
+    embeddings = load_clip_vision(folder, num_layers=0)
+    assert rel_err(embeddings(jnp.asarray(pixels.numpy())), ref.hidden_states[0]) <= TOL
 
 
 @pytest.mark.parametrize("act, prefix", [("gelu", ""), ("quick_gelu", "text_model.")])
@@ -107,8 +110,8 @@ def test_bad_checkpoints_are_one_line_errors(tmp_path):
         with pytest.raises(WanInputError, match=message) as e:
             load_clip_vision(path, num_layers=-1)  # the unread last block is checked too
         assert "\n" not in str(e.value)
-    with pytest.raises(WanInputError, match="cannot keep 0 of the 3 CLIP blocks"):
-        load_clip_vision(folder, num_layers=-3)
+    with pytest.raises(WanInputError, match="cannot keep -1 of the 3 CLIP blocks"):
+        load_clip_vision(folder, num_layers=-4)
     with pytest.raises(WanInputError, match=r"\(B, 3, 32, 32\)"):
         load_clip_vision(folder)(jnp.zeros((1, 3, 16, 16)))
 

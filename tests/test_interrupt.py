@@ -42,6 +42,13 @@ def _spawn(args, env=None):
             signal.signal(s, signal.SIG_IGN)
 
 
+def without_notice(lines, sig):
+    """`lines` without the notice a stop slower than a second prints first (leaving the run waits for a
+    background compile in flight, at most one program's: `wan_tpu.warmup`), which is all it may add."""
+    notice = f"{signal.Signals(sig).name}: stopping at the next safe point (again to stop at once)"
+    return [line for line in lines if line != notice]
+
+
 def _read_until(stream, marker, timeout=300):
     """Lines of `stream` up to and including the first that contains `marker`."""
     lines, deadline = [], time.monotonic() + timeout
@@ -93,7 +100,7 @@ def test_signal_in_every_stage_stops_cleanly(tmp_path):
             child.send_signal(sig)
             after = _read_until(child.stderr, "rc=")
             assert after[-1] == f"rc={128 + sig}", (point, sig, after)
-            assert after[:-1] == ["interrupted; nothing written"], (point, sig, after)
+            assert without_notice(after[:-1], sig) == ["interrupted; nothing written"], (point, sig, after)
             assert os.listdir(out) == [], (point, sig)  # no mp4, no temporary
         # --keep-stages: the complete stage files are kept and named; the mp4 is not written.
         out = tmp_path / "kept"
@@ -122,7 +129,7 @@ def test_generate_process_exit_status(point, sig, tmp_path):
     rest = proc.stderr.read().strip().splitlines()
     proc.wait(timeout=60)
     assert proc.returncode == 128 + sig
-    assert rest == ["interrupted; nothing written"]
+    assert without_notice(rest, sig) == ["interrupted; nothing written"]
     assert os.listdir(tmp_path) == []
 
 

@@ -62,9 +62,9 @@ def _load(path, what, prefix, config_class, num_layers, mesh, build, unread=()):
     cfg = config_class.from_json(config, os.path.join(path, "config.json"))
     total = cfg.num_hidden_layers
     keep = total if num_layers is None else num_layers + total if num_layers < 0 else num_layers
-    if not 1 <= keep <= total:
-        raise WanInputError(f"{path}: cannot keep {keep} of the {total} CLIP blocks config.json describes (at least 1 "
-                            "must remain); check config.json")
+    if not 0 <= keep <= total:
+        raise WanInputError(f"{path}: cannot keep {keep} of the {total} CLIP blocks config.json describes; "
+                            "check config.json")
     # Every tensor of the whole checkpoint is checked (the full model), the kept blocks are read.
     full = nnx.to_flat_state(nnx.state(nnx.eval_shape(lambda: build(cfg))))
     expected = {}
@@ -90,14 +90,19 @@ def _load(path, what, prefix, config_class, num_layers, mesh, build, unread=()):
     graphdef, state = nnx.split(nnx.eval_shape(lambda: build(kept)))
     flat = nnx.to_flat_state(state)
     paths = [tuple(str(k) for k in key) for key, _ in flat]
-    # Stored as used (torch layout): every parameter is a plain copy.
-    stored = [StoredParam(tensors, checkpoint_names(prefix, p, keep), Layout(), np.dtype(var.get_value().dtype),
-                          p[:2] == _LAYERS) for p, (_, var) in zip(paths, flat)]
+    # Stored as used (torch layout): every parameter is a plain copy. With no block kept (the penultimate
+    # hidden state of a one-block tower is the embeddings' output) the block stack is empty: nothing to read.
+    read = [i for i, p in enumerate(paths) if keep or p[:2] != _LAYERS]
+    stored = [StoredParam(tensors, checkpoint_names(prefix, paths[i], keep), Layout(),
+                          np.dtype(flat[i][1].get_value().dtype), paths[i][:2] == _LAYERS) for i in read]
     place = None
     if mesh is not None:
         from wan_tpu.sharding import place_param
 
-        place = lambda i, host: place_param(mesh, "clip", ".".join(paths[i]), host)  # noqa: E731
-    for (_, var), value in zip(flat, load_params(stored, place)):
-        var.set_value(value)
+        place = lambda j, host: place_param(mesh, "clip", ".".join(paths[read[j]]), host)  # noqa: E731
+    for i, value in zip(read, load_params(stored, place)):
+        flat[i][1].set_value(value)
+    for i in sorted(set(range(len(paths))) - set(read)):
+        target = flat[i][1].get_value()
+        flat[i][1].set_value(jnp.zeros(target.shape, target.dtype))
     return nnx.merge(graphdef, nnx.from_flat_state(flat))
