@@ -280,22 +280,20 @@ def _run(graphdef, state, inputs):
 
 
 def random_clip(build, seed: int):
-    """`build()` (a tower constructor) with seeded random weights drawn on the host (numpy PCG64), the same
+    """`build()` (a tower constructor) with seeded random weights (`wan_tpu.presets.random_module`), the same
     on every machine: linears and the patch kernel N(0, 1/fan_in), LayerNorm weights 1, the rest N(0, 0.02²)."""
+    from wan_tpu.presets import random_module
+
+    return random_module(build, seed, draw=_clip_draw)
+
+
+def _clip_draw(names, shape, rng):
+    """A CLIP parameter's random value: its torch-layout `weight`s do not fit `random_module`'s own rules."""
     import numpy as np
 
-    graphdef, state = nnx.split(nnx.eval_shape(build))
-    rng = np.random.default_rng(seed)
-    flat = nnx.to_flat_state(state)
-    for path, var in flat:
-        names = [str(p) for p in path]
-        shape, dtype = var.get_value().shape, var.get_value().dtype
-        if names[-1] == "weight" and ("norm" in names[-2] or "layrnorm" in names[-2]):
-            value = np.ones(shape)
-        elif names[-1] == "weight" and names[-2] != "position_embedding" and names[-2] != "token_embedding":
-            fan_in = int(np.prod(shape[1:])) if names[-2] == "patch_embedding" else shape[-1]
-            value = rng.standard_normal(shape) / np.sqrt(fan_in)
-        else:
-            value = 0.02 * rng.standard_normal(shape)
-        var.set_value(jnp.asarray(value.astype(np.float32), dtype=dtype))
-    return nnx.merge(graphdef, nnx.from_flat_state(flat))
+    if names[-1] == "weight" and ("norm" in names[-2] or "layrnorm" in names[-2]):
+        return np.ones(shape)
+    if names[-1] == "weight" and names[-2] not in ("position_embedding", "token_embedding"):
+        fan_in = int(np.prod(shape[1:])) if names[-2] == "patch_embedding" else shape[-1]
+        return rng.standard_normal(shape) / np.sqrt(fan_in)
+    return 0.02 * rng.standard_normal(shape)
