@@ -56,7 +56,6 @@ VAE = ((r".*", REPLICATED),)
 # Our UMT5 encoder (`wan_tpu.models.umt5`): torch layout, `weight` is (out, in); block parameters are
 # stacked on a leading layer axis, which is never sharded.
 UMT5 = (
-    (r"^shared\.weight$", P(FSDP, "tp")),  # (vocab 256,384, d_model)
     (r"^blocks\.attention\.(q|k|v)\.weight$", P(None, "tp", FSDP)),
     (r"^blocks\.attention\.o\.weight$", P(None, FSDP, "tp")),
     (r"^blocks\.attention\.relative_attention_bias\.weight$", REPLICATED),

@@ -38,7 +38,6 @@ import dataclasses
 import gc
 import json
 import os
-import re
 import statistics
 import subprocess
 import sys
@@ -52,7 +51,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 from wan_tpu.configs.models import VARIANTS, config_to_json  # noqa: E402
-from wan_tpu.profiling import dit_forward_flops, measured_peak_flops, op_times, trace  # noqa: E402
+from wan_tpu.profiling import dit_forward_flops, measured_peak_flops, op_class_table, trace  # noqa: E402
 
 CONFIGS = {  # name: (variant, latent (F, H, W))
     "1.3b": ("wan2.1-t2v-1.3b", (21, 60, 104)),
@@ -62,11 +61,6 @@ CONFIGS = {  # name: (variant, latent (F, H, W))
 }
 TEXT_LEN = 512
 OURS = "ours fused"  # the reference row of each config
-OP_CLASSES = (  # (class, pattern on XLA op names), first match wins
-    ("matmul", r"gemm|matmul|cublas|\bdot"),
-    ("attention", r"custom-call|fmha|mosaic|flash|splash"),
-    ("fusions (norms, modulation, RoPE, GELU, residuals)", r"fusion|convert|transpose|copy|reduce|broadcast|add|multiply"),
-)
 
 
 def model_flops(cfg, latent) -> float:
@@ -150,21 +144,6 @@ def run_torch(cfg, latent, args, name, results):
 
 
 # ---- ours -----------------------------------------------------------------------------------------
-
-def op_class_table(log_dir: str, title: str, top: int = 8) -> list[str]:
-    """Device time of one traced forward by op class, then its largest ops."""
-    rows = op_times(log_dir)
-    total = sum(t for _, t, _ in rows) or 1e-12
-    classes: dict[str, float] = {}
-    for op, t, _ in rows:
-        cls = next((c for c, pattern in OP_CLASSES if re.search(pattern, op)), "other")
-        classes[cls] = classes.get(cls, 0.0) + t
-    out = [f"PROFILE {title}: {1e3 * total:.1f} ms of device ops"]
-    out += [f"PROFILE   class {c:52} {1e3 * t:9.2f} ms {100 * t / total:5.1f}%" for c, t in
-            sorted(classes.items(), key=lambda r: -r[1])]
-    out += [f"PROFILE   op    {op:52} {1e3 * t:9.2f} ms {100 * t / total:5.1f}% {n:6d} runs" for op, t, n in rows[:top]]
-    return out
-
 
 def sample_latents(dit, cfg, latent, steps, seed=0):
     """A short CFG sampling run from fixed noise and random text embeddings (the PSNR probe)."""

@@ -321,14 +321,15 @@ def ours(args, first_frame_only=False) -> dict:
     wall_s = time.time() - begin
     if first_frame_only:
         return {"first_frame_s": first, "load_s": load_s, "prep_s": prep_s, "second_chunk_s": session.chunk_seconds[1]}
-    forward_ms = _our_forward_ms(pipe, session, keyboard, mouse)
+    forward_ms = _our_forward_ms(pipe, session, keyboard, mouse, args.profile)
     stats = jax.devices()[0].memory_stats() or {}
     return {"ours": _summary(session.chunk_frames, session.chunk_seconds, forward_ms, first,
                              stats.get("peak_bytes_in_use"), load_s=load_s, prep_s=prep_s, wall_s=wall_s)}
 
 
-def _our_forward_ms(pipe, session, keyboard, mouse):
-    """One DiT forward (`MatrixGameTransformer.__call__`, jitted) of the last chunk over the full window."""
+def _our_forward_ms(pipe, session, keyboard, mouse, profile=None):
+    """One DiT forward (`MatrixGameTransformer.__call__`, jitted) of the last chunk over the full window;
+    with `profile` (a folder), one more forward traced there and its device time by op class logged."""
     import jax
     import jax.numpy as jnp
     import numpy as np
@@ -346,6 +347,12 @@ def _our_forward_ms(pipe, session, keyboard, mouse):
         start = time.perf_counter()
         jax.block_until_ready(model(latents, cond, t, *windows, session.cache, jnp.int32(k * f)))
         times.append(time.perf_counter() - start)
+    if profile:
+        from wan_tpu.profiling import op_class_table, trace
+
+        with trace(profile):
+            jax.block_until_ready(model(latents, cond, t, *windows, session.cache, jnp.int32(k * f)))
+        log("\n".join(op_class_table(profile, "Matrix-Game DiT forward", top=16)))
     return 1e3 * statistics.median(times[2:])
 
 
@@ -435,6 +442,7 @@ def main(argv=None):
     p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"), help="our DiT and CLIP dtype")
     p.add_argument("--vae-dtype", default="bfloat16", choices=("bfloat16", "float32"), help="our VAE dtype")
     p.add_argument("--their-compile", default="max-autotune-no-cudagraphs", help="their decoder's torch.compile mode, or none")
+    p.add_argument("--profile", default=None, help="folder for a trace of our DiT forward (`ours`): op classes printed")
     args = p.parse_args(argv)
     args.latent_frames = args.latent_frames or CONFIGS[args.config]["latent_frames"]
     if args.latent_frames % 3:

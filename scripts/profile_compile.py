@@ -97,7 +97,7 @@ def t5(args) -> None:
     import numpy as np
     from flax import nnx
 
-    from wan_tpu.models.umt5 import UMT5Config, UMT5Encoder
+    from wan_tpu.models.umt5 import UMT5Config, UMT5Embedding, UMT5Encoder
     from wan_tpu.text_encoder import UMT5TextEncoder
     from wan_tpu.tokenizers import tiny_tokenizer
 
@@ -111,7 +111,8 @@ def t5(args) -> None:
     start = time.perf_counter()
     graphdef, state = nnx.split(nnx.eval_shape(lambda: UMT5Encoder(config, jnp.bfloat16)))
     state = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), state)  # zeros: only the program is measured
-    encoder = UMT5TextEncoder(nnx.merge(graphdef, state), tiny_tokenizer())
+    table = np.zeros((config.vocab_size, config.d_model), jnp.bfloat16)
+    encoder = UMT5TextEncoder(nnx.merge(graphdef, state), UMT5Embedding(table, jnp.bfloat16), tiny_tokenizer())
     print(f"{'build (device)':28} {time.perf_counter() - start:8.2f} s")
     events.clear()
     prompts = ["a cat walks on the grass", "low quality"]

@@ -268,7 +268,6 @@ def test_umt5_and_clip_rules_cover_every_parameter():
     assert param_spec(mesh, "umt5", "blocks.attention.q.weight", (2, 16, 16)) == P(None, "tp", ("dp", "sp"))
     assert param_spec(mesh, "umt5", "blocks.attention.o.weight", (2, 16, 16)) == P(None, ("dp", "sp"), "tp")
     assert param_spec(mesh, "umt5", "blocks.ffn.wo.weight", (2, 16, 32)) == P(None, ("dp", "sp"), "tp")
-    assert param_spec(mesh, "umt5", "shared.weight", (64, 16)) == P(("dp", "sp"), "tp")
     assert param_spec(mesh, "clip", "encoder.layers.mlp.fc2.weight", (2, 16, 32)) == P(None, ("dp", "sp"), "tp")
     assert param_spec(mesh, "vae", "decoder.up_blocks.0.resnets.0.conv1.weight", (16, 16, 3, 3, 3)) == P()
 

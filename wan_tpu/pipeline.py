@@ -127,6 +127,8 @@ class WanPipeline:
         from wan_tpu.models.umt5 import UMT5Config
 
         text_config = UMT5Config.from_folder(os.path.join(path, parts["text_encoder"]))
+        if "text_encoder" in weights:  # its token embedding stays on the host (`UMT5Embedding`)
+            weights["text_encoder"] = max(0, weights["text_encoder"] - text_config.vocab_size * text_config.d_model)
         return cls(variant, vae_config, _folder_loaders(path, parts, dtype, mesh, attention_impl, vae_dtype),
                    name=os.path.abspath(path), dtype=dtype, mesh=mesh, vae_dtype=vae_dtype, attention_impl=attention_impl,
                    weight_elements=weights, check_memory=check_memory,

@@ -87,16 +87,14 @@ def hf_umt5_config(cfg):
 
 def umt5_draw(cfg):
     """`random_module`'s `draw` for a `UMT5Encoder`: transformers' (Mesh TensorFlow) init scales, torch layout:
-    embedding N(0, 1), linears N(0, 1/fan_in) with fan_in the last axis, relative-position tables
-    N(0, 1/d_model), norm weights 1."""
+    linears N(0, 1/fan_in) with fan_in the last axis, relative-position tables N(0, 1/d_model), norm
+    weights 1."""
     import numpy as np
 
     def draw(names, shape, rng):
         module = names[-2]
         if module in ("attention_norm", "ffn_norm", "final_layer_norm"):
             return np.ones(shape)
-        if module == "shared":
-            return rng.standard_normal(shape)
         if module == "relative_attention_bias":
             return rng.standard_normal(shape) / cfg.d_model**0.5
         return rng.standard_normal(shape) / shape[-1] ** 0.5
@@ -105,11 +103,16 @@ def umt5_draw(cfg):
 
 
 def tiny_umt5(d_model: int, dtype=jnp.float32, seed: int = TINY_SEED):
-    """A random-weight `UMT5Encoder`, the same for a given seed on every machine."""
-    from wan_tpu.models.umt5 import UMT5Encoder
+    """A random-weight `UMT5Encoder` and its `UMT5Embedding` (N(0, 1), as transformers draws it), the
+    same for a given seed on every machine."""
+    import numpy as np
+
+    from wan_tpu.models.umt5 import UMT5Embedding, UMT5Encoder
 
     cfg = tiny_umt5_config(d_model)
-    return random_module(lambda: UMT5Encoder(cfg, dtype), seed, draw=umt5_draw(cfg))
+    table = np.random.default_rng(seed).standard_normal((cfg.vocab_size, cfg.d_model)).astype(np.float32)
+    embedding = UMT5Embedding(table.astype(dtype), dtype)
+    return random_module(lambda: UMT5Encoder(cfg, dtype), seed + 1, draw=umt5_draw(cfg)), embedding
 
 
 def tiny(dtype=jnp.bfloat16, mesh=None, attention_impl=None, vae_dtype=jnp.float32, seed: int = TINY_SEED):
@@ -139,12 +142,12 @@ def tiny(dtype=jnp.bfloat16, mesh=None, attention_impl=None, vae_dtype=jnp.float
         from wan_tpu.text_encoder import UMT5TextEncoder
         from wan_tpu.tokenizers import tiny_tokenizer
 
-        model = tiny_umt5(variant.transformer.text_dim, dtype, seed + 2)
+        model, embed_tokens = tiny_umt5(variant.transformer.text_dim, dtype, seed + 2)
         if mesh is not None:
             from wan_tpu.sharding import shard_module
 
             shard_module(model, mesh, "umt5")
-        return UMT5TextEncoder(model, tiny_tokenizer())
+        return UMT5TextEncoder(model, embed_tokens, tiny_tokenizer())
 
     loaders = {"transformer": transformer, "vae": vae, "text_encoder": text_encoder}
     return WanPipeline(variant, TINY_VAE, loaders, name="tiny", dtype=dtype, mesh=mesh, vae_dtype=vae_dtype,

@@ -121,6 +121,28 @@ def op_times(log_dir: str) -> list[tuple[str, float, int]]:
     return sorted(((op, t, n) for op, (t, n) in totals.items()), key=lambda r: -r[1])
 
 
+OP_CLASSES = (  # (class, pattern on XLA op names), first match wins: `op_class_table`
+    ("matmul", r"gemm|matmul|cublas|\bdot"),
+    ("attention", r"custom-call|fmha|mosaic|flash|splash"),
+    ("fusions (norms, modulation, RoPE, GELU, residuals)", r"fusion|convert|transpose|copy|reduce|broadcast|add|multiply"),
+)
+
+
+def op_class_table(log_dir: str, title: str, top: int = 8) -> list[str]:
+    """Device time of one traced forward by op class, then its largest ops."""
+    rows = op_times(log_dir)
+    total = sum(t for _, t, _ in rows) or 1e-12
+    classes: dict[str, float] = {}
+    for op, t, _ in rows:
+        cls = next((c for c, pattern in OP_CLASSES if re.search(pattern, op)), "other")
+        classes[cls] = classes.get(cls, 0.0) + t
+    out = [f"PROFILE {title}: {1e3 * total:.1f} ms of device ops"]
+    out += [f"PROFILE   class {c:52} {1e3 * t:9.2f} ms {100 * t / total:5.1f}%" for c, t in
+            sorted(classes.items(), key=lambda r: -r[1])]
+    out += [f"PROFILE   op    {op:52} {1e3 * t:9.2f} ms {100 * t / total:5.1f}% {n:6d} runs" for op, t, n in rows[:top]]
+    return out
+
+
 @contextlib.contextmanager
 def scope(name: str):
     """A named region on the host timeline of a trace (cheap when no trace is running)."""

@@ -4,7 +4,8 @@
     embeds = encoder.encode(["a cat walks on the grass"])        # (1, 512, 4096)
 
 No torch, transformers or torchax: the weights go from the safetensors to the devices
-(`wan_tpu.models.umt5_loading`, sharded over a mesh when one is given), the tokenizer is the folder's
+(`wan_tpu.models.umt5_loading`, sharded over a mesh when one is given) but for the token embedding,
+looked up on the host from the checkpoint's memory map (`UMT5Embedding`), the tokenizer is the folder's
 tokenizer.json (`wan_tpu.tokenizers.UMT5Tokenizer`), and the encoder is one `jax.jit` program per
 batch size, its layers a `lax.scan`. `compile_encode(config, dtype, batch)` compiles that program from
 shapes alone, before any weight is read (what `WanPipeline.prepare` does in a background thread).
@@ -53,10 +54,11 @@ def prompt_clean(text: str) -> str:
 class UMT5TextEncoder:
     """`encode(prompts) -> (B, 512, d_model)` jax array; rows past each prompt's length are zero."""
 
-    def __init__(self, model, tokenizer, max_sequence_length: int = MAX_SEQUENCE_LENGTH):
+    def __init__(self, model, embed_tokens, tokenizer, max_sequence_length: int = MAX_SEQUENCE_LENGTH):
         from flax import nnx
 
         self.model = model
+        self.embed_tokens = embed_tokens
         self.tokenizer = tokenizer
         self.max_sequence_length = max_sequence_length
         self.config = model.config
@@ -71,7 +73,7 @@ class UMT5TextEncoder:
 
         UMT5Config.from_folder(text_encoder_dir)  # a missing config.json is named before the tokenizer is read
         tokenizer = UMT5Tokenizer.from_folder(tokenizer_dir, MAX_SEQUENCE_LENGTH)
-        return cls(load_umt5(text_encoder_dir, dtype=dtype, mesh=mesh), tokenizer)
+        return cls(*load_umt5(text_encoder_dir, dtype=dtype, mesh=mesh), tokenizer)
 
     def tokenize(self, prompts: list[str]) -> tuple[np.ndarray, np.ndarray]:
         """Token ids and attention mask, (B, max_sequence_length) int32, padded and truncated."""
@@ -81,11 +83,11 @@ class UMT5TextEncoder:
 
     def encode(self, prompts: list[str]) -> jax.Array:
         input_ids, attention_mask = self.tokenize(prompts)
-        return _embed(self.graphdef, self.state, input_ids, attention_mask)
+        return _embed(self.graphdef, self.state, self.embed_tokens(input_ids), attention_mask)
 
     def compile(self, batch: int) -> None:
         """Compile (without running) the program `encode` runs for `batch` prompts, from shapes alone."""
-        _lower(self.graphdef, _abstract(self.state), batch, self.max_sequence_length).compile()
+        _lower(self.graphdef, _abstract(self.state), self.config, self.model.dtype, batch, self.max_sequence_length).compile()
 
 
 def compile_encode(config, dtype, batch: int, max_sequence_length: int = MAX_SEQUENCE_LENGTH) -> None:
@@ -97,7 +99,7 @@ def compile_encode(config, dtype, batch: int, max_sequence_length: int = MAX_SEQ
     from wan_tpu.models.umt5 import UMT5Encoder
 
     graphdef, state = nnx.split(nnx.eval_shape(lambda: UMT5Encoder(config, dtype)))
-    _lower(graphdef, _abstract(state), batch, max_sequence_length).compile()
+    _lower(graphdef, _abstract(state), config, dtype, batch, max_sequence_length).compile()
 
 
 def _abstract(state):
@@ -111,16 +113,16 @@ def _abstract(state):
     return jax.tree.map(one, state)
 
 
-def _lower(graphdef, state, batch: int, length: int):
-    tokens = jax.ShapeDtypeStruct((batch, length), jnp.int32)
-    return _embed.lower(graphdef, state, tokens, tokens)
+def _lower(graphdef, state, config, dtype, batch: int, length: int):
+    embeds = jax.ShapeDtypeStruct((batch, length, config.d_model), dtype)
+    return _embed.lower(graphdef, state, embeds, jax.ShapeDtypeStruct((batch, length), jnp.int32))
 
 
 @functools.partial(jax.jit, static_argnums=0)
-def _embed(graphdef, state, input_ids, attention_mask):
+def _embed(graphdef, state, inputs_embeds, attention_mask):
     from flax import nnx
 
-    hidden = nnx.merge(graphdef, state).apply(input_ids, attention_mask)
+    hidden = nnx.merge(graphdef, state).apply(inputs_embeds, attention_mask)
     # Cut each prompt at its true length (the count of mask ones), then zero-pad to the full length.
     seq_lens = (attention_mask > 0).sum(axis=1)
     keep = jnp.arange(hidden.shape[1])[None, :] < seq_lens[:, None]

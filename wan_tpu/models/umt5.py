@@ -1,8 +1,8 @@
 """The UMT5 text encoder (`UMT5Encoder`), a Flax NNX port of transformers' `UMT5EncoderModel`.
 
     config = UMT5Config.from_folder("Wan2.1-T2V-1.3B-Diffusers/text_encoder")
-    model = load_umt5("Wan2.1-T2V-1.3B-Diffusers/text_encoder", dtype=jnp.bfloat16)   # wan_tpu.models.umt5_loading
-    hidden = model(input_ids, attention_mask)                                          # (B, S, d_model), jitted
+    model, embed_tokens = load_umt5("Wan2.1-T2V-1.3B-Diffusers/text_encoder", dtype=jnp.bfloat16)  # umt5_loading
+    hidden = model(embed_tokens(input_ids), attention_mask)                      # (B, S, d_model), jitted
 
 The math is transformers' (`modeling_umt5.py`), which diffusers' `WanPipeline` runs:
   * every layer has its own relative-position bias table (T5 has one, in layer 0), bucketed
@@ -19,6 +19,11 @@ The math is transformers' (`modeling_umt5.py`), which diffusers' `WanPipeline` r
 Weights keep the checkpoint's torch layout (linears (out, in), contracted as x·Wᵀ), so loading is a
 copy. The blocks' parameters are stacked on a leading layer axis (`blocks.attention.q.weight` is
 (num_layers, heads·d_kv, d_model)) and run with `jax.lax.scan`: one layer is compiled, not 24.
+
+The token embedding (`UMT5Embedding`) is looked up on the host, outside the compiled encoder: a prompt
+needs at most 512 of UMT5-XXL's 256,384 rows, so its 2.1 GB table (18% of the encoder's bytes) is
+neither read whole from the checkpoint (it stays memory-mapped; the lookup reads the rows' pages) nor
+placed on a device, which shortens loading and frees that much device memory.
 """
 
 from __future__ import annotations
@@ -138,7 +143,7 @@ def _linear(x, weight):
 
 
 class Weight(nnx.Module):
-    """One torch-layout tensor under the name `weight` (linear (out, in), norm (d,), embedding (V, d)),
+    """One torch-layout tensor under the name `weight` (linear (out, in), norm (d,)),
     with an optional leading layer axis, so that parameter paths read like transformers' names."""
 
     def __init__(self, shape: tuple[int, ...], dtype):
@@ -197,8 +202,21 @@ class UMT5Block(nnx.Module):
         return x + self.ffn(t5_layer_norm(x, self.ffn_norm.weight, self.eps))
 
 
+class UMT5Embedding:
+    """The tied token embedding (`shared.weight`, (vocab_size, d_model)) on the host: `(input_ids)` → the
+    rows, a numpy array in the encoder's dtype (the cast rounds to nearest even, as on a device)."""
+
+    def __init__(self, table: np.ndarray, dtype):
+        self.table = table  # read-only; a memory map of the checkpoint where loaded
+        self.dtype = np.dtype(dtype)
+
+    def __call__(self, input_ids) -> np.ndarray:
+        return np.asarray(self.table[np.asarray(input_ids)]).astype(self.dtype, copy=False)
+
+
 class UMT5Encoder(nnx.Module):
-    """Embedding, `num_layers` stacked blocks, final norm: transformers' `UMT5EncoderModel.last_hidden_state`.
+    """`num_layers` stacked blocks and the final norm over embedded tokens (`UMT5Embedding`):
+    transformers' `UMT5EncoderModel(inputs_embeds=...).last_hidden_state`.
 
     Parameters are zeros until loaded (`wan_tpu.models.umt5_loading.load_umt5`) or drawn
     (`wan_tpu.presets.random_module`); build abstractly with `nnx.eval_shape`.
@@ -210,24 +228,24 @@ class UMT5Encoder(nnx.Module):
         cfg = config
         self.config = cfg
         self.dtype = dtype
-        self.shared = Weight((cfg.vocab_size, cfg.d_model), dtype)  # tied: `encoder.embed_tokens`
         self.blocks = UMT5Block(cfg, dtype, (cfg.num_layers,))
         self.final_layer_norm = Weight((cfg.d_model,), dtype)
 
-    def __call__(self, input_ids, attention_mask):
-        """(B, S) token ids and mask (1: a token, 0: padding) → (B, S, d_model) in `dtype`; runs compiled."""
+    def __call__(self, inputs_embeds, attention_mask):
+        """(B, S, d_model) embedded tokens and (B, S) mask (1: a token, 0: padding) → (B, S, d_model) in
+        `dtype`; runs compiled."""
         graphdef, state = nnx.split(self)
-        return encode(graphdef, state, input_ids, attention_mask)
+        return encode(graphdef, state, inputs_embeds, attention_mask)
 
-    def apply(self, input_ids, attention_mask):
+    def apply(self, inputs_embeds, attention_mask):
         """The forward computation, traced op by op; call it under jit."""
         cfg = self.config
-        seq = input_ids.shape[1]
+        seq = inputs_embeds.shape[1]
         table = relative_position_buckets(seq, cfg.relative_attention_num_buckets, cfg.relative_attention_max_distance)
         relative = jnp.arange(seq)[None, :] - jnp.arange(seq)[:, None] + (seq - 1)
         buckets = jnp.asarray(table)[relative]  # (S, S)
         key_mask = attention_mask > 0
-        x = self.shared.weight[input_ids]
+        x = inputs_embeds.astype(self.dtype)
         block_graph, block_state = nnx.split(self.blocks)
 
         def body(x, layer_state):
@@ -239,8 +257,8 @@ class UMT5Encoder(nnx.Module):
 
 
 @functools.partial(jax.jit, static_argnums=0)
-def encode(graphdef, state, input_ids, attention_mask):
+def encode(graphdef, state, inputs_embeds, attention_mask):
     """The encoder on a split model (`graphdef, state = nnx.split(model)`), compiled once per input shape.
     `encode.lower(graphdef, abstract_state, ...)` compiles it from shapes alone
     (`wan_tpu.text_encoder.compile_encode`)."""
-    return nnx.merge(graphdef, state).apply(input_ids, attention_mask)
+    return nnx.merge(graphdef, state).apply(inputs_embeds, attention_mask)
