@@ -95,3 +95,39 @@ def test_weights_fit_against_free_device_memory(monkeypatch):
     mesh = type("Mesh", (), {"devices": np.zeros(2)})()
     assert warmup.weights_fit(sizes, ["text_encoder", "transformer", "vae"], mesh)  # 36.5 per device
     assert warmup.weights_fit({}, ["transformer"], None)  # sizes unknown (a preset)
+
+
+def test_decode_compiles_before_the_denoise_where_both_do_not_fit(monkeypatch):
+    """On a GPU whose memory holds the denoise's and the decode's working sets together the decode compiles
+    while the DiT denoises; else `denoise()` waits for that compile first (the autotuner's buffers)."""
+    from wan_tpu.memory import stage_bytes
+
+    pipe = wan_tpu.WanPipeline.from_pretrained("tiny")
+    s = pipe.settings(height=32, width=32, num_frames=5, num_inference_steps=2)
+    need = sum(b for b, _ in stage_bytes(pipe, s, ("denoise", "decode")).values())
+    devices = jax.devices
+
+    class GPU:
+        platform = "gpu"
+
+        def __init__(self, limit):
+            self.limit = limit
+
+        def memory_stats(self):
+            return {"bytes_limit": self.limit, "bytes_in_use": 0}
+
+    monkeypatch.setattr(warmup.jax, "devices", lambda *a: [GPU(2 * need)])
+    assert warmup.decode_compiles_beside_denoise(pipe, s)
+    monkeypatch.setattr(warmup.jax, "devices", lambda *a: [GPU(need)])
+    assert not warmup.decode_compiles_beside_denoise(pipe, s)
+    monkeypatch.setattr(warmup.jax, "devices", devices)
+    assert warmup.decode_compiles_beside_denoise(pipe, s)  # this CPU: no autotuner, nothing to wait for
+
+    for beside in (True, False):
+        with pipe.prepare(s) as prepared:
+            pipe._decode_beside_denoise = beside
+            latents = pipe("a cat", height=32, width=32, num_frames=5, num_inference_steps=2, output_type="latent",
+                           progress=False)
+            # `wait_compiled` takes the future it waited for: gone once the denoise waited for the decode.
+            assert ("decode" in prepared.compiles) == beside
+            pipe.decode(latents)

@@ -510,6 +510,10 @@ def cli(run, parser: argparse.ArgumentParser, argv=None) -> int:
     with interrupt.handled():
         try:
             args = parser.parse_args(argv)
+            if argv is None:  # a command line: the process is ours
+                from wan_tpu.memory import claim_device_memory
+
+                claim_device_memory()
             from wan_tpu.profiling import process_start
 
             # `startup` counts from the process start for a command line, from this call for a call from Python.

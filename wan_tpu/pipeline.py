@@ -75,6 +75,7 @@ class WanPipeline:
         self.cache_stats = None  # the step cache's `CacheStats` of the last run that used one
         self.quantization = None  # "fp8"/"int8" once `quantize` was asked for
         self._warmup = None
+        self._decode_beside_denoise = True  # set by `prepare` (`wan_tpu.warmup.decode_compiles_beside_denoise`)
 
     # ---- construction -------------------------------------------------------------------------
 
@@ -247,7 +248,7 @@ class WanPipeline:
         `wan_tpu.warmup` for what runs when and what it does to peak memory. With a mesh, components
         are read ahead but compile on first use.
         """
-        from wan_tpu.warmup import Warmup, weights_fit
+        from wan_tpu.warmup import Warmup, decode_compiles_beside_denoise, weights_fit
 
         s = settings or self.settings()
         sampling = self.sampling(s, scheduler, sigmas, timesteps, cache, cache_threshold,
@@ -273,6 +274,7 @@ class WanPipeline:
             warmup.start("denoise", self._compile_denoise, warmup, s, sampling, image, sources, kind="compile")
         vae = self._loaded["vae"] if "vae" in self._loaded else warmup.loads["vae"]
         warmup.start("decode", self._compile_decode, warmup, s, vae, kind="compile")
+        self._decode_beside_denoise = decode_compiles_beside_denoise(self, s)
         return warmup
 
     def _weight_bytes(self) -> dict[str, int]:
@@ -413,6 +415,8 @@ class WanPipeline:
             guidance.append(s.guidance_scale_2)
         if self._warmup is not None:
             self._warmup.wait_compiled("denoise")
+            if not self._decode_beside_denoise:
+                self._warmup.wait_compiled("decode")
         stats = []
         with scope("denoise"):
             out = denoise(experts, jnp.asarray(latents), cond, sched, guidance, self.variant.boundary_ratio,

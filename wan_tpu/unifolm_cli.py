@@ -160,6 +160,10 @@ def main(argv=None) -> int:
     warnings.filterwarnings("ignore", message="Explicitly requested dtype int64")
     try:
         args = build_parser().parse_args(argv)
+        if argv is None:  # a command line: the process is ours
+            from wan_tpu.memory import claim_device_memory
+
+            claim_device_memory()
         if args.serve is not None:
             from wan_tpu.unifolm_server import serve
 

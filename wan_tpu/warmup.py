@@ -13,7 +13,8 @@ What runs, each in its own thread:
   * once the transformer(s) are in, the denoise step is compiled (`denoise.compile_steps`) for the
     run's latent and prompt shapes, while the text encoder loads and encodes;
   * once the VAE is in, its decode programs (`WanVAE.compile_decode`) and the uint8 conversion are
-    compiled, typically while the DiT denoises.
+    compiled, typically while the DiT denoises (on a GPU only where both fit in memory beside each
+    other: `decode_compiles_beside_denoise`; else the denoise waits for that compile).
 On a device mesh only the reading runs ahead (the calls' shardings come from the previous stage, so
 programs compiled from shapes would not be theirs). `component()`, `denoise()` and `decode()` of the
 pipeline (and `encode_prompt`) wait for the piece they need and for nothing else; a compile that fails is reported as a warning and the call compiles as it always did. Leaving the
@@ -144,6 +145,23 @@ def weights_fit(weight_bytes: dict[str, int], names, mesh) -> bool:
     free = stats["bytes_limit"] - stats.get("bytes_in_use", 0)
     devices = 1 if mesh is None else mesh.devices.size
     return sum(weight_bytes.get(n, 0) for n in names) / devices <= 0.9 * free
+
+
+def decode_compiles_beside_denoise(pipe, s) -> bool:
+    """Whether the VAE decode may compile while the DiT denoises. On a GPU, XLA's autotuner runs the
+    decode's convolutions on device buffers of their real sizes while it compiles, so that compile needs
+    about the decode's working set beside the denoise's; where both do not fit in 90% of a device's
+    memory, the decode compiles before the first step instead (a 14B 720p run from an empty compile
+    cache on an 80 GB H100 ran out of memory in its first steps otherwise). True off GPUs (TPU
+    compiles take no device memory) and where the memory is unknown."""
+    device = jax.devices()[0]
+    stats = device.memory_stats() or {}
+    if device.platform != "gpu" or "bytes_limit" not in stats:
+        return True
+    from wan_tpu.memory import stage_bytes
+
+    need = stage_bytes(pipe, s, ("denoise", "decode"))
+    return sum(b for b, _ in need.values()) <= 0.9 * stats["bytes_limit"]
 
 
 def free_bytes_after_release(vae) -> int | None:
