@@ -397,7 +397,7 @@ class MatrixGameSession:
         # stream, unless `prepare` compiles it (for the condition's usual shape). Not a daemon thread: one
         # killed inside XLA's compiler aborts the process.
         self._steady = threading.Thread(target=self._compile_steady, name="wan_tpu-compile-chunk")
-        ahead = (pipe._warmup is not None and "chunk-steady" in pipe._warmup.compiles
+        ahead = (pipe._warmup is not None and "chunk-1" in pipe._warmup.compiles
                  and condition.latents.shape[2] == CONDITION_FRAMES)
         if max_latents > pipe.frames_per_chunk and not ahead:
             self._steady.start()
@@ -444,7 +444,7 @@ class MatrixGameSession:
         if k == 1 and self._steady.is_alive():
             self._steady.join()
         if k < 2:
-            pipe._wait_compiled("chunk" if k == 0 else "chunk-steady")
+            pipe._wait_compiled(f"chunk-{k}")
         with scope(f"2.3_Block_{k}"):
             args, kwargs = self._chunk_args(*windows, np.int32(k))
             frames, self.cache, self.vae_caches = _chunk_program(*args, **kwargs)

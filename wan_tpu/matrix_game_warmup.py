@@ -12,7 +12,7 @@ of the very constructors the loaders use: `abstract_transformer`, `abstract_vae`
 in its own thread `wan_tpu-compile-NAME` (`Warmup.start(kind="compile")`):
   * `condition`: the VAE's first-frame encode, the condition buffer, `_gray_latents`, the normalisation;
   * `clip`: CLIP's encode of one image; `cache`: `_init_cache` for its tokens; `key`: the stream's key;
-  * `chunk`: the first chunk's `_chunk_program`; `chunk-steady`: the one every later chunk runs (its VAE
+  * `chunk-0`: the first chunk's `_chunk_program`; `chunk-1`: the one every later chunk runs (its VAE
     caches' shapes from `eval_shape`).
 The calls then find them in JAX's in-memory cache of compiled programs (same functions, equal static
 arguments: the abstract modules' graphdefs equal the loaded ones'; same shapes, dtypes and placements),
@@ -48,8 +48,8 @@ def compile_ahead(pipe, warmup) -> None:
     warmup.start("clip", lambda: abstract("image_encoder").lower(1).compile(), kind="compile")
     warmup.start("cache", _cache, pipe, abstract, kind="compile")
     warmup.start("key", lambda: _key_lowered().compile(), kind="compile")
-    warmup.start("chunk", _chunk, pipe, abstract, stop, False, kind="compile")
-    warmup.start("chunk-steady", _chunk, pipe, abstract, stop, True, kind="compile")
+    warmup.start("chunk-0", _chunk, pipe, abstract, stop, False, kind="compile")
+    warmup.start("chunk-1", _chunk, pipe, abstract, stop, True, kind="compile")
 
 
 class _Abstracts:
