@@ -200,5 +200,6 @@ def test_later_chunks_program_compiles_ahead_off_the_callers_thread():
     before = list(seen)
     session.step(keyboard[9:21], mouse[9:21])
     assert before.count(threading.main_thread().name) == 1  # the first chunk's program, on its call
-    assert seen[len(before):] == [] and seen.count("wan_tpu-compile-chunk") == 1
+    # the second chunk compiles nothing itself (the session's thread may still be finishing when it is asked)
+    assert threading.main_thread().name not in seen[len(before):] and seen.count("wan_tpu-compile-chunk") == 1
     assert not session._steady.is_alive()

@@ -21,6 +21,7 @@ from flax import nnx
 from matrix_game_golden import golden, weights
 from wan_tpu import matrix_game as mg
 from wan_tpu.configs.matrix_game import config_from_json
+from wan_tpu.models.matrix_game import condition as condition_module
 
 IMAGE = (np.random.default_rng(0).random((70, 130, 3)) * 255).astype(np.uint8)
 
@@ -66,7 +67,7 @@ def test_condition_without_a_repeat_in_the_bound_encodes_on(monkeypatch):
     condition = pipe.encode_image(pixels)
     assert condition.latents.shape[2] == mg.CONDITION_FRAMES
     assert condition.repeat_start + condition.repeat_len <= mg.CONDITION_FRAMES
-    monkeypatch.setattr(mg, "CONDITION_FRAMES", 7)
+    monkeypatch.setattr(condition_module, "CONDITION_FRAMES", 7)
     grown = pipe.encode_image(pixels)
     assert (grown.repeat_start, grown.repeat_len) == (condition.repeat_start, condition.repeat_len)
     n = condition.repeat_start + condition.repeat_len
@@ -113,7 +114,7 @@ def test_prepare_compiles_every_program_off_the_callers_thread(tmp_path):
     assert set(prepared) == {f"wan_tpu-compile-{n}" for n in ("condition", "clip", "cache", "key", "chunk-0", "chunk-1")}
     assert [f for _, f in compiles["prepare"]].count("jit(_chunk_program)") == 2  # not compiled twice
     # Without `prepare`: as before, everything on the caller's thread but the later chunks' program.
-    plain = compiles["plain"]
+    plain = [tuple(c) for c in compiles["plain"]]
     assert ("wan_tpu-compile-chunk", "jit(_chunk_program)") in plain and ("MainThread", "jit(_chunk_program)") in plain
     np.testing.assert_array_equal(np.load(tmp_path / "prepare.npy"), np.load(tmp_path / "plain.npy"))
 

@@ -19,8 +19,15 @@ As the authors' `inference.py`: the image is centre-cropped to the video's aspec
 and scaled to [-1, 1]; the VAE encodes it followed by gray frames (the condition latents, with a
 4-channel mask on the first latent frame), CLIP encodes it (its first n-1 of n blocks). The gray
 frames' latents stop changing once the image has left the encoder's causal receptive field: they are
-encoded until the encoder's state repeats exactly (a few dozen latent frames) and reused from there,
-instead of encoding 4·(N-1) gray frames up front.
+encoded until the encoder's state repeats exactly (34 latent frames for Wan 2.1's VAE) and reused from
+there, instead of encoding 4·(N-1) gray frames up front; they are held padded to `CONDITION_FRAMES`, so
+the chunk program's inputs have one shape whatever the image.
+
+`pipe.prepare()` reads the three components at once and compiles every program a stream runs (image
+preparation, both chunk programs) from their configs meanwhile (`wan_tpu.matrix_game_warmup`);
+`stream()` encodes the image with the VAE and CLIP in the order their weights arrive, while the DiT
+may still load. Without `prepare`, each program compiles on its first call, the later chunks' one in a
+thread started by the session.
 
 Each chunk is one compiled program (`_chunk_program`): the DiT's whole chunk (its denoising steps,
 re-noising, the clean cache-update pass: `denoise_chunk`) and the VAE's streaming decode of the
@@ -52,11 +59,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from jax import lax
 
 from wan_tpu import matrix_game_actions as actions
 from wan_tpu.configs.matrix_game import MATRIX_GAME_VARIANTS, MatrixGameVariant, get_variant
 from wan_tpu.errors import WanInputError
+from wan_tpu.models.matrix_game.condition import CONDITION_FRAMES, ImageCondition
 from wan_tpu.profiling import scope
 
 PRESET = "matrix-game-tiny"
@@ -285,86 +292,6 @@ class MatrixGamePipeline:
             videos.append(session.step(keyboard[start : start + n], None if mouse is None else mouse[start : start + n]))
             start += n
         return np.concatenate(videos)
-
-
-class ImageCondition:
-    """The normalized VAE latents of an image followed by gray frames, computed until they repeat.
-
-    `latents` (1, z, CONDITION_FRAMES, h, w) holds latent frames 0 … K-1 (zeros after them); frames from
-    `repeat_start` on repeat with period `repeat_len` (`index`): the encoder's state (its causal caches)
-    after a run of `repeat_len` gray latent frames was bitwise the state before it, so every later run
-    computes the same latents. A run is 3 latent frames: the caches' 3-slot rings turn by 1, 2 or 4 slots
-    per latent frame, so their layout, and with it the exact arithmetic, repeats every 3. The fixed
-    shape, with `repeat_start`/`repeat_len` as traced scalars in the chunk program, lets that program be
-    compiled before any image is encoded (`MatrixGamePipeline.prepare`)."""
-
-    def __init__(self, latents, repeat_start: int, repeat_len: int):
-        self.latents = latents
-        self.repeat_start = repeat_start
-        self.repeat_len = repeat_len
-
-    @classmethod
-    def encode(cls, vae, split, image: np.ndarray, max_latent_frames: int) -> ImageCondition:
-        graphdef, state = split
-        # Cast on the host and put on the device as it is: a cast or `jnp.asarray` there would be one more
-        # program to compile before the first frame.
-        mu, caches = vae.encode_chunk(jax.device_put(np.asarray(image[:, :, None], vae.dtype)))
-        latents = _start_latents(mu, CONDITION_FRAMES)
-        count, repeat, run = 1, None, GRAY_RUN
-        frame = gray_frame_shape(vae.config, image.shape)
-        while count < max_latent_frames:
-            if count + run > latents.shape[2]:  # no repeat within the bound (not seen): encode on, as far as needed
-                grow = 1 + run * -(-(max_latent_frames - 1) // run) - latents.shape[2]
-                latents = jnp.pad(latents, ((0, 0), (0, 0), (0, grow), (0, 0), (0, 0)))
-            caches, latents, same = _gray_latents(graphdef, state, caches, latents, np.int32(count), run, frame)
-            count += run
-            if bool(same):
-                repeat = (count - run, run)
-                break
-        return cls(_normalized(graphdef, state, latents), *(repeat or (count, 1)))
-
-    def index(self, latent_frames):
-        """Where latent frames (traced ints) read from `latents`."""
-        i = jnp.asarray(latent_frames)
-        return jnp.where(i < self.repeat_start, i, self.repeat_start + (i - self.repeat_start) % self.repeat_len)
-
-
-# Latent frames the condition holds (padded): the gray frames' latents of the Wan 2.1 VAE repeat from
-# frame 31 (period 3: 34 frames encoded; measured on random full-size VAEs, float32 and bfloat16, at
-# 352×640 and 32×64: the image leaves the encoder's causal receptive field after a fixed count of
-# frames, whatever the weights and size), the tiny preset's from 22 (25 encoded). 48 leaves margin.
-CONDITION_FRAMES = 48
-GRAY_RUN = 3  # gray latent frames per `_gray_latents` call: the period of the caches' ring layout
-
-
-def gray_frame_shape(vae_config, image_shape) -> tuple[int, ...]:
-    """The (B, C, 4, H, W) gray video one encoder step of `_gray_latents` takes, for images of `image_shape`."""
-    return (image_shape[0], vae_config.video_channels, 4, *image_shape[-2:])
-
-
-@functools.partial(jax.jit, static_argnums=1)
-def _start_latents(mu, frames: int):
-    """The condition buffer: the image's latent frame `mu` then zeros, `frames` latent frames in all."""
-    return jnp.zeros((*mu.shape[:2], frames, *mu.shape[3:]), mu.dtype).at[:, :, :1].set(mu)
-
-
-@functools.partial(jax.jit, static_argnums=(0, 5, 6), donate_argnums=3)
-def _gray_latents(graphdef, state, caches, latents, offset, count, frame_shape):
-    """`count` latent frames of gray video (chunks of 4 zero frames, `frame_shape`) after `caches`, written
-    into `latents` from frame `offset` → (caches, latents, whether the caches after equal those before,
-    bitwise)."""
-    vae = nnx.merge(graphdef, state)
-    new, mus = caches, []
-    for _ in range(count):
-        mu, new = vae.encode_chunk(jnp.zeros(frame_shape, vae.dtype), new)
-        mus.append(mu)
-    same = jnp.stack([jnp.array_equal(a, c) for a, c in zip(jax.tree.leaves(caches), jax.tree.leaves(new))]).all()
-    return new, lax.dynamic_update_slice_in_dim(latents, jnp.concatenate(mus, axis=2), offset, axis=2), same
-
-
-@functools.partial(jax.jit, static_argnums=0)
-def _normalized(graphdef, state, latents):
-    return nnx.merge(graphdef, state).normalize_latents(latents.astype(jnp.float32))
 
 
 class MatrixGameSession:

@@ -74,7 +74,8 @@ def _check(stop: threading.Event) -> None:
 
 def _condition(pipe, abstract, stop) -> None:
     """`ImageCondition.encode`'s programs, in the order it calls them."""
-    from wan_tpu.matrix_game import CONDITION_FRAMES, GRAY_RUN, _gray_latents, _normalized, _start_latents, gray_frame_shape
+    from wan_tpu.models.matrix_game.condition import (CONDITION_FRAMES, GRAY_RUN, _gray_latents, _normalized,
+                                                   _start_latents, gray_frame_shape)
 
     vae = abstract("vae")
     image_shape = (1, vae.config.video_channels, *pipe.size)
