@@ -63,10 +63,11 @@ class ImageCondition:
         return jnp.where(i < self.repeat_start, i, self.repeat_start + (i - self.repeat_start) % self.repeat_len)
 
 
-# Latent frames the condition holds (padded): the gray frames' latents of the Wan 2.1 VAE repeat from
-# frame 31 (period 3: 34 frames encoded; measured on random full-size VAEs, float32 and bfloat16, at
-# 352×640 and 32×64: the image leaves the encoder's causal receptive field after a fixed count of
-# frames, whatever the weights and size), the tiny preset's from 22 (25 encoded). 48 leaves margin.
+# Latent frames the condition holds (padded). The gray frames' latents of Wan 2.1's VAE repeat from
+# latent frame 31 with period 3 (34 frames encoded), measured on a random full-size VAE at 32×64 in float32
+# and bfloat16; the tiny preset's from 22 (25 encoded; the same at 64×112 and 352×640). Where they repeat
+# is set by the encoder's causal receptive field in time (the image leaves it after a fixed count of
+# frames), not by its weights or the frame size. 48 leaves margin; beyond it `encode` carries on.
 CONDITION_FRAMES = 48
 GRAY_RUN = 3  # gray latent frames per `_gray_latents` call: the period of the caches' ring layout
 
