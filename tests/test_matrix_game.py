@@ -183,6 +183,7 @@ def test_cli_random_actions_writes_the_frames_without_torch(image_path, tmp_path
 
 @pytest.mark.slow  # compiles both chunk programs of a setting no other test uses
 def test_later_chunks_program_compiles_ahead_off_the_callers_thread():
+    """Without `prepare` (which compiles every program ahead: tests/test_matrix_game_warmup.py)."""
     import threading
 
     seen = []
@@ -193,13 +194,12 @@ def test_later_chunks_program_compiles_ahead_off_the_callers_thread():
 
     jax.monitoring.register_event_duration_secs_listener(listen)
     pipe = mg._tiny(jnp.float32, jnp.bfloat16, None)  # float32 DiT, bf16 VAE: programs of this test's own
-    with pipe.prepare() as warmup:
-        assert set(warmup.loads) == {"transformer", "vae", "image_encoder"}
-        session = pipe.stream(IMAGE, seed=0, max_frames=21)
-        keyboard, mouse = random_actions(pipe.action_space, 21, seed=1)
-        session.step(keyboard[:9], mouse[:9])
-        before = list(seen)
-        session.step(keyboard[9:21], mouse[9:21])
+    session = pipe.stream(IMAGE, seed=0, max_frames=21)
+    keyboard, mouse = random_actions(pipe.action_space, 21, seed=1)
+    session.step(keyboard[:9], mouse[:9])
+    before = list(seen)
+    session.step(keyboard[9:21], mouse[9:21])
     assert before.count(threading.main_thread().name) == 1  # the first chunk's program, on its call
-    assert seen[len(before):] == [] and seen.count("wan_tpu-compile-chunk") == 1
+    # the second chunk compiles nothing itself (the session's thread may still be finishing when it is asked)
+    assert threading.main_thread().name not in seen[len(before):] and seen.count("wan_tpu-compile-chunk") == 1
     assert not session._steady.is_alive()

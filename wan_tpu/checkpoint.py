@@ -191,6 +191,12 @@ def open_checkpoint(path: str, what: str = "model") -> tuple[dict, TensorSource]
 
     Accepts one `*.safetensors` file or shards listed by `*.safetensors.index.json`.
     """
+    return read_config(path, what), TensorSource(component_files(path, what))
+
+
+def read_config(path: str, what: str = "model") -> dict:
+    """The config.json of a diffusers-format component folder as a dict, reading no tensor (what
+    `open_checkpoint` checks first: a missing folder or config.json is named in one line)."""
     if not os.path.isdir(path):
         raise WanInputError(f"{what} checkpoint folder {path!r} does not exist; pass a diffusers-format folder")
     cfg_path = os.path.join(path, "config.json")
@@ -201,7 +207,7 @@ def open_checkpoint(path: str, what: str = "model") -> tuple[dict, TensorSource]
             config = json.load(f)
     except json.JSONDecodeError as e:
         raise WanInputError(f"{cfg_path}: not valid JSON ({e}); re-download it") from None
-    return config, TensorSource(component_files(path, what))
+    return config
 
 
 def require_file(folder, filename: str, component: str) -> None:

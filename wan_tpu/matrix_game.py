@@ -19,8 +19,15 @@ As the authors' `inference.py`: the image is centre-cropped to the video's aspec
 and scaled to [-1, 1]; the VAE encodes it followed by gray frames (the condition latents, with a
 4-channel mask on the first latent frame), CLIP encodes it (its first n-1 of n blocks). The gray
 frames' latents stop changing once the image has left the encoder's causal receptive field: they are
-encoded until the encoder's state repeats exactly (a few dozen latent frames) and reused from there,
-instead of encoding 4·(N-1) gray frames up front.
+encoded until the encoder's state repeats exactly (34 latent frames for Wan 2.1's VAE) and reused from
+there, instead of encoding 4·(N-1) gray frames up front; they are held padded to `CONDITION_FRAMES`, so
+the chunk program's inputs have one shape whatever the image.
+
+`pipe.prepare()` reads the three components at once and compiles every program a stream runs (image
+preparation, both chunk programs) from their configs meanwhile (`wan_tpu.matrix_game_warmup`);
+`stream()` encodes the image with the VAE and CLIP in the order their weights arrive, while the DiT
+may still load. Without `prepare`, each program compiles on its first call, the later chunks' one in a
+thread started by the session.
 
 Each chunk is one compiled program (`_chunk_program`): the DiT's whole chunk (its denoising steps,
 re-noising, the clean cache-update pass: `denoise_chunk`) and the VAE's streaming decode of the
@@ -56,6 +63,7 @@ from flax import nnx
 from wan_tpu import matrix_game_actions as actions
 from wan_tpu.configs.matrix_game import MATRIX_GAME_VARIANTS, MatrixGameVariant, get_variant
 from wan_tpu.errors import WanInputError
+from wan_tpu.models.matrix_game.condition import CONDITION_FRAMES, ImageCondition
 from wan_tpu.profiling import scope
 
 PRESET = "matrix-game-tiny"
@@ -69,12 +77,16 @@ TINY_CLIP = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_
 class MatrixGamePipeline:
     """A Matrix-Game-2 model ready to play; see the module docstring."""
 
-    def __init__(self, variant: MatrixGameVariant, loaders: dict, *, name: str, dtype, vae_dtype):
+    def __init__(self, variant: MatrixGameVariant, loaders: dict, *, name: str, dtype, vae_dtype,
+                 abstracts: dict | None = None):
         self.variant = variant
         self.name = name
         self.dtype = dtype
         self.vae_dtype = vae_dtype
         self._loaders = loaders
+        # name → the component's module without weights (`nnx.eval_shape`), from its config alone: what
+        # `prepare` compiles the programs for (`wan_tpu.matrix_game_warmup`).
+        self._abstracts = abstracts or {}
         self._loaded: dict = {}
         self._warmup = None
         from wan_tpu.models.matrix_game.sampling import chunk_schedule
@@ -122,21 +134,49 @@ class MatrixGamePipeline:
 
             return CLIPImageEncoder.from_pretrained(os.path.join(path, index["image_encoder"]), None, dtype=dtype)
 
+        def abstract_transformer():
+            from wan_tpu.models.matrix_game.loading import abstract_transformer, transformer_config
+
+            return abstract_transformer(transformer_config(os.path.join(path, index["variants"][variant]), v.name),
+                                        dtype, attention_impl)
+
+        def abstract_vae():
+            from wan_tpu.models.vae_loading import abstract_vae, vae_config
+
+            return abstract_vae(vae_config(os.path.join(path, index["vae"])), vae_dtype)
+
+        def abstract_image_encoder():
+            from wan_tpu.models.clip_loading import abstract_clip_vision, clip_vision_config
+
+            # The penultimate hidden state: `CLIPImageEncoder.from_pretrained` keeps all blocks but the last.
+            return abstract_clip_vision(clip_vision_config(os.path.join(path, index["image_encoder"]), -1), dtype)
+
         loaders = {"transformer": transformer, "vae": vae, "image_encoder": image_encoder}
-        return cls(v, loaders, name=os.path.abspath(path), dtype=dtype, vae_dtype=vae_dtype)
+        abstracts = {"transformer": abstract_transformer, "vae": abstract_vae, "image_encoder": abstract_image_encoder}
+        return cls(v, loaders, name=os.path.abspath(path), dtype=dtype, vae_dtype=vae_dtype, abstracts=abstracts)
 
     def prepare(self):
-        """Start reading every component at once, in background threads; returns at once (a
-        `wan_tpu.warmup.Warmup`; as a context manager, leaving it waits for the threads). `component()`
-        then waits for the one it needs only. The weights of one come off the disk while another's are
-        placed, so a first frame waits for the slowest load, not for their sum."""
+        """Start reading every component at once, and compiling every program a stream runs, in background
+        threads; returns at once (a `wan_tpu.warmup.Warmup`; as a context manager, leaving it waits for
+        the threads). `component()` then waits for the one it needs only, and each call for its program
+        only. The weights of one come off the disk while another's are placed, and the programs are
+        compiled (or fetched from the compile cache) from the components' configs meanwhile, so a first
+        frame waits for the slowest load, not for their sum and the compiles after it
+        (`wan_tpu.matrix_game_warmup`). A program whose compile ahead fails is a warning and compiles on use."""
+        from wan_tpu.matrix_game_warmup import compile_ahead
         from wan_tpu.warmup import Warmup
 
         warmup = self._warmup = Warmup()
         for name, loader in self._loaders.items():
             if name not in self._loaded:
                 warmup.start(name, loader)
+        compile_ahead(self, warmup)
         return warmup
+
+    def _wait_compiled(self, name: str) -> None:
+        """Wait for `prepare`'s compile of the program(s) `name`, if it started one (a failure warns)."""
+        if self._warmup is not None:
+            self._warmup.wait_compiled(name)
 
     def component(self, name: str):
         if name not in self._loaded:
@@ -198,13 +238,16 @@ class MatrixGamePipeline:
         chunk program (the latents are one of its inputs) and a one-shot call equals a stream."""
         from wan_tpu.models.matrix_game.model import MAX_FRAMES
 
-        return ImageCondition.encode(self.vae, self.split("vae"), image, MAX_FRAMES)
+        split = self.split("vae")
+        self._wait_compiled("condition")
+        return ImageCondition.encode(self.vae, split, image, MAX_FRAMES)
 
     def encode_clip(self, image: np.ndarray) -> jax.Array:
         """CLIP tokens (1, N, image_dim) of `image` (from `preprocess_image`), as the authors' `encode_video`."""
         from wan_tpu.image_encoder import preprocess_tensor
 
         encoder = self.image_encoder
+        self._wait_compiled("clip")
         return encoder.encode_pixels(preprocess_tensor(image, encoder.config.image_size))
 
     # ---- generation ---------------------------------------------------------------------------
@@ -221,10 +264,16 @@ class MatrixGamePipeline:
         with scope("1_Data_Preparation"):
             with scope("1.1_Image_Loading_Resize"):
                 pixels = self.preprocess_image(image)
-            with scope("1.2_VAE_Encode_FirstFrame"):
-                condition = self.encode_image(pixels)
-            with scope("1.4_CLIP_Visual_Context"):
-                visual = self.encode_clip(pixels)
+            # The VAE's and CLIP's encodes in the order their weights arrive (after `prepare`, the DiT is
+            # still loading meanwhile: the session's cache waits for it).
+            order = ("vae", "image_encoder")
+            for name in order if self._warmup is None else self._warmup.as_loaded(order, self._loaded):
+                if name == "vae":
+                    with scope("1.2_VAE_Encode_FirstFrame"):
+                        condition = self.encode_image(pixels)
+                else:
+                    with scope("1.4_CLIP_Visual_Context"):
+                        visual = self.encode_clip(pixels)
         return MatrixGameSession(self, condition, visual, seed, max_latents)
 
     def __call__(self, image, keyboard, mouse=None, seed: int = 0, progress: bool = False) -> np.ndarray:
@@ -245,55 +294,6 @@ class MatrixGamePipeline:
         return np.concatenate(videos)
 
 
-class ImageCondition:
-    """The normalized VAE latents of an image followed by gray frames, computed until they repeat.
-
-    `latents` (1, z, K, h, w) holds latent frames 0 … K-1; frames from `repeat_start` on repeat with
-    period `repeat_len` (`index`): the encoder's state (its causal caches) after a run of `repeat_len`
-    gray latent frames was bitwise the state before it, so every later run computes the same latents.
-    A run is 3 latent frames: the caches' 3-slot rings turn by 1, 2 or 4 slots per latent frame, so
-    their layout, and with it the exact arithmetic, repeats every 3."""
-
-    def __init__(self, latents, repeat_start: int, repeat_len: int):
-        self.latents = latents
-        self.repeat_start = repeat_start
-        self.repeat_len = repeat_len
-
-    @classmethod
-    def encode(cls, vae, split, image: np.ndarray, max_latent_frames: int) -> ImageCondition:
-        graphdef, state = split
-        mu, caches = vae.encode_chunk(jnp.asarray(image[:, :, None], vae.dtype))
-        means, count, repeat, run = [mu], 1, None, 3
-        frame = (image.shape[0], vae.config.video_channels, 4, *image.shape[2:])
-        while count < max_latent_frames:
-            caches, mus, same = _gray_latents(graphdef, state, caches, run, frame)
-            means.append(mus)
-            count += run
-            if bool(same):
-                repeat = (count - run, run)
-                break
-        latents = vae.normalize_latents(jnp.concatenate(means, axis=2).astype(jnp.float32))
-        return cls(latents, *(repeat or (latents.shape[2], 1)))
-
-    def index(self, latent_frames):
-        """Where latent frames (traced ints) read from `latents`."""
-        i = jnp.asarray(latent_frames)
-        return jnp.where(i < self.repeat_start, i, self.repeat_start + (i - self.repeat_start) % self.repeat_len)
-
-
-@functools.partial(jax.jit, static_argnums=(0, 3, 4))
-def _gray_latents(graphdef, state, caches, count, frame_shape):
-    """`count` latent frames of gray video (chunks of 4 zero frames, `frame_shape`) after `caches` →
-    (caches, latents, whether the caches after equal those before, bitwise)."""
-    vae = nnx.merge(graphdef, state)
-    new, mus = caches, []
-    for _ in range(count):
-        mu, new = vae.encode_chunk(jnp.zeros(frame_shape, vae.dtype), new)
-        mus.append(mu)
-    same = jnp.stack([jnp.array_equal(a, c) for a, c in zip(jax.tree.leaves(caches), jax.tree.leaves(new))]).all()
-    return new, jnp.concatenate(mus, axis=2), same
-
-
 class MatrixGameSession:
     """A stream in progress: `step(keyboard, mouse)` → the next chunk's uint8 frames (n, H, W, 3).
 
@@ -310,34 +310,31 @@ class MatrixGameSession:
         self.mouse = np.zeros((0, 2), np.float32) if space.mouse else None
         self.chunk_seconds: list[float] = []
         self.chunk_frames: list[int] = []
+        with scope("1.5_Noise_Sampling"):
+            pipe._wait_compiled("key")
+            self.key = stream_key(seed)
         with scope("2.1_KV_Cache_Initialization"):
             self._dit = pipe.split("transformer")
+            pipe._wait_compiled("cache")
             self.cache = _init_cache(*self._dit, visual_context, tuple(pipe.variant.latent_size))
         self._vae = pipe.split("vae")
         self.vae_caches = None
-        with scope("1.5_Noise_Sampling"):
-            self.key = jax.random.key(seed)
-        # The first chunk's program compiles on its call; the one every later chunk runs (its VAE caches
-        # no longer empty) compiles meanwhile, so the second chunk does not stall the stream. Not a
-        # daemon thread: one killed inside XLA's compiler aborts the process.
+        # The first chunk's program compiles on its call (or in `prepare`); the one every later chunk runs
+        # (its VAE caches no longer empty) compiles meanwhile, so the second chunk does not stall the
+        # stream, unless `prepare` compiles it (for the condition's usual shape). Not a daemon thread: one
+        # killed inside XLA's compiler aborts the process.
         self._steady = threading.Thread(target=self._compile_steady, name="wan_tpu-compile-chunk")
-        if max_latents > pipe.frames_per_chunk:
+        ahead = (pipe._warmup is not None and "chunk-1" in pipe._warmup.compiles
+                 and condition.latents.shape[2] == CONDITION_FRAMES)
+        if max_latents > pipe.frames_per_chunk and not ahead:
             self._steady.start()
 
     def _chunk_args(self, keyboard_window, mouse_window, chunk_index):
-        pipe = self.pipe
-        return ((*self._dit, *self._vae, self.cache, self.vae_caches, self.condition.latents, keyboard_window,
-                 mouse_window, chunk_index, self.key),
-                dict(schedule=pipe.schedule, frames_per_chunk=pipe.frames_per_chunk,
-                     repeat=(self.condition.repeat_start, self.condition.repeat_len)))
+        return chunk_args(self.pipe, self._dit, self._vae, self.cache, self.vae_caches, self.condition,
+                          (keyboard_window, mouse_window), chunk_index, self.key)
 
     def _compile_steady(self) -> None:
-        from wan_tpu.models.matrix_game.action import chunk_action_window
-
-        f = self.pipe.frames_per_chunk
-        frames = self.pipe.chunk_frames(0) + self.pipe.chunk_frames(1)
-        windows = [jax.ShapeDtypeStruct((1, *chunk_action_window(np.zeros((frames, a.shape[1]), np.float32), 1, f).shape),
-                                        jnp.float32) if a is not None else None for a in (self.keyboard, self.mouse)]
+        windows = action_windows(self.pipe)
         args, kwargs = self._chunk_args(*windows, jax.ShapeDtypeStruct((), jnp.int32))
         try:
             _, _, vae_caches = _chunk_program.eval_shape(*args, **kwargs)
@@ -373,8 +370,10 @@ class MatrixGameSession:
         start = time.perf_counter()
         if k == 1 and self._steady.is_alive():
             self._steady.join()
+        if k < 2:
+            pipe._wait_compiled(f"chunk-{k}")
         with scope(f"2.3_Block_{k}"):
-            args, kwargs = self._chunk_args(*windows, jnp.int32(k))
+            args, kwargs = self._chunk_args(*windows, np.int32(k))
             frames, self.cache, self.vae_caches = _chunk_program(*args, **kwargs)
             with scope("3_Video_Postprocessing"):
                 frames = np.asarray(frames)[0]
@@ -391,6 +390,35 @@ def _init_cache(graphdef, state, visual_context, latent_size):
     return init_cache(graphdef, state, visual_context, latent_size)
 
 
+_key = jax.jit(jax.random.key)
+
+
+def stream_key(seed: int):
+    """`jax.random.key(seed)` as a compiled program (compiled ahead by `prepare`): the seed mod 2³², which
+    is what `jax.random.key` keeps of a Python int with 32-bit keys (x64 off)."""
+    return _key(np.uint32(seed % 2**32))
+
+
+def chunk_args(pipe, dit, vae, cache, vae_caches, condition: ImageCondition, windows, chunk_index, key):
+    """The arguments of `_chunk_program` for one chunk: (positional, keyword). With abstract values
+    (`jax.ShapeDtypeStruct`), what `prepare` compiles it for."""
+    repeat = (np.int32(condition.repeat_start), np.int32(condition.repeat_len))
+    return ((*dit, *vae, cache, vae_caches, condition.latents, *windows, chunk_index, key, repeat),
+            dict(schedule=pipe.schedule, frames_per_chunk=pipe.frames_per_chunk))
+
+
+def action_windows(pipe) -> list:
+    """Abstract (keyboard, mouse) action windows of a chunk (`chunk_action_window`; None without mouse)."""
+    from wan_tpu.models.matrix_game.action import chunk_action_window
+
+    f = pipe.frames_per_chunk
+    frames = pipe.chunk_frames(0) + pipe.chunk_frames(1)
+    space = pipe.action_space
+    dims = (space.keyboard_dim, 2 if space.mouse else None)
+    return [None if d is None else jax.ShapeDtypeStruct(
+        (1, *chunk_action_window(np.zeros((frames, d), np.float32), 1, f).shape), jnp.float32) for d in dims]
+
+
 def _chunk_rows(keyboard, mouse, n: int, space: actions.ActionSpace):
     keyboard = np.asarray(keyboard, np.float32)
     if keyboard.ndim == 1:
@@ -401,13 +429,13 @@ def _chunk_rows(keyboard, mouse, n: int, space: actions.ActionSpace):
     return keyboard, mouse
 
 
-@functools.partial(jax.jit, static_argnums=(0, 2), static_argnames=("schedule", "frames_per_chunk", "repeat"),
+@functools.partial(jax.jit, static_argnums=(0, 2), static_argnames=("schedule", "frames_per_chunk"),
          donate_argnums=(4, 5))
 def _chunk_program(dit_graph, dit_state, vae_graph, vae_state, cache, vae_caches, latents, keyboard, mouse,
-                   chunk_index, key, *, schedule, frames_per_chunk, repeat):
+                   chunk_index, key, repeat, *, schedule, frames_per_chunk):
     """One chunk: noise, condition, the DiT's denoising (`denoise_chunk`), the VAE's streaming decode and
     uint8 frames (the authors' `((x + 1) · 127.5).clip(0, 255)`, truncated) → (frames (1, T, H, W, 3),
-    the DiT cache, the VAE caches)."""
+    the DiT cache, the VAE caches). `repeat`: the condition's (repeat_start, repeat_len), int32 scalars."""
     from wan_tpu.models.matrix_game.sampling import denoise_chunk
 
     f = frames_per_chunk
@@ -456,31 +484,30 @@ def _read_index(path: str) -> dict:
 def _tiny(dtype, vae_dtype, attention_impl) -> MatrixGamePipeline:
     """The `matrix-game-tiny` preset: random weights from fixed seeds (see `wan_tpu.presets.random_module`).
     One pipeline per setting and process, so its compiled chunk programs serve every later request."""
+    from wan_tpu.models.clip import CLIPVisionConfig, CLIPVisionTransformer, random_clip
+    from wan_tpu.models.matrix_game.model import MatrixGameTransformer
+    from wan_tpu.models.vae import WanVAE
     from wan_tpu.presets import TINY_SEED, TINY_VAE, random_module
 
     variant = get_variant(PRESET)
-
-    def transformer():
-        from wan_tpu.models.matrix_game.model import MatrixGameTransformer
-
-        return random_module(lambda: MatrixGameTransformer(variant.transformer, dtype=dtype, rngs=nnx.Rngs(0),
-                                                           attention_impl=attention_impl), TINY_SEED)
-
-    def vae():
-        from wan_tpu.models.vae import WanVAE
-
-        return random_module(lambda: WanVAE(TINY_VAE, dtype=vae_dtype, rngs=nnx.Rngs(0)), TINY_SEED + 1)
+    # The penultimate hidden state: the tower without its last block.
+    clip = CLIPVisionConfig(**{**TINY_CLIP, "num_hidden_layers": TINY_CLIP["num_hidden_layers"] - 1})
+    builds = {
+        "transformer": lambda: MatrixGameTransformer(variant.transformer, dtype=dtype, rngs=nnx.Rngs(0),
+                                                     attention_impl=attention_impl),
+        "vae": lambda: WanVAE(TINY_VAE, dtype=vae_dtype, rngs=nnx.Rngs(0)),
+        "image_encoder": lambda: CLIPVisionTransformer(clip, dtype, attention_impl),
+    }
 
     def image_encoder():
         from wan_tpu.image_encoder import CLIPImageEncoder
-        from wan_tpu.models.clip import CLIPVisionConfig, CLIPVisionTransformer, random_clip
 
-        # The penultimate hidden state: the tower without its last block.
-        config = CLIPVisionConfig(**{**TINY_CLIP, "num_hidden_layers": TINY_CLIP["num_hidden_layers"] - 1})
-        return CLIPImageEncoder(random_clip(lambda: CLIPVisionTransformer(config, dtype, attention_impl), TINY_SEED + 2))
+        return CLIPImageEncoder(random_clip(builds["image_encoder"], TINY_SEED + 2))
 
-    loaders = {"transformer": transformer, "vae": vae, "image_encoder": image_encoder}
-    return MatrixGamePipeline(variant, loaders, name=PRESET, dtype=dtype, vae_dtype=vae_dtype)
+    loaders = {"transformer": lambda: random_module(builds["transformer"], TINY_SEED),
+               "vae": lambda: random_module(builds["vae"], TINY_SEED + 1), "image_encoder": image_encoder}
+    abstracts = {name: functools.partial(nnx.eval_shape, build) for name, build in builds.items()}
+    return MatrixGamePipeline(variant, loaders, name=PRESET, dtype=dtype, vae_dtype=vae_dtype, abstracts=abstracts)
 
 
 if __name__ == "__main__":

@@ -119,13 +119,12 @@ def play(args) -> None:
         check_frames(args.frames, pipe.frames_per_chunk)
     if args.model == "matrix-game-tiny":
         print("note: matrix-game-tiny has random weights; pass --model PATH (a converted Matrix-Game-2 folder) for a real video")
-    with timer.stage("load"):
-        pipe.prepare()  # the three components read at once
-        for name in ("transformer", "vae", "image_encoder"):
-            pipe.component(name)
+    # The three components read at once and every program compiled meanwhile; `stream` waits for each
+    # only where it needs it (the image's encodes run while the DiT still loads).
+    pipe.prepare()
     max_frames = len(scripted[0]) if scripted is not None else args.frames
     with trace(args.profile), VideoWriter(args.output, pipe.variant.fps, args.overwrite) as video:
-        with timer.stage("data preparation"):
+        with timer.stage("load + data preparation"):
             session = pipe.stream(image, seed=args.seed, max_frames=max_frames)
         with scope("2_Pipeline_Inference"):
             for keyboard, mouse in _chunks(args, pipe, session, scripted):

@@ -42,7 +42,8 @@ import jax
 
 
 class Warmup:
-    """Background loads (`loads[name]`) and compiles (`compiles["text"|"denoise"|"decode"]`) for one run.
+    """Background loads (`loads[name]`) and compiles (`compiles[name]`: "text", "denoise", "decode" for
+    `WanPipeline`; see `wan_tpu.matrix_game_warmup` for `MatrixGamePipeline`) for one run.
 
     `cancel()` (called by itself when the interpreter exits, e.g. after an error or Ctrl-C) lets the
     threads stop at the next program boundary: the process then waits for one program's compile at
@@ -104,6 +105,15 @@ class Warmup:
         if future is None or isinstance(future.exception(), Cancelled):
             return None  # the caller loads it itself
         return future.result()
+
+    def as_loaded(self, names, loaded=()):
+        """`names`, yielded as their components become ready: those already `loaded` or not being loaded
+        first, then the others as their loads finish (whatever their outcome: `take_load` raises it)."""
+        with self._lock:
+            futures = {self.loads[n]: n for n in names if n in self.loads and n not in loaded}
+        yield from (n for n in names if n not in futures.values())
+        for future in concurrent.futures.as_completed(futures):
+            yield futures[future]
 
     def wait_compiled(self, name: str) -> None:
         """Wait for the compile `name` if one was started; a failure becomes a warning (the call compiles)."""

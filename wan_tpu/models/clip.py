@@ -238,6 +238,12 @@ class CLIPVisionTransformer(nnx.Module):
                                 f"{tuple(pixel_values.shape)}; resize the images to {s}×{s} first")
         return _run(*nnx.split(self), pixel_values)
 
+    def lower(self, batch: int = 1):
+        """The program `__call__` runs for `batch` float32 images, lowered (`.compile()` it; `.out_info` is
+        its output's shape), also on an abstract tower (`nnx.eval_shape`), before any weight exists."""
+        s = self.config.image_size
+        return _run.lower(*nnx.split(self), jax.ShapeDtypeStruct((batch, self.config.num_channels, s, s), jnp.float32))
+
     def apply(self, pixel_values):
         """The forward computation, traced op by op; call it under jit."""
         return self.encoder(self.pre_layrnorm(self.embeddings(pixel_values)))

@@ -23,7 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from wan_tpu.checkpoint import open_checkpoint
+from wan_tpu.checkpoint import open_checkpoint, read_config
 from wan_tpu.errors import WanInputError
 from wan_tpu.models.clip import CLIPTextConfig, CLIPTextTransformer, CLIPVisionConfig, CLIPVisionTransformer
 from wan_tpu.models.param_loading import Layout, StoredParam, load_params
@@ -43,8 +43,7 @@ def load_clip_vision(path, dtype=jnp.float32, mesh=None, num_layers: int | None 
                      attention_impl: str | None = None) -> CLIPVisionTransformer:
     """A `CLIPVisionModel` folder → `CLIPVisionTransformer` keeping its first `num_layers` blocks (None: all;
     negative: all but the last -num_layers, so -1 gives `hidden_states[-2]`)."""
-    return _load(path, "image_encoder", "vision_model.", CLIPVisionConfig, num_layers, mesh,
-                 lambda cfg: CLIPVisionTransformer(cfg, dtype, attention_impl),
+    return _load(path, "image_encoder", "vision_model.", CLIPVisionConfig, num_layers, mesh, _vision(dtype, attention_impl),
                  unread=("post_layernorm.weight", "post_layernorm.bias"))
 
 
@@ -54,6 +53,33 @@ def load_clip_text(path, dtype=jnp.float32, mesh=None, num_layers: int | None = 
                  lambda cfg: CLIPTextTransformer(cfg, dtype))
 
 
+def clip_vision_config(path, num_layers: int | None = None) -> CLIPVisionConfig:
+    """The config of the tower `load_clip_vision(path, num_layers=...)` gives (its kept blocks), from
+    config.json alone (no tensor read)."""
+    path = os.fspath(path)
+    return _kept(path, CLIPVisionConfig.from_json(read_config(path, "image_encoder"), os.path.join(path, "config.json")),
+                 num_layers)
+
+
+def abstract_clip_vision(config: CLIPVisionConfig, dtype=jnp.float32, attention_impl: str | None = None):
+    """The tower `load_clip_vision` fills for `config` (from `clip_vision_config`), without weights
+    (`nnx.eval_shape`): its graphdef is the loaded one's, so programs compiled for it serve the loaded tower."""
+    return nnx.eval_shape(lambda: _vision(dtype, attention_impl)(config))
+
+
+def _vision(dtype, attention_impl):
+    return lambda cfg: CLIPVisionTransformer(cfg, dtype, attention_impl)
+
+
+def _kept(path: str, cfg, num_layers: int | None):
+    total = cfg.num_hidden_layers
+    keep = total if num_layers is None else num_layers + total if num_layers < 0 else num_layers
+    if not 0 <= keep <= total:
+        raise WanInputError(f"{path}: cannot keep {keep} of the {total} CLIP blocks config.json describes; "
+                            "check config.json")
+    return dataclasses.replace(cfg, num_hidden_layers=keep)
+
+
 def _load(path, what, prefix, config_class, num_layers, mesh, build, unread=()):
     path = os.fspath(path)
     config, tensors = open_checkpoint(path, what)
@@ -61,10 +87,8 @@ def _load(path, what, prefix, config_class, num_layers, mesh, build, unread=()):
         prefix = ""  # transformers 5 saves the towers' tensors without it
     cfg = config_class.from_json(config, os.path.join(path, "config.json"))
     total = cfg.num_hidden_layers
-    keep = total if num_layers is None else num_layers + total if num_layers < 0 else num_layers
-    if not 0 <= keep <= total:
-        raise WanInputError(f"{path}: cannot keep {keep} of the {total} CLIP blocks config.json describes; "
-                            "check config.json")
+    kept = _kept(path, cfg, num_layers)
+    keep = kept.num_hidden_layers
     # Every tensor of the whole checkpoint is checked (the full model), the kept blocks are read.
     full = nnx.to_flat_state(nnx.state(nnx.eval_shape(lambda: build(cfg))))
     expected = {}
@@ -86,7 +110,6 @@ def _load(path, what, prefix, config_class, num_layers, mesh, build, unread=()):
             raise WanInputError(f"{path}: unexpected tensor {n!r} (shape {tuple(tensors.shape(n))}) is not a parameter "
                                 f"of the CLIP model config.json describes; check that config.json belongs to these weights")
 
-    kept = dataclasses.replace(cfg, num_hidden_layers=keep)
     graphdef, state = nnx.split(nnx.eval_shape(lambda: build(kept)))
     flat = nnx.to_flat_state(state)
     paths = [tuple(str(k) for k in key) for key, _ in flat]

@@ -128,6 +128,16 @@ class WanVAE(nnx.Module):
         caches, mu = _encode_chunk(graphdef, state, video.astype(self.dtype), caches, None)
         return mu, caches
 
+    def compile_encode_chunk(self, shape, caches=None):
+        """Compile, without running, the program `encode_chunk` runs on video of `shape` after `caches`
+        (abstract, or None for a video's first frame); also on an abstract VAE (`nnx.eval_shape`), before
+        any weight exists. Returns the abstract (latent frame, caches) it gives."""
+        graphdef, state = nnx.split(self)
+        video = jax.ShapeDtypeStruct(tuple(shape), self.dtype)
+        _encode_chunk.lower(graphdef, state, video, caches, None).compile()
+        caches, mu = _encode_chunk.eval_shape(graphdef, state, video, caches, None)
+        return mu, caches
+
     def decode_chunk(self, z, caches=None):
         """Streaming decode: the next latent frames (B, z_dim, F, h, w) of a video → (video frames
         (B, C, T, H, W) in [-1, 1], the caches for the next call).

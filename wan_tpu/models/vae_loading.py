@@ -18,7 +18,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
-from wan_tpu.checkpoint import open_checkpoint
+from wan_tpu.checkpoint import open_checkpoint, read_config
 from wan_tpu.configs.vae import WanVAEConfig, config_from_json
 from wan_tpu.errors import WanInputError
 from wan_tpu.models.param_loading import Layout, StoredParam, load_params
@@ -115,11 +115,22 @@ def original_wan21_vae_config(state_dict) -> dict:
     return {"_class_name": "AutoencoderKLWan", **{k: list(v) if isinstance(v, tuple) else v for k, v in config.items()}}
 
 
+def vae_config(path: str) -> WanVAEConfig:
+    """The `WanVAEConfig` of a diffusers `AutoencoderKLWan` folder, from its config.json alone (no tensor read)."""
+    return config_from_json(read_config(path, "VAE"))
+
+
+def abstract_vae(config: WanVAEConfig, dtype=jnp.float32) -> WanVAE:
+    """The VAE `load_vae` fills, without weights (`nnx.eval_shape`): its graphdef is the loaded one's, so
+    programs compiled for it serve the loaded VAE."""
+    return nnx.eval_shape(lambda: WanVAE(config, dtype=dtype, rngs=nnx.Rngs(0)))
+
+
 def load_vae(path: str, dtype=jnp.float32, mesh=None) -> WanVAE:
     """Load a diffusers `AutoencoderKLWan` folder; with a mesh, weights are replicated on all its devices."""
     config_dict, tensors = open_checkpoint(path, "VAE")
     config = config_from_json(config_dict)
-    abstract = nnx.eval_shape(lambda: WanVAE(config, dtype=dtype, rngs=nnx.Rngs(0)))
+    abstract = abstract_vae(config, dtype)
     graphdef, state = nnx.split(abstract)
     wmesh = _width_mesh(mesh)
     sharding = None if wmesh is None else NamedSharding(wmesh, PartitionSpec())

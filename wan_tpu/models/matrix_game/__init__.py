@@ -4,6 +4,7 @@
 - `action`: the ActionModule, `chunk_action_window` (raw action windows per chunk);
 - `cache`: `KVCache`, `BlockCache`, `MatrixGameCache`, ring writes;
 - `sampling`: the flow-matching schedule and `denoise_chunk` (one whole chunk, pure);
-- `loading`: `load_matrix_game_transformer`, `shard_matrix_game`.
+- `loading`: `load_matrix_game_transformer`, `shard_matrix_game`, `abstract_transformer`;
+- `condition`: `ImageCondition`, the image + gray frames latents (fixed shape).
 Configs: `wan_tpu.configs.matrix_game`.
 """

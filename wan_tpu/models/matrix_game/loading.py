@@ -55,7 +55,9 @@ def _checkpoint_files(path: str) -> list[str]:
     raise WanInputError(f"Matrix-Game checkpoint {path!r} does not exist; pass the DiT .safetensors file or its folder")
 
 
-def _config(path: str, variant) -> MatrixGameTransformerConfig:
+def transformer_config(path: str, variant=None) -> MatrixGameTransformerConfig:
+    """The config `load_matrix_game_transformer(path, variant)` builds, reading no tensor: `variant`'s
+    (a name or a config) or, without one, the authors' config.json beside the weights."""
     if isinstance(variant, MatrixGameTransformerConfig):
         return variant
     if variant is not None:
@@ -126,10 +128,9 @@ def load_matrix_game_transformer(path: str, variant=None, dtype=jnp.float32, mes
     (default: the authors' config.json beside the weights). Float32 modules (time embedder,
     modulation tables, norms) stay float32; the rest is cast to `dtype`. With a `mesh`, weights land
     sharded and the model's hooks are set for it (`shard_matrix_game`)."""
-    cfg = _config(path, variant)
+    cfg = transformer_config(path, variant)
     tensors = TensorSource(_checkpoint_files(path))
-    abstract = nnx.eval_shape(lambda: MatrixGameTransformer(cfg, dtype=dtype, rngs=nnx.Rngs(0),
-                                                            attention_impl=attention_impl))
+    abstract = abstract_transformer(cfg, dtype, attention_impl)
     graphdef, state = nnx.split(abstract)
     flat = nnx.to_flat_state(state)
     params = [_Param(tuple(key), var.get_value().shape, cfg, abstract.block_runs) for key, var in flat]
@@ -147,6 +148,12 @@ def load_matrix_game_transformer(path: str, variant=None, dtype=jnp.float32, mes
         var.set_value(value)
     model = nnx.merge(graphdef, nnx.from_flat_state(flat))
     return model if mesh is None else shard_matrix_game(model, mesh)
+
+
+def abstract_transformer(cfg: MatrixGameTransformerConfig, dtype=jnp.float32, attention_impl=None) -> MatrixGameTransformer:
+    """The DiT `load_matrix_game_transformer` fills (without a mesh), without weights (`nnx.eval_shape`):
+    its graphdef is the loaded one's, so programs compiled for it serve the loaded model."""
+    return nnx.eval_shape(lambda: MatrixGameTransformer(cfg, dtype=dtype, rngs=nnx.Rngs(0), attention_impl=attention_impl))
 
 
 def shard_matrix_game(model: MatrixGameTransformer, mesh, **attention_kwargs) -> MatrixGameTransformer:
