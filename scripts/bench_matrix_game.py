@@ -330,15 +330,17 @@ def ours(args, first_frame_only=False) -> dict:
     if first_frame_only:
         return {"first_frame_s": first, "startup_s": startup_s, "load_s": load_s, "image_s": image_s, "prep_s": prep_s,
                 "second_chunk_s": session.chunk_seconds[1], "ready": dict(sorted(ready.items(), key=lambda kv: kv[1]))}
-    forward_ms = _our_forward_ms(pipe, session, keyboard, mouse, args.profile)
+    forward_ms, profile = _our_forward_ms(pipe, session, keyboard, mouse, args.profile)
     stats = jax.devices()[0].memory_stats() or {}
     return {"ours": _summary(session.chunk_frames, session.chunk_seconds, forward_ms, first,
-                             stats.get("peak_bytes_in_use"), load_s=load_s, prep_s=prep_s, wall_s=wall_s)}
+                             stats.get("peak_bytes_in_use"), load_s=load_s, prep_s=prep_s, wall_s=wall_s,
+                             profile=profile)}
 
 
 def _our_forward_ms(pipe, session, keyboard, mouse, profile=None):
     """One DiT forward (`MatrixGameTransformer.__call__`, jitted) of the last chunk over the full window;
-    with `profile` (a folder), one more forward traced there and its device time by op class logged."""
+    → (median ms, lines): with `profile` (a folder), one more forward traced there, and its device time
+    by op class in the lines (printed under the table)."""
     import jax
     import jax.numpy as jnp
     import numpy as np
@@ -356,13 +358,14 @@ def _our_forward_ms(pipe, session, keyboard, mouse, profile=None):
         start = time.perf_counter()
         jax.block_until_ready(model(latents, cond, t, *windows, session.cache, jnp.int32(k * f)))
         times.append(time.perf_counter() - start)
+    lines = []
     if profile:
         from wan_tpu.profiling import op_class_table, trace
 
         with trace(profile):
             jax.block_until_ready(model(latents, cond, t, *windows, session.cache, jnp.int32(k * f)))
-        log("\n".join(op_class_table(profile, "Matrix-Game DiT forward", top=16)))
-    return 1e3 * statistics.median(times[2:])
+        lines = op_class_table(profile, "Matrix-Game DiT forward", top=16)
+    return 1e3 * statistics.median(times[2:]), lines
 
 
 def first_frame(argv) -> dict:
@@ -440,6 +443,7 @@ def table(results: dict) -> str:
                      f"image prepared {r.get('image_s', 0):.1f}, first frame {r['first_frame_s']:.1f})")
         if "ready" in r:
             lines.append("    ready at: " + ", ".join(f"{k} {t:.1f}" for k, t in r["ready"].items()))
+    lines += results.get("ours", {}).get("profile", [])
     return "\n".join(lines)
 
 

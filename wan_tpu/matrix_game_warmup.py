@@ -13,7 +13,8 @@ in its own thread `wan_tpu-compile-NAME` (`Warmup.start(kind="compile")`):
   * `condition`: the VAE's first-frame encode, the condition buffer, `_gray_latents`, the normalisation;
   * `clip`: CLIP's encode of one image; `cache`: `_init_cache` for its tokens; `key`: the stream's key;
   * `chunk-0`: the first chunk's `_chunk_program`; `chunk-1`: the one every later chunk runs (its VAE
-    caches' shapes from `eval_shape`).
+    caches' shapes are chunk-0's outputs'). Each program is traced once: a later one takes an earlier
+    one's output shapes (`Lowered.out_info`).
 The calls then find them in JAX's in-memory cache of compiled programs (same functions, equal static
 arguments: the abstract modules' graphdefs equal the loaded ones'; same shapes, dtypes and placements),
 so results are bit-identical with and without `prepare`. With the persistent compile cache warm,
@@ -25,6 +26,7 @@ as without `prepare`. `Warmup.cancel` stops the threads at the next program.
 
 from __future__ import annotations
 
+import concurrent.futures
 import threading
 
 import jax
@@ -44,12 +46,39 @@ def compile_ahead(pipe, warmup) -> None:
         return
     abstract = _Abstracts(pipe._abstracts)
     stop = warmup.cancelled
+    # Each program is traced once: a later one takes an earlier one's output shapes (`Lowered.out_info`)
+    # instead of tracing it again; tracing is Python, which the weights' loads wait for too (the GIL).
+    visual, cache, first = (concurrent.futures.Future() for _ in range(3))
     warmup.start("condition", _condition, pipe, abstract, stop, kind="compile")
-    warmup.start("clip", lambda: abstract("image_encoder").lower(1).compile(), kind="compile")
-    warmup.start("cache", _cache, pipe, abstract, kind="compile")
+    warmup.start("clip", _compile, lambda: abstract("image_encoder").lower(1), visual, kind="compile")
+    warmup.start("cache", _compile, lambda: _cache(pipe, abstract, _wait(visual, stop)), cache, kind="compile")
     warmup.start("key", lambda: _key_lowered().compile(), kind="compile")
-    warmup.start("chunk-0", _chunk, pipe, abstract, stop, False, kind="compile")
-    warmup.start("chunk-1", _chunk, pipe, abstract, stop, True, kind="compile")
+    warmup.start("chunk-0", _compile, lambda: _chunk(pipe, abstract, stop, _wait(cache, stop), None), first,
+                 kind="compile")
+    warmup.start("chunk-1", _compile, lambda: _chunk(pipe, abstract, stop, _wait(cache, stop), _wait(first, stop)[2]),
+                 kind="compile")
+
+
+def _wait(future: concurrent.futures.Future, stop: threading.Event):
+    """`future`'s result; `Cancelled` once `stop` is set (its thread may never have started)."""
+    while True:
+        try:
+            return future.result(timeout=0.05)
+        except concurrent.futures.TimeoutError:
+            _check(stop)
+
+
+def _compile(lower, out: concurrent.futures.Future | None = None) -> None:
+    """Lower, hand the output shapes to whoever waits on `out` (if given), then compile."""
+    try:
+        lowered = lower()
+    except BaseException as e:
+        if out is not None:
+            out.set_exception(e)
+        raise
+    if out is not None:
+        out.set_result(lowered.out_info)
+    lowered.compile()
 
 
 class _Abstracts:
@@ -92,11 +121,10 @@ def _condition(pipe, abstract, stop) -> None:
     _normalized.lower(graphdef, state, latents.out_info).compile()
 
 
-def _cache(pipe, abstract) -> None:
+def _cache(pipe, abstract, visual):
     from wan_tpu.matrix_game import _init_cache
 
-    visual = abstract("image_encoder").lower(1).out_info
-    _init_cache.lower(*nnx.split(abstract("transformer")), visual, tuple(pipe.variant.latent_size)).compile()
+    return _init_cache.lower(*nnx.split(abstract("transformer")), visual, tuple(pipe.variant.latent_size))
 
 
 def _key_lowered():
@@ -105,24 +133,18 @@ def _key_lowered():
     return _key.lower(jax.ShapeDtypeStruct((), np.uint32))
 
 
-def _chunk(pipe, abstract, stop, steady: bool) -> None:
-    """The first chunk's `_chunk_program`, or (`steady`) the one every later chunk runs."""
-    from wan_tpu.matrix_game import (CONDITION_FRAMES, ImageCondition, _chunk_program, _init_cache, action_windows,
-                                     chunk_args)
+def _chunk(pipe, abstract, stop, cache, vae_caches):
+    """The first chunk's `_chunk_program` (`vae_caches` None), or the one every later chunk runs (the VAE
+    caches the first one returns), lowered."""
+    from wan_tpu.matrix_game import CONDITION_FRAMES, ImageCondition, _chunk_program, action_windows, chunk_args
 
     dit, vae = nnx.split(abstract("transformer")), nnx.split(abstract("vae"))
-    visual = abstract("image_encoder").lower(1).out_info
-    cache = _init_cache.eval_shape(*dit, visual, tuple(pipe.variant.latent_size))
     z = abstract("vae").config.z_dim
     # `ImageCondition.encode`'s normalized float32 latents; the repeat scalars are traced.
     condition = ImageCondition(jax.ShapeDtypeStruct((1, z, CONDITION_FRAMES, *pipe.variant.latent_size), jnp.float32),
                                0, 1)
     index = jax.ShapeDtypeStruct((), jnp.int32)
-    args, kwargs = chunk_args(pipe, dit, vae, cache, None, condition, action_windows(pipe), index,
+    args, kwargs = chunk_args(pipe, dit, vae, cache, vae_caches, condition, action_windows(pipe), index,
                               _key_lowered().out_info)
-    if steady:
-        _, _, vae_caches = _chunk_program.eval_shape(*args, **kwargs)
-        args = chunk_args(pipe, dit, vae, cache, vae_caches, condition, action_windows(pipe), index,
-                          _key_lowered().out_info)[0]
     _check(stop)
-    _chunk_program.lower(*args, **kwargs).compile()
+    return _chunk_program.lower(*args, **kwargs)
