@@ -158,6 +158,8 @@ def test_bad_arguments_exit_2(image_path, tmp_path, capsys):
 
 # `python -m wan_tpu.matrix_game ARGS`, then the heavy frameworks the run imported on one line.
 _RUN_CLI = """import runpy, sys
+import wan_tpu.generate
+wan_tpu.generate.exit_now = sys.exit  # raise SystemExit, so that the line below still prints
 sys.argv = ["wan_tpu.matrix_game", *sys.argv[1:]]
 try:
     runpy.run_module("wan_tpu.matrix_game", run_name="__main__", alter_sys=True)

@@ -511,8 +511,7 @@ def _tiny(dtype, vae_dtype, attention_impl) -> MatrixGamePipeline:
 
 
 if __name__ == "__main__":
-    import sys
-
+    from wan_tpu.generate import exit_now
     from wan_tpu.matrix_game_cli import main
 
-    sys.exit(main())
+    exit_now(main())

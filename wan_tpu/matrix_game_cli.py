@@ -183,4 +183,6 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from wan_tpu.generate import exit_now
+
+    exit_now(main())

@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import sys
 from dataclasses import dataclass, field
 
 import jax
@@ -332,6 +331,7 @@ _DECODE = nnx.jit(lambda vae, z: vae.decode_video(z))
 
 
 if __name__ == "__main__":
+    from wan_tpu.generate import exit_now
     from wan_tpu.unifolm_cli import main
 
-    sys.exit(main())
+    exit_now(main())
