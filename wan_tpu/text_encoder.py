@@ -4,8 +4,8 @@
     embeds = encoder.encode(["a cat walks on the grass"])        # (1, 512, 4096)
 
 No torch, transformers or torchax: the weights go from the safetensors to the devices
-(`wan_tpu.models.umt5_loading`, sharded over a mesh when one is given) but for the token embedding,
-looked up on the host from the checkpoint's memory map (`UMT5Embedding`), the tokenizer is the folder's
+(`wan_tpu.models.umt5_loading`, sharded over a mesh when one is given), all but the token embedding,
+which is looked up on the host from the checkpoint's memory map (`UMT5Embedding`); the tokenizer is the folder's
 tokenizer.json (`wan_tpu.tokenizers.UMT5Tokenizer`), and the encoder is one `jax.jit` program per
 batch size, its layers a `lax.scan`. `compile_encode(config, dtype, batch)` compiles that program from
 shapes alone, before any weight is read (what `WanPipeline.prepare` does in a background thread).
@@ -87,7 +87,8 @@ class UMT5TextEncoder:
 
     def compile(self, batch: int) -> None:
         """Compile (without running) the program `encode` runs for `batch` prompts, from shapes alone."""
-        _lower(self.graphdef, _abstract(self.state), self.config, self.model.dtype, batch, self.max_sequence_length).compile()
+        _lower(self.graphdef, _abstract(self.state), self.config, self.model.dtype, batch,
+               self.max_sequence_length).compile()
 
 
 def compile_encode(config, dtype, batch: int, max_sequence_length: int = MAX_SEQUENCE_LENGTH) -> None:
