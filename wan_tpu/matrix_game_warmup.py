@@ -48,15 +48,17 @@ def compile_ahead(pipe, warmup) -> None:
     stop = warmup.cancelled
     # Each program is traced once: a later one takes an earlier one's output shapes (`Lowered.out_info`)
     # instead of tracing it again; tracing is Python, which the weights' loads wait for too (the GIL).
-    visual, cache, first = (concurrent.futures.Future() for _ in range(3))
+    visual, cache, key, first = (concurrent.futures.Future() for _ in range(4))
     warmup.start("condition", _condition, pipe, abstract, stop, kind="compile")
     warmup.start("clip", _compile, lambda: abstract("image_encoder").lower(1), visual, kind="compile")
     warmup.start("cache", _compile, lambda: _cache(pipe, abstract, _wait(visual, stop)), cache, kind="compile")
-    warmup.start("key", lambda: _key_lowered().compile(), kind="compile")
-    warmup.start("chunk-0", _compile, lambda: _chunk(pipe, abstract, stop, _wait(cache, stop), None), first,
-                 kind="compile")
-    warmup.start("chunk-1", _compile, lambda: _chunk(pipe, abstract, stop, _wait(cache, stop), _wait(first, stop)[2]),
-                 kind="compile")
+    warmup.start("key", _compile, _key_lowered, key, kind="compile")
+
+    def chunk(vae_caches):
+        return lambda: _chunk(pipe, abstract, stop, _wait(cache, stop), _wait(key, stop), vae_caches())
+
+    warmup.start("chunk-0", _compile, chunk(lambda: None), first, kind="compile")
+    warmup.start("chunk-1", _compile, chunk(lambda: _wait(first, stop)[2]), kind="compile")
 
 
 def _wait(future: concurrent.futures.Future, stop: threading.Event):
@@ -133,7 +135,7 @@ def _key_lowered():
     return _key.lower(jax.ShapeDtypeStruct((), np.uint32))
 
 
-def _chunk(pipe, abstract, stop, cache, vae_caches):
+def _chunk(pipe, abstract, stop, cache, key, vae_caches):
     """The first chunk's `_chunk_program` (`vae_caches` None), or the one every later chunk runs (the VAE
     caches the first one returns), lowered."""
     from wan_tpu.matrix_game import CONDITION_FRAMES, ImageCondition, _chunk_program, action_windows, chunk_args
@@ -144,7 +146,6 @@ def _chunk(pipe, abstract, stop, cache, vae_caches):
     condition = ImageCondition(jax.ShapeDtypeStruct((1, z, CONDITION_FRAMES, *pipe.variant.latent_size), jnp.float32),
                                0, 1)
     index = jax.ShapeDtypeStruct((), jnp.int32)
-    args, kwargs = chunk_args(pipe, dit, vae, cache, vae_caches, condition, action_windows(pipe), index,
-                              _key_lowered().out_info)
+    args, kwargs = chunk_args(pipe, dit, vae, cache, vae_caches, condition, action_windows(pipe), index, key)
     _check(stop)
     return _chunk_program.lower(*args, **kwargs)
