@@ -257,23 +257,26 @@ def peer(args, ckpt: str, lora: str | None) -> list[dict]:
 
 def format_table(rows: list[dict]) -> str:
     head = ("run", "load", "lora", "text", "denoise", "excl.compile", "s/step", "skipped", "decode", "total",
-            "peak GiB")
+            "wall", "peak GiB")
     body = []
     for r in rows:
         if "status" in r:
             body.append((r["run"], r["status"]))
             continue
         total = r["load"] + r["lora"] + r["text"] + r["excl_compile"] + r["decode"]
+        wall = total - r["excl_compile"] + r["denoise"]
         peak = "n/a" if r["peak_bytes"] is None else f"{r['peak_bytes'] / 2**30:.1f}"
         body.append((r["run"], f"{r['load']:.1f}", f"{r['lora']:.1f}", f"{r['text']:.1f}", f"{r['denoise']:.1f}",
                      f"{r['excl_compile']:.1f}", f"{r['excl_compile'] / r['steps']:.3f}",
-                     f"{r['skipped']}/{r['steps']}", f"{r['decode']:.1f}", f"{total:.1f}", peak))
+                     f"{r['skipped']}/{r['steps']}", f"{r['decode']:.1f}", f"{total:.1f}",
+                     f"{wall:.1f}", peak))
     widths = [max([len(head[i])] + [len(b[i]) for b in body if len(b) == len(head)]) for i in range(len(head))]
     lines = ["  ".join(h.rjust(w) if i else h.ljust(w) for i, (h, w) in enumerate(zip(head, widths)))]
     for b in body:
         lines.append("  ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(b, widths)))
                      if len(b) == len(head) else f"{b[0].ljust(widths[0])}  {b[1]}")
-    return "\n".join(lines) + "\n(seconds; total = load + lora + text + denoise excl. compile + decode)"
+    return "\n".join(lines) + ("\n(seconds; total = load + lora + text + denoise excl. compile + decode; wall = the same with the "
+                                 "denoise's compilation: what the user waits for)")
 
 
 def build_parser() -> argparse.ArgumentParser:
