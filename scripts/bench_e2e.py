@@ -66,6 +66,8 @@ from wan_tpu.errors import WanInputError
 
 PROMPT = "a cat walks on the grass, realistic"
 SEED = 0
+FEW_STEP_SIGMAS = [1.0, 0.75, 0.5, 0.25]  # lightx2v's 4-step list (1000, 750, 500, 250) as sigmas, shifted by 5
+FEW_STEP_SHIFT = 5.0
 CHUNK = 1 << 23  # elements drawn per numpy call: bounds each writer thread to ~50 MB
 SHARD_BYTES = 2 << 30  # ~22 shards at 14B: enough to keep a many-core host busy
 DONE = "bench_e2e_checkpoint.json"  # written last: its presence means the checkpoint is complete
@@ -448,8 +450,9 @@ def run_settings(ckpt: str, args):
 
     variant, vae = resolve_variant(ckpt)
     width, height = parse_size(args.size)
+    steps = len(FEW_STEP_SIGMAS) if args.few_step else args.steps
     return variant, resolve_settings(variant, vae, height=height, width=width, num_frames=args.frames,
-                                     num_inference_steps=args.steps)
+                                     num_inference_steps=steps, guidance_scale=1.0 if args.few_step else None)
 
 
 def _timed(argv: list[str], env: dict | None = None) -> tuple[float, str, int]:
@@ -470,6 +473,11 @@ def entry_ours(name: str, ckpt: str, args, s, cache: str) -> dict:
     argv = [sys.executable, "-m", "wan_tpu.generate", "--model", ckpt, "--prompt", PROMPT, "--seed", str(SEED),
             "--size", f"{s.width}*{s.height}", "--frames", str(s.num_frames), "--steps", str(s.num_inference_steps),
             "--output", out, "--overwrite", "--quiet"] + (["--attention", args.attention] if args.attention else [])
+    if args.few_step:
+        argv += ["--scheduler", "euler", "--sigmas", ",".join(map(str, FEW_STEP_SIGMAS)), "--shift", str(FEW_STEP_SHIFT),
+                 "--guidance", "1"]
+    if args.lora:
+        argv += ["--lora", args.lora]
     wall, text, rc = _timed(argv, {"WAN_TPU_CACHE_DIR": cache})
     if rc:
         return _failed(name, rc, text)
@@ -490,7 +498,8 @@ def entry_diffusers(name: str, ckpt: str, args, s, compiled: bool) -> dict:
         argv = [sys.executable, os.path.abspath(__file__), "--diffusers-child", ckpt, "--result-json", result,
                 "--workdir", args.workdir, "--config", args.config, "--size", f"{s.width}*{s.height}",
                 "--frames", str(s.num_frames), "--steps", str(s.num_inference_steps)]
-        wall, text, rc = _timed(argv + (["--compile"] if compiled else []))
+        argv += (["--compile"] if compiled else []) + (["--few-step"] if args.few_step else [])
+        wall, text, rc = _timed(argv + (["--lora-file", args.lora] if args.lora else []))
         if rc or not os.path.isfile(result):
             return _failed(name, rc, text)
         with open(result) as f:
@@ -522,11 +531,22 @@ def diffusers_child(args) -> dict:
     t = time.perf_counter()
     vae = diffusers.AutoencoderKLWan.from_pretrained(ckpt, subfolder="vae", torch_dtype=torch.float32)
     pipe = diffusers.WanPipeline.from_pretrained(ckpt, vae=vae, torch_dtype=torch.bfloat16).to(device)
+    if args.lora:  # part of "load", as our merge is part of the transformer's load
+        pipe.load_lora_weights(args.lora)
+        pipe.fuse_lora()  # merged, like ours: no LoRA matmuls in the steps
+        pipe.unload_lora_weights()
+    t = part("load", t)
     if args.compile:
         pipe.transformer.compile_repeated_blocks(fullgraph=True)
-    t = part("load", t)
+    guidance = 1.0 if args.few_step else 5.0
+    if args.few_step:
+        class Given(diffusers.FlowMatchEulerDiscreteScheduler):
+            def set_timesteps(self, num_inference_steps=None, device=None, **_):
+                super().set_timesteps(device=device, sigmas=FEW_STEP_SIGMAS)
+
+        pipe.scheduler = Given(shift=FEW_STEP_SHIFT)
     with torch.no_grad():
-        embeds, negative = pipe.encode_prompt(PROMPT, WAN_NEGATIVE_PROMPT, do_classifier_free_guidance=True,
+        embeds, negative = pipe.encode_prompt(PROMPT, WAN_NEGATIVE_PROMPT, do_classifier_free_guidance=guidance > 1,
                                               max_sequence_length=512, device=device)
     t = part("text", t)
 
@@ -536,7 +556,7 @@ def diffusers_child(args) -> dict:
         return kwargs
 
     latents = pipe(prompt_embeds=embeds, negative_prompt_embeds=negative, height=height, width=width,
-                   num_frames=args.frames, num_inference_steps=args.steps, guidance_scale=5.0,
+                   num_frames=args.frames, num_inference_steps=args.steps, guidance_scale=guidance,
                    generator=torch.Generator(device).manual_seed(SEED), output_type="latent",
                    callback_on_step_end=on_step).frames
     denoise_start = t
@@ -576,7 +596,7 @@ def run_peer(ckpt: str, args) -> list[dict]:
             rows.append({**entries[key](), "key": key})
     finally:
         shutil.rmtree(cache, ignore_errors=True)
-    default = variant.sample_steps
+    default = s.num_inference_steps if args.few_step else variant.sample_steps
     warm = next((r for r in rows if r["key"] == "ours-warm" and r["status"] == "ok"), None)
     for r in rows:
         if r["status"] == "ok":
@@ -639,6 +659,12 @@ def build_parser() -> argparse.ArgumentParser:
                         "warm, diffusers' WanPipeline eager and with compile_repeated_blocks")
     p.add_argument("--entries", nargs="+", choices=PEER_ENTRIES, default=None,
                    help=f"with --peer: which entries to run, in order (default: all: {' '.join(PEER_ENTRIES)})")
+    p.add_argument("--few-step", action="store_true",
+                   help=f"with --peer: {len(FEW_STEP_SIGMAS)} Euler steps at sigmas {FEW_STEP_SIGMAS} (shift "
+                        f"{FEW_STEP_SHIFT:g}), guidance 1: what step-distill LoRAs run")
+    p.add_argument("--lora-rank", type=int, default=None, metavar="R",
+                   help="with --peer: merge a random rank-R LoRA in the kohya format (written under --workdir) on both sides")
+    p.add_argument("--lora-file", dest="lora", default=None, help=argparse.SUPPRESS)  # the peer's script: its LoRA
     p.add_argument("--result-json", default=None, help=argparse.SUPPRESS)  # a mesh's row, for the parent process
     p.add_argument("--diffusers-child", default=None, help=argparse.SUPPRESS)  # checkpoint: run the peer's script
     p.add_argument("--compile", action="store_true", help=argparse.SUPPRESS)  # the peer's script: compile_repeated_blocks
@@ -700,9 +726,18 @@ def main(argv=None) -> int:
         return 0
     try:
         if args.peer:
-            rows, s, default = run_peer(ensure_checkpoint(args.workdir, args.config), args)
+            ckpt = ensure_checkpoint(args.workdir, args.config)
+            if args.lora_rank:
+                from bench_fewstep import write_lora
+
+                args.lora = write_lora(os.path.join(os.path.abspath(args.workdir), f"{CONFIGS[args.config].variant}"
+                                                    f"-lora-r{args.lora_rank}.safetensors"), args.config, args.lora_rank)
+            rows, s, default = run_peer(ckpt, args)
+            how = (f"{s.num_inference_steps} Euler steps (sigmas {FEW_STEP_SIGMAS}, shift {FEW_STEP_SHIFT:g}), guidance 1"
+                   if args.few_step else f"{s.num_inference_steps} steps, CFG {s.guidance_scale:g}")
+            lora = f", a random rank-{args.lora_rank} kohya LoRA merged" if args.lora_rank else ""
             print(f"\nWan 2.1 T2V {args.config}, random weights (bf16 DiT/UMT5, float32 VAE), {s.width}*{s.height}, "
-                  f"{s.num_frames} frames, {s.num_inference_steps} steps, CFG {s.guidance_scale:g}, whole commands:")
+                  f"{s.num_frames} frames, {how}{lora}, whole commands:")
             print(format_peer_table(rows, s, default))
             return 0
         rows = run(args)

@@ -34,12 +34,11 @@ import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_e2e import CONFIGS, PROMPT, SEED, TensorSpec, _write_shard, ensure_checkpoint  # noqa: E402
+from bench_e2e import (CONFIGS, FEW_STEP_SHIFT, FEW_STEP_SIGMAS, PROMPT, SEED, TensorSpec,  # noqa: E402
+                       _write_shard, ensure_checkpoint)
 
 from wan_tpu.errors import WanInputError  # noqa: E402
 
-FEW_STEP_SIGMAS = [1.0, 0.75, 0.5, 0.25]  # lightx2v's 4-step list (1000, 750, 500, 250) as sigmas, shifted by 5
-FEW_STEP_SHIFT = 5.0
 # Wan's (original-format) block linears a LoRA targets, with their (out, in) in units of (dim, ffn_dim).
 _LORA_MODULES = [(f"self_attn.{m}", "dd") for m in "qkvo"] + [(f"cross_attn.{m}", "dd") for m in "qkvo"] + \
                 [("ffn.0", "fd"), ("ffn.2", "df")]
