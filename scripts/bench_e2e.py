@@ -7,6 +7,8 @@
     python scripts/bench_e2e.py --config 1.3b --peer diffusers --workdir outputs/bench_e2e
     python scripts/bench_e2e.py --config 14b --steps 10 --peer diffusers --workdir outputs/bench_e2e
     python scripts/bench_e2e.py --config tiny --peer diffusers --steps 2 --size 32*32 --frames 5   # CPU smoke
+    # the 4-step recipe with a random rank-64 kohya LoRA merged on both sides (diffusers: fuse_lora)
+    python scripts/bench_e2e.py --config 14b --peer diffusers --few-step --lora-rank 64 --workdir outputs/bench_e2e
 
 Wan 2.1 T2V (`--config 14b`: 720×1280, 81 frames, 50 steps, guidance 5 by default; `1.3b`: 480×832;
 `tiny`: the test-sized model) with RANDOM weights, written once in the diffusers layout
