@@ -7,6 +7,8 @@
     python scripts/bench_e2e.py --config 1.3b --peer diffusers --workdir outputs/bench_e2e
     python scripts/bench_e2e.py --config 14b --steps 10 --peer diffusers --workdir outputs/bench_e2e
     python scripts/bench_e2e.py --config tiny --peer diffusers --steps 2 --size 32*32 --frames 5   # CPU smoke
+    # each side's step cache at its default threshold (diffusers: FirstBlockCacheConfig / MagCacheConfig)
+    python scripts/bench_e2e.py --config 1.3b --peer diffusers --cache magcache --workdir outputs/bench_e2e
     # the 4-step recipe with a random rank-64 kohya LoRA merged on both sides (diffusers: fuse_lora)
     python scripts/bench_e2e.py --config 14b --peer diffusers --few-step --lora-rank 64 --workdir outputs/bench_e2e
 
@@ -267,6 +269,33 @@ def write_random_checkpoint(path: str, config: BenchConfig, seed: int = SEED, wo
     return total
 
 
+# Wan's (original-format) block linears a LoRA targets, with their (out, in) in units of (dim, ffn_dim).
+_LORA_MODULES = [(f"self_attn.{m}", "dd") for m in "qkvo"] + [(f"cross_attn.{m}", "dd") for m in "qkvo"] + \
+                [("ffn.0", "fd"), ("ffn.2", "df")]
+
+
+def write_lora(path: str, config_name: str, rank: int) -> str:
+    """A random rank-`rank` LoRA in the kohya / original Wan format over every block linear (bf16, alpha = rank)."""
+    import ml_dtypes
+
+    from wan_tpu.configs.models import VARIANTS
+
+    cfg = VARIANTS[CONFIGS[config_name].variant].transformer
+    size = {"d": cfg.inner_dim, "f": cfg.ffn_dim}
+    tensors = []
+    for i in range(cfg.num_layers):
+        for module, (out, inp) in _LORA_MODULES:
+            key = f"diffusion_model.blocks.{i}.{module}"
+            tensors += [TensorSpec(f"{key}.lora_down.weight", (rank, size[inp]), 0.0, size[inp] ** -0.5),
+                        TensorSpec(f"{key}.lora_up.weight", (size[out], rank), 0.0, 0.02 / math.sqrt(rank)),
+                        TensorSpec(f"{key}.alpha", (), float(rank), 0.0)]
+    if not os.path.isfile(path):
+        partial = f"{path}.partial-{os.getpid()}"
+        _write_shard(partial, tensors, ml_dtypes.bfloat16, SEED + 1)
+        os.replace(partial, path)
+    return path
+
+
 def ensure_checkpoint(workdir: str, config_name: str) -> str:
     """The checkpoint folder for `config_name` under `workdir`, written first if it is not complete."""
     path = os.path.join(os.path.abspath(workdir), f"{CONFIGS[config_name].variant}-random")
@@ -441,6 +470,21 @@ def format_table(rows: list[dict]) -> str:
 # an entry by adding a function that returns such a row and naming it in PEER_ENTRIES.
 
 PEER_PARTS = ("load", "text", "denoise", "decode", "write")
+PEER_CACHES = ("fbcache", "magcache")  # the step caches diffusers has (it has no TeaCache)
+
+
+def diffusers_cache_config(name: str, steps: int):
+    """diffusers' own step cache for our `--cache NAME`, at its defaults: `FirstBlockCacheConfig()`, or
+    `MagCacheConfig` with Wan 2.1 1.3B's published magnitude ratios (the conditional curve)."""
+    import numpy as np
+    from diffusers.hooks import FirstBlockCacheConfig, MagCacheConfig
+
+    from wan_tpu.configs.step_cache import MAGCACHE
+
+    if name == "fbcache":
+        return FirstBlockCacheConfig()
+    mag = np.concatenate([[1.0], np.asarray(MAGCACHE["wan2.1-t2v-1.3b"].mag_ratios)[0::2]])
+    return MagCacheConfig(mag_ratios=mag.tolist(), num_inference_steps=steps)
 OUR_STAGES = {"load": ("load text encoder", "load transformer", "load vae"), "text": ("text encode",),
               "denoise": ("denoise",), "decode": ("decode",), "write": ("write",)}
 
@@ -480,6 +524,8 @@ def entry_ours(name: str, ckpt: str, args, s, cache: str) -> dict:
                  "--guidance", "1"]
     if args.lora:
         argv += ["--lora", args.lora]
+    if args.cache:
+        argv += ["--cache", args.cache]
     wall, text, rc = _timed(argv, {"WAN_TPU_CACHE_DIR": cache})
     if rc:
         return _failed(name, rc, text)
@@ -501,6 +547,7 @@ def entry_diffusers(name: str, ckpt: str, args, s, compiled: bool) -> dict:
                 "--workdir", args.workdir, "--config", args.config, "--size", f"{s.width}*{s.height}",
                 "--frames", str(s.num_frames), "--steps", str(s.num_inference_steps)]
         argv += (["--compile"] if compiled else []) + (["--few-step"] if args.few_step else [])
+        argv += ["--cache", args.cache] if args.cache else []
         wall, text, rc = _timed(argv + (["--lora-file", args.lora] if args.lora else []))
         if rc or not os.path.isfile(result):
             return _failed(name, rc, text)
@@ -538,6 +585,8 @@ def diffusers_child(args) -> dict:
         pipe.fuse_lora()  # merged, like ours: no LoRA matmuls in the steps
         pipe.unload_lora_weights()
     t = part("load", t)
+    if args.cache:
+        pipe.transformer.enable_cache(diffusers_cache_config(args.cache, args.steps))
     if args.compile:
         pipe.transformer.compile_repeated_blocks(fullgraph=True)
     guidance = 1.0 if args.few_step else 5.0
@@ -594,6 +643,9 @@ def run_peer(ckpt: str, args) -> list[dict]:
     rows = []
     try:
         for key in args.entries or PEER_ENTRIES:
+            if key.startswith("diffusers") and args.cache and args.cache not in PEER_CACHES:
+                rows.append({"entry": key, "key": key, "status": f"skipped: diffusers has no {args.cache}"})
+                continue
             print(f"[peer] {key} ...", flush=True)
             rows.append({**entries[key](), "key": key})
     finally:
@@ -666,6 +718,9 @@ def build_parser() -> argparse.ArgumentParser:
                         f"{FEW_STEP_SHIFT:g}), guidance 1: what step-distill LoRAs run")
     p.add_argument("--lora-rank", type=int, default=None, metavar="R",
                    help="with --peer: merge a random rank-R LoRA in the kohya format (written under --workdir) on both sides")
+    p.add_argument("--cache", choices=("teacache", "magcache", "fbcache"), default=None,
+                   help="with --peer: our step cache at its default threshold; diffusers runs its own FBCache / "
+                        "MagCache (it has no TeaCache: its entries are then skipped)")
     p.add_argument("--lora-file", dest="lora", default=None, help=argparse.SUPPRESS)  # the peer's script: its LoRA
     p.add_argument("--result-json", default=None, help=argparse.SUPPRESS)  # a mesh's row, for the parent process
     p.add_argument("--diffusers-child", default=None, help=argparse.SUPPRESS)  # checkpoint: run the peer's script
@@ -730,14 +785,13 @@ def main(argv=None) -> int:
         if args.peer:
             ckpt = ensure_checkpoint(args.workdir, args.config)
             if args.lora_rank:
-                from bench_fewstep import write_lora
-
                 args.lora = write_lora(os.path.join(os.path.abspath(args.workdir), f"{CONFIGS[args.config].variant}"
                                                     f"-lora-r{args.lora_rank}.safetensors"), args.config, args.lora_rank)
             rows, s, default = run_peer(ckpt, args)
             how = (f"{s.num_inference_steps} Euler steps (sigmas {FEW_STEP_SIGMAS}, shift {FEW_STEP_SHIFT:g}), guidance 1"
                    if args.few_step else f"{s.num_inference_steps} steps, CFG {s.guidance_scale:g}")
             lora = f", a random rank-{args.lora_rank} kohya LoRA merged" if args.lora_rank else ""
+            lora += f", step cache {args.cache} at its default threshold" if args.cache else ""
             print(f"\nWan 2.1 T2V {args.config}, random weights (bf16 DiT/UMT5, float32 VAE), {s.width}*{s.height}, "
                   f"{s.num_frames} frames, {how}{lora}, whole commands:")
             print(format_peer_table(rows, s, default))

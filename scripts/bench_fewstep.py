@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import statistics
 import subprocess
@@ -34,37 +33,10 @@ import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_e2e import (CONFIGS, FEW_STEP_SHIFT, FEW_STEP_SIGMAS, PROMPT, SEED, TensorSpec,  # noqa: E402
-                       _write_shard, ensure_checkpoint)
+from bench_e2e import (CONFIGS, FEW_STEP_SHIFT, FEW_STEP_SIGMAS, PROMPT, SEED,  # noqa: E402
+                       diffusers_cache_config, ensure_checkpoint, write_lora)
 
 from wan_tpu.errors import WanInputError  # noqa: E402
-
-# Wan's (original-format) block linears a LoRA targets, with their (out, in) in units of (dim, ffn_dim).
-_LORA_MODULES = [(f"self_attn.{m}", "dd") for m in "qkvo"] + [(f"cross_attn.{m}", "dd") for m in "qkvo"] + \
-                [("ffn.0", "fd"), ("ffn.2", "df")]
-
-
-def write_lora(path: str, config_name: str, rank: int) -> str:
-    """A random rank-`rank` LoRA in the kohya / original Wan format over every block linear (bf16, alpha = rank)."""
-    import ml_dtypes
-
-    from wan_tpu.configs.models import VARIANTS
-
-    cfg = VARIANTS[CONFIGS[config_name].variant].transformer
-    size = {"d": cfg.inner_dim, "f": cfg.ffn_dim}
-    tensors = []
-    for i in range(cfg.num_layers):
-        for module, (out, inp) in _LORA_MODULES:
-            key = f"diffusion_model.blocks.{i}.{module}"
-            tensors += [TensorSpec(f"{key}.lora_down.weight", (rank, size[inp]), 0.0, size[inp] ** -0.5),
-                        TensorSpec(f"{key}.lora_up.weight", (size[out], rank), 0.0, 0.02 / math.sqrt(rank)),
-                        TensorSpec(f"{key}.alpha", (), float(rank), 0.0)]
-    if not os.path.isfile(path):
-        partial = f"{path}.partial-{os.getpid()}"
-        _write_shard(partial, tensors, ml_dtypes.bfloat16, SEED + 1)
-        os.replace(partial, path)
-    return path
-
 
 def _excl_compile(steps: list[float], computed: list[bool]) -> float:
     """The loop's time without compilation: the first step (compile + a computed step) counted at the
@@ -140,10 +112,8 @@ def peer(args, ckpt: str, lora: str | None) -> list[dict]:
     import diffusers
     import numpy as np
     import torch
-    from diffusers.hooks import FirstBlockCacheConfig, MagCacheConfig
 
     from wan_tpu.configs.models import VARIANTS
-    from wan_tpu.configs.step_cache import MAGCACHE
     from wan_tpu.generate import parse_size
     from wan_tpu.text_encoder import WAN_NEGATIVE_PROMPT
 
@@ -194,9 +164,8 @@ def peer(args, ckpt: str, lora: str | None) -> list[dict]:
         shift = default_shift(variant, width, height)
         pipe.scheduler = diffusers.UniPCMultistepScheduler.from_config(pipe.scheduler.config, flow_shift=shift)
         steps = args.steps or 50
-        mag = np.concatenate([[1.0], np.asarray(MAGCACHE["wan2.1-t2v-1.3b"].mag_ratios)[0::2]])  # cond curve
-        variants = [("no cache", None), ("fbcache (0.05)", FirstBlockCacheConfig()),
-                    ("magcache (0.06, K=3, R=0.2)", MagCacheConfig(mag_ratios=mag.tolist(), num_inference_steps=steps))]
+        variants = [("no cache", None), ("fbcache (0.05)", diffusers_cache_config("fbcache", steps)),
+                    ("magcache (0.06, K=3, R=0.2)", diffusers_cache_config("magcache", steps))]
     # Which DiT calls ran the last block (a skipped call never reaches its FFN).
     calls, tail_ran = [0], []
     last_ffn = pipe.transformer.blocks[-1].ffn

@@ -130,3 +130,25 @@ def test_peer_diffusers_times_whole_commands(workdir, capsys):
         frames, fps = read_video(os.path.join(workdir, f"peer_tiny_{who}.mp4"))
         assert frames.shape == (5, 32, 32, 3) and fps == 16
     assert not [n for n in os.listdir(workdir) if n.startswith("bench_e2e_cache_")]  # the cold cache is removed
+
+
+@pytest.mark.slow
+def test_peer_few_step_with_a_lora(workdir, capsys):
+    """`--few-step --lora-rank R`: both sides run 4 Euler steps at guidance 1 with the same random LoRA merged."""
+    argv = ["--config", "tiny", "--peer", "diffusers", "--entries", "ours-cold", "diffusers-eager", "--few-step",
+            "--lora-rank", "4", "--size", "32*32", "--frames", "5", "--workdir", str(workdir)]
+    assert bench.main(argv) == 0
+    out = capsys.readouterr().out
+    assert "4 Euler steps (sigmas [1.0, 0.75, 0.5, 0.25], shift 5), guidance 1, a random rank-4 kohya LoRA merged" in out
+    table = out[out.index("entry "):].splitlines()
+    assert "wall@" not in table[0]  # 4 given steps: nothing to project
+    rows = {cells[0]: cells[1:] for cells in (re.split(r"\s{2,}", line.strip()) for line in table[1:3])}
+    assert set(rows) == {"wan_tpu, empty cache (cold)", "diffusers eager"} and rows["diffusers eager"][-1] == "1.00x"
+    assert os.path.isfile(os.path.join(workdir, "tiny-lora-r4.safetensors"))
+
+
+def test_peer_cache_diffusers_lacks_is_skipped(workdir, capsys):
+    argv = ["--config", "tiny", "--peer", "diffusers", "--entries", "diffusers-eager", "--cache", "teacache",
+            "--steps", "2", "--size", "32*32", "--frames", "5", "--workdir", str(workdir)]
+    assert bench.main(argv) == 0
+    assert "skipped: diffusers has no teacache" in capsys.readouterr().out

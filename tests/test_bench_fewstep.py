@@ -48,5 +48,5 @@ def test_table_lists_every_run():
     text = bench.format_table([{"run": "wan_tpu fbcache (0.05)", **row}, {"run": "diffusers", "status": "failed"}])
     lines = text.splitlines()
     assert lines[1].split() == ["wan_tpu", "fbcache", "(0.05)", "10.0", "1.5", "2.0", "30.0", "20.0", "5.000", "1/4",
-                                "3.0", "36.5", "2.0"]
+                                "3.0", "36.5", "46.5", "2.0"]
     assert lines[2].split() == ["diffusers", "failed"]
