@@ -136,29 +136,3 @@ def test_bfloat16_sampling_error_is_measured(folder, tiny):
             for name, o, r in zip(("latents", "actions", "states"), out, ref)}
     print(f"bf16 vs float32, 4-step world-model sampling, relative L2 error: {errs}")
     assert errs["latents"] < 0.05 and all(np.isfinite(v) and v < 1.0 for v in errs.values()), errs
-
-
-def test_step_counts_share_one_program(tiny):
-    """The step count is traced: 3 and 5 steps (one bucket) run one compiled loop, and the padded tables
-    are never stepped into: each equals stepping `ddim_step` by hand through the unpadded tables."""
-    from wan_tpu.models.unifolm.sampling import _sample_loop, step_bucket
-
-    assert [step_bucket(n) for n in (1, 16, 17, 50, 64, 65, 1000)] == [16, 16, 32, 64, 64, 128, 1024]
-    cond = conditions(tiny, world=False)
-    before = _sample_loop._cache_size()
-    for steps in (3, 5):
-        noise = authors_noise("sample_decision", steps)
-        lat, act, st = sample(tiny, cond, num_steps=steps, eta=1.0, noise=noise)
-        x, a, s = (jnp.asarray(noise[k]) for k in ("x_T", "action_T", "state_T"))
-        tables = schedule_tables(tiny.config, steps, 1.0)
-        graphdef, state = nnx.split(tiny.diffusion_model)
-        one = jax.jit(lambda state, *a: ddim_step(nnx.merge(graphdef, state), cond, *a,
-                                                  clip=tiny.config.head_clip_sample))
-        for i in range(steps):
-            inp = {k: jnp.asarray(v[i]) for k, v in tables.items()} | {"noise": jnp.asarray(noise["steps"][i])}
-            x, a, s = one(state, x, a, s, inp)
-        # Separately compiled steps may round differently from the loop (float32, ~1e-6 per step; the heads'
-        # t = 999 step amplifies it, module docstring): the goldens' tolerances.
-        for ours, ref, tol, name in ((lat, x, 1e-4, "latents"), (act, a, 1e-3, "actions"), (st, s, 1e-3, "states")):
-            assert_close(ours, np.asarray(ref), tol, name)
-    assert _sample_loop._cache_size() == before + 1

@@ -1,9 +1,6 @@
 """UniFoLM sampling: the video DDIM (v-prediction, zero-terminal-SNR betas, dynamic x0 rescale) and the
 heads' own DDIM (diffusers `DDIMScheduler`, squaredcos_cap_v2, ε-prediction, clipped x0), stepped
-together in **one compiled loop** over the steps. The step count is not part of the program: the
-per-step tables and noise are padded to a bucket (`step_bucket`: 16, 32, 64, then multiples of 64) and
-the loop runs the real count as a traced scalar, so 16 and 50 steps run one compiled program (on a GPU
-the first compile, with the UNet's convolution autotuning, takes minutes at real size).
+together in **one compiled loop** (`lax.scan` over the steps).
 
     latents, actions, states = sample(model, cond, num_steps=50, eta=1.0, key=jax.random.key(123))
 
@@ -147,33 +144,16 @@ def ddim_step(unet, cond: Conditions, x, action, state, inp: dict, guidance_scal
     return x, action, state
 
 
-def step_bucket(num_steps: int) -> int:
-    """The padded length of the per-step tables: 16, 32, 64, then the next multiple of 64. Few buckets, so
-    the step counts people use (4–50) share a program; padding costs only memory (one noise tensor per
-    padded step), never a UNet call."""
-    for bucket in (16, 32, 64):
-        if num_steps <= bucket:
-            return bucket
-    return -(-num_steps // 64) * 64
-
-
-def _padded(a, length: int):
-    a = jnp.asarray(a)
-    return jnp.pad(a, [(0, length - a.shape[0])] + [(0, 0)] * (a.ndim - 1))
-
-
 @functools.partial(jax.jit, static_argnames=("graphdef", "clip"))
-def _sample_loop(graphdef, state, cond, uncond, tables, x, action, st, step_noise, num_steps, guidance_scale,
+def _sample_loop(graphdef, state, cond, uncond, tables, x, action, st, step_noise, guidance_scale,
                  guidance_rescale, clip):
-    """`num_steps` (traced) steps of the padded `tables` / `step_noise`: one program for every count."""
     unet = nnx.merge(graphdef, state)
-    inputs = dict(tables, noise=step_noise)
 
-    def step(i, carry):
-        inp = jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, i, keepdims=False), inputs)
-        return ddim_step(unet, cond, *carry, inp, guidance_scale, guidance_rescale, clip, uncond)
+    def step(carry, inp):
+        return ddim_step(unet, cond, *carry, inp, guidance_scale, guidance_rescale, clip, uncond), None
 
-    return jax.lax.fori_loop(0, num_steps, step, (x, action, st))
+    (x, action, st), _ = jax.lax.scan(step, (x, action, st), dict(tables, noise=step_noise))
+    return x, action, st
 
 
 def sample(model, cond: Conditions, *, num_steps: int = 50, eta: float = 1.0, key=None, noise: dict | None = None,
@@ -200,8 +180,7 @@ def sample(model, cond: Conditions, *, num_steps: int = 50, eta: float = 1.0, ke
     for name, arr, want in (("x_T", x, shape), ("action_T", action, act_shape), ("state_T", st, st_shape)):
         if arr.shape != want:
             raise WanInputError(f"noise[{name!r}] has shape {arr.shape}; expected {want}")
-    bucket = step_bucket(num_steps)
-    tables = {k: _padded(v, bucket) for k, v in schedule_tables(cfg, num_steps, eta, timestep_spacing).items()}
+    tables = {k: jnp.asarray(v) for k, v in schedule_tables(cfg, num_steps, eta, timestep_spacing).items()}
     if eta == 0:
         step_noise = jnp.zeros((num_steps, 1, 1, 1, 1, 1), jnp.float32)
     elif "steps" in noise:
@@ -212,6 +191,5 @@ def sample(model, cond: Conditions, *, num_steps: int = 50, eta: float = 1.0, ke
         step_noise = jax.random.normal(keys[3], (num_steps,) + shape)
     guided = uncond is not None and guidance_scale != 1.0
     graphdef, state = nnx.split(model.diffusion_model)
-    return _sample_loop(graphdef, state, cond, uncond if guided else None, tables, x, action, st,
-                        _padded(step_noise, bucket), jnp.int32(num_steps), jnp.float32(guidance_scale),
-                        jnp.float32(guidance_rescale), cfg.head_clip_sample)
+    return _sample_loop(graphdef, state, cond, uncond if guided else None, tables, x, action, st, step_noise,
+                        jnp.float32(guidance_scale), jnp.float32(guidance_rescale), cfg.head_clip_sample)
