@@ -403,6 +403,12 @@ class WanPipeline:
         sched, step = self.sampling(s, scheduler, sigmas, timesteps, cache, cache_threshold,
                                     with_image="first_frame" in embeds)
         shape = self.latent_shape(s.height, s.width, s.num_frames)
+        if self._warmup is not None:
+            # First: `prepare` compiles the initial noise's program with the step's; drawing it before
+            # that compile ends would compile it a second time here (seen under load).
+            self._warmup.wait_compiled("denoise")
+            if not self._decode_beside_denoise:
+                self._warmup.wait_compiled("decode")
         if latents is None:
             latents = self.prepare_latents(seed, s.height, s.width, s.num_frames)
         elif tuple(latents.shape) != shape:
@@ -413,10 +419,6 @@ class WanPipeline:
         if self.variant.boundary_ratio is not None:
             experts.append(self.transformer_2)
             guidance.append(s.guidance_scale_2)
-        if self._warmup is not None:
-            self._warmup.wait_compiled("denoise")
-            if not self._decode_beside_denoise:
-                self._warmup.wait_compiled("decode")
         stats = []
         with scope("denoise"):
             out = denoise(experts, jnp.asarray(latents), cond, sched, guidance, self.variant.boundary_ratio,
