@@ -470,6 +470,8 @@ def format_table(rows: list[dict]) -> str:
 # an entry by adding a function that returns such a row and naming it in PEER_ENTRIES.
 
 PEER_PARTS = ("load", "text", "denoise", "decode", "write")
+OUR_STAGES = {"load": ("load text encoder", "load transformer", "load vae"), "text": ("text encode",),
+              "denoise": ("denoise",), "decode": ("decode",), "write": ("write",)}
 PEER_CACHES = ("fbcache", "magcache")  # the step caches diffusers has (it has no TeaCache)
 
 
@@ -485,8 +487,6 @@ def diffusers_cache_config(name: str, steps: int):
         return FirstBlockCacheConfig()
     mag = np.concatenate([[1.0], np.asarray(MAGCACHE["wan2.1-t2v-1.3b"].mag_ratios)[0::2]])
     return MagCacheConfig(mag_ratios=mag.tolist(), num_inference_steps=steps)
-OUR_STAGES = {"load": ("load text encoder", "load transformer", "load vae"), "text": ("text encode",),
-              "denoise": ("denoise",), "decode": ("decode",), "write": ("write",)}
 
 
 def run_settings(ckpt: str, args):
