@@ -374,9 +374,22 @@ def _our_forward_ms(pipe, session, keyboard, mouse, profile=None):
         jax.block_until_ready(_forward_jit(graphdef, state, latents, cond, t_dev, *windows, session.cache, offset,
                                            valid))
         pure.append(time.perf_counter() - start)
-    lines = [f"DiT forward as the chunk program runs it (the jitted pure function on a state split once, inputs on "
-             f"the device): {1e3 * statistics.median(pure[2:]):.1f} ms; as a module call (split and input transfers "
-             f"every call, the table's row): {1e3 * statistics.median(times[2:]):.1f} ms"]
+    # Inside one program, as the chunk program runs its forwards: FORWARDS of them in a scan over different
+    # timesteps (no call or argument dispatch between them), the program's time divided by FORWARDS.
+    ts = jnp.asarray(np.linspace(1000.0, 100.0, FORWARDS, dtype=np.float32)[:, None, None].repeat(f, axis=2))
+    args = (graphdef, state, latents, cond, ts, *windows, session.cache, offset, valid)
+    forwards = jax.jit(_forwards, static_argnums=(0, 9))
+    jax.block_until_ready(forwards(*args))
+    scanned = []
+    for _ in range(5):
+        start = time.perf_counter()
+        jax.block_until_ready(forwards(*args))
+        scanned.append((time.perf_counter() - start) / FORWARDS)
+    in_program = 1e3 * statistics.median(scanned)
+    lines = [f"DiT forward inside one program ({FORWARDS} in a scan, as the chunk program runs them): {in_program:.1f} ms; "
+             f"one jitted call (a state split once, inputs on the device): {1e3 * statistics.median(pure[2:]):.1f} ms; "
+             f"a module call (split and input transfers every call, the table's row): "
+             f"{1e3 * statistics.median(times[2:]):.1f} ms"]
     if profile:
         from wan_tpu.profiling import op_class_table, trace
 
@@ -384,6 +397,23 @@ def _our_forward_ms(pipe, session, keyboard, mouse, profile=None):
             jax.block_until_ready(model(latents, cond, t, *windows, session.cache, jnp.int32(k * f)))
         lines += op_class_table(profile, "Matrix-Game DiT forward", top=16)
     return 1e3 * statistics.median(times[2:]), lines
+
+
+FORWARDS = 10
+
+
+def _forwards(graphdef, state, latents, cond, timesteps, keyboard, mouse, cache, offset, valid):
+    """The DiT forward once per row of `timesteps` (F, B, frames), in a scan → the sum of the outputs' means."""
+    import jax
+    import jax.numpy as jnp
+
+    from wan_tpu.models.matrix_game.model import forward
+
+    def body(total, t):
+        out = forward(graphdef, state, latents, cond, t, keyboard, mouse, cache, offset, valid)
+        return total + jax.tree.leaves(out)[0].astype(jnp.float32).mean(), None
+
+    return jax.lax.scan(body, jnp.float32(0), timesteps)[0]
 
 
 def first_frame(argv) -> dict:

@@ -38,7 +38,7 @@ _HIT = "/jax/compilation_cache/cache_hits"
 _WRITE = "/jax/compilation_cache/cache_misses"  # JAX records it when it writes an entry
 _lock = threading.Lock()
 _counts = {_HIT: 0, _WRITE: 0}
-_state = {"listening": False, "repairing": False, "ours": None}
+_state = {"listening": False, "repairing": False}
 
 
 def base_dir() -> str:
@@ -70,19 +70,19 @@ def is_enabled() -> bool:
 def enable(path: str | None = None) -> str:
     """Turn the cache on for this process (idempotent); returns its folder.
 
-    `path` replaces `base_dir()` (the version folder is still added). Without `path`, a folder the
-    user already set for JAX is kept as is. Call it before the first compilation you want cached:
-    programs compiled earlier in the process are not written back.
+    `path` replaces `base_dir()` (the version folder is still added). Without `path`, a folder already
+    in use is kept as is: the user's own JAX cache folder, or one an earlier `enable(path)` chose (a
+    pipeline's `from_pretrained` does not move a script's cache). Call it before the first compilation
+    you want cached: programs compiled earlier in the process are not written back.
     """
     from jax.experimental.compilation_cache import compilation_cache as cc
 
     current = cache_dir()
-    if path is None and current is not None and current != _state["ours"]:
-        target = current  # the user's own JAX cache folder
+    if path is None and current is not None:
+        target = current
     else:
         target = os.path.join(os.path.abspath(os.path.expanduser(path or base_dir())), version_key())
         os.makedirs(target, exist_ok=True)
-        _state["ours"] = target
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
     # The per-fusion autotuning cache only: XLA's kernel cache ("all") clashes with JAX's cache (kernel

@@ -23,8 +23,9 @@ encoded until the encoder's state repeats exactly (34 latent frames for Wan 2.1'
 there, instead of encoding 4·(N-1) gray frames up front; they are held padded to `CONDITION_FRAMES`, so
 the chunk program's inputs have one shape whatever the image.
 
-`pipe.prepare()` reads the three components at once and compiles every program a stream runs (image
-preparation, both chunk programs) from their configs meanwhile (`wan_tpu.matrix_game_warmup`);
+`pipe.prepare()` reads the three components at once and, meanwhile, loads every program a stream runs
+(image preparation, both chunk programs) from the executable cache or compiles it from the components'
+configs (`wan_tpu.matrix_game_warmup`, `wan_tpu.executable_cache`);
 `stream()` encodes the image with the VAE and CLIP in the order their weights arrive, while the DiT
 may still load. Without `prepare`, each program compiles on its first call, the later chunks' one in a
 thread started by the session.
@@ -78,7 +79,7 @@ class MatrixGamePipeline:
     """A Matrix-Game-2 model ready to play; see the module docstring."""
 
     def __init__(self, variant: MatrixGameVariant, loaders: dict, *, name: str, dtype, vae_dtype,
-                 abstracts: dict | None = None):
+                 abstracts: dict | None = None, configs=None, attention_impl: str | None = None):
         self.variant = variant
         self.name = name
         self.dtype = dtype
@@ -87,6 +88,13 @@ class MatrixGamePipeline:
         # name → the component's module without weights (`nnx.eval_shape`), from its config alone: what
         # `prepare` compiles the programs for (`wan_tpu.matrix_game_warmup`).
         self._abstracts = abstracts or {}
+        # () → each component's config, read without a tensor: with the dtypes and settings, what determines
+        # every compiled program (`program_key`, the executable cache's key).
+        self._configs = configs
+        self.attention_impl = attention_impl
+        from wan_tpu.executable_cache import Programs
+
+        self._programs = Programs()  # what `prepare` loaded or compiled, by name; calls fall back to jit
         self._loaded: dict = {}
         self._warmup = None
         from wan_tpu.models.matrix_game.sampling import chunk_schedule
@@ -97,11 +105,17 @@ class MatrixGamePipeline:
 
     @classmethod
     def from_pretrained(cls, path_or_preset: str, variant: str | None = None, dtype=jnp.bfloat16,
-                        vae_dtype=jnp.float32, attention_impl: str | None = None) -> MatrixGamePipeline:
+                        vae_dtype=jnp.float32, attention_impl: str | None = None,
+                        compile_cache: bool = True) -> MatrixGamePipeline:
         """A converted Matrix-Game-2 folder (`scripts/convert_matrix_game_checkpoint.py`) or `matrix-game-tiny`.
 
         `dtype`: the DiT and CLIP dtype (the authors run bfloat16); `vae_dtype`: the VAE's (float32 by
-        default; the authors decode in float16). Components load on first use."""
+        default; the authors decode in float16). Components load on first use. `compile_cache` turns the
+        persistent compilation cache (`wan_tpu.compile_cache`) and the executable cache `prepare` keeps in it
+        (`wan_tpu.executable_cache`) on (the default) or off for the whole process."""
+        from wan_tpu import compile_cache as cache
+
+        cache.enable() if compile_cache else cache.disable()
         if path_or_preset == PRESET:
             if variant not in (None, PRESET):
                 raise WanInputError(f"the {PRESET} preset has no variant {variant!r}; leave --variant out")
@@ -151,9 +165,19 @@ class MatrixGamePipeline:
             # The penultimate hidden state: `CLIPImageEncoder.from_pretrained` keeps all blocks but the last.
             return abstract_clip_vision(clip_vision_config(os.path.join(path, index["image_encoder"]), -1), dtype)
 
+        def configs():
+            from wan_tpu.models.clip_loading import clip_vision_config
+            from wan_tpu.models.matrix_game.loading import transformer_config
+            from wan_tpu.models.vae_loading import vae_config
+
+            return {"transformer": transformer_config(os.path.join(path, index["variants"][variant]), v.name),
+                    "vae": vae_config(os.path.join(path, index["vae"])),
+                    "image_encoder": clip_vision_config(os.path.join(path, index["image_encoder"]), -1)}
+
         loaders = {"transformer": transformer, "vae": vae, "image_encoder": image_encoder}
         abstracts = {"transformer": abstract_transformer, "vae": abstract_vae, "image_encoder": abstract_image_encoder}
-        return cls(v, loaders, name=os.path.abspath(path), dtype=dtype, vae_dtype=vae_dtype, abstracts=abstracts)
+        return cls(v, loaders, name=os.path.abspath(path), dtype=dtype, vae_dtype=vae_dtype, abstracts=abstracts,
+                   configs=configs, attention_impl=attention_impl)
 
     def prepare(self):
         """Start reading every component at once, and compiling every program a stream runs, in background
@@ -172,6 +196,20 @@ class MatrixGamePipeline:
                 warmup.start(name, loader)
         compile_ahead(self, warmup)
         return warmup
+
+    @functools.cached_property
+    def configs(self) -> dict:
+        """Each component's config ("transformer", "vae", "image_encoder"), read without loading a tensor."""
+        return self._configs() if self._configs is not None else {}
+
+    def program_key(self) -> tuple:
+        """What determines every program a stream runs, short of tracing one: the variant (sizes, steps),
+        the components' configs, dtypes and attention setting (`wan_tpu.executable_cache` adds versions,
+        devices and this package's sources). None without the configs: nothing is stored or found then."""
+        if not self.configs:
+            return None
+        dtypes = tuple(jnp.dtype(d).name for d in (self.dtype, self.vae_dtype))
+        return (self.variant, tuple(sorted(self.configs.items())), dtypes, self.attention_impl)
 
     def _wait_compiled(self, name: str) -> None:
         """Wait for `prepare`'s compile of the program(s) `name`, if it started one (a failure warns)."""
@@ -240,15 +278,17 @@ class MatrixGamePipeline:
 
         split = self.split("vae")
         self._wait_compiled("condition")
-        return ImageCondition.encode(self.vae, split, image, MAX_FRAMES)
+        return ImageCondition.encode(self.vae, split, image, MAX_FRAMES, self._programs)
 
     def encode_clip(self, image: np.ndarray) -> jax.Array:
         """CLIP tokens (1, N, image_dim) of `image` (from `preprocess_image`), as the authors' `encode_video`."""
         from wan_tpu.image_encoder import preprocess_tensor
 
         encoder = self.image_encoder
+        pixels = preprocess_tensor(image, encoder.config.image_size)
         self._wait_compiled("clip")
-        return encoder.encode_pixels(preprocess_tensor(image, encoder.config.image_size))
+        return self._programs.call("clip", (nnx.state(encoder.model), pixels),
+                                   lambda: encoder.encode_pixels(pixels))
 
     # ---- generation ---------------------------------------------------------------------------
 
@@ -312,11 +352,12 @@ class MatrixGameSession:
         self.chunk_frames: list[int] = []
         with scope("1.5_Noise_Sampling"):
             pipe._wait_compiled("key")
-            self.key = stream_key(seed)
+            self.key = pipe._programs.call("key", (_seed(seed),), lambda: stream_key(seed))
         with scope("2.1_KV_Cache_Initialization"):
             self._dit = pipe.split("transformer")
             pipe._wait_compiled("cache")
-            self.cache = _init_cache(*self._dit, visual_context, tuple(pipe.variant.latent_size))
+            self.cache = pipe._programs.call("cache", (self._dit[1], visual_context), lambda: _init_cache(
+                *self._dit, visual_context, tuple(pipe.variant.latent_size)))
         self._vae = pipe.split("vae")
         self.vae_caches = None
         # The first chunk's program compiles on its call (or in `prepare`); the one every later chunk runs
@@ -374,7 +415,9 @@ class MatrixGameSession:
             pipe._wait_compiled(f"chunk-{k}")
         with scope(f"2.3_Block_{k}"):
             args, kwargs = self._chunk_args(*windows, np.int32(k))
-            frames, self.cache, self.vae_caches = _chunk_program(*args, **kwargs)
+            dynamic = (args[1], *args[3:])  # less the graphdefs (static, as `schedule` and `frames_per_chunk`)
+            frames, self.cache, self.vae_caches = pipe._programs.call(
+                f"chunk-{min(k, 1)}", dynamic, lambda: _chunk_program(*args, **kwargs))
             with scope("3_Video_Postprocessing"):
                 frames = np.asarray(frames)[0]
         self.chunk_seconds.append(time.perf_counter() - start)
@@ -394,9 +437,13 @@ _key = jax.jit(jax.random.key)
 
 
 def stream_key(seed: int):
-    """`jax.random.key(seed)` as a compiled program (compiled ahead by `prepare`): the seed mod 2³², which
-    is what `jax.random.key` keeps of a Python int with 32-bit keys (x64 off)."""
-    return _key(np.uint32(seed % 2**32))
+    """`jax.random.key(seed)` as a compiled program (compiled ahead by `prepare`)."""
+    return _key(_seed(seed))
+
+
+def _seed(seed: int) -> np.uint32:
+    """The seed mod 2³², which is what `jax.random.key` keeps of a Python int with 32-bit keys (x64 off)."""
+    return np.uint32(seed % 2**32)
 
 
 def chunk_args(pipe, dit, vae, cache, vae_caches, condition: ImageCondition, windows, chunk_index, key):
@@ -507,7 +554,9 @@ def _tiny(dtype, vae_dtype, attention_impl) -> MatrixGamePipeline:
     loaders = {"transformer": lambda: random_module(builds["transformer"], TINY_SEED),
                "vae": lambda: random_module(builds["vae"], TINY_SEED + 1), "image_encoder": image_encoder}
     abstracts = {name: functools.partial(nnx.eval_shape, build) for name, build in builds.items()}
-    return MatrixGamePipeline(variant, loaders, name=PRESET, dtype=dtype, vae_dtype=vae_dtype, abstracts=abstracts)
+    return MatrixGamePipeline(variant, loaders, name=PRESET, dtype=dtype, vae_dtype=vae_dtype, abstracts=abstracts,
+                              configs=lambda: {"transformer": variant.transformer, "vae": TINY_VAE, "image_encoder": clip},
+                              attention_impl=attention_impl)
 
 
 if __name__ == "__main__":

@@ -48,6 +48,8 @@ def build_parser() -> CliParser:
     p.add_argument("--output", default="output.mp4", help="mp4 to write (default: output.mp4)")
     p.add_argument("--overwrite", action="store_true", help="replace an existing output")
     p.add_argument("--profile", default=None, metavar="DIR", help="write a JAX profiler trace into DIR")
+    p.add_argument("--no-compile-cache", action="store_true",
+                   help="neither read nor write the compiled programs on disk (see wan_tpu.compile_cache)")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     return p
 
@@ -111,7 +113,7 @@ def play(args) -> None:
     timer = StageTimer()
     dtypes = {"bfloat16": jnp.bfloat16, "float32": jnp.float32}
     pipe = MatrixGamePipeline.from_pretrained(args.model, args.variant, dtype=dtypes[args.dtype],
-                                              vae_dtype=dtypes[args.vae_dtype])
+                                              vae_dtype=dtypes[args.vae_dtype], compile_cache=not args.no_compile_cache)
     scripted = None if args.interactive else scripted_actions(args, pipe)
     if args.interactive and args.frames is not None:
         from wan_tpu.matrix_game_actions import check_frames
@@ -167,7 +169,12 @@ def report(timer, session) -> str:
     """The stage table, then each chunk's fps and the whole video's."""
     frames, seconds = sum(session.chunk_frames), sum(session.chunk_seconds)
     steady = sorted(session.fps[2:]) or sorted(session.fps)
-    extra = [("chunk count", f"{len(session.chunk_frames):9d}"),
+    from wan_tpu import compile_cache, executable_cache
+
+    programs = executable_cache.stats()
+    extra = [("compile cache", f"{programs['hits']} programs loaded, {programs['writes']} stored; {compile_cache.stats()} "
+              f"by JAX  ({compile_cache.cache_dir()})" if compile_cache.is_enabled() else "off"),
+             ("chunk count", f"{len(session.chunk_frames):9d}"),
              ("video fps (all chunks)", f"{frames / seconds:9.2f}" if seconds else "      n/a"),
              ("chunk fps (median from chunk 2)", f"{steady[len(steady) // 2]:9.2f}" if steady else "      n/a")]
     lines = [timer.table(extra), "", "chunk  frames  seconds      fps"]

@@ -6,22 +6,25 @@
         session = pipe.stream("start.png")      # each call waits for its own program only
         frames = session.step(keyboard=[1, 0, 0, 0], mouse=[0, 0.1])
 
-Every program a stream runs through its second chunk is lowered from abstract modules (`nnx.eval_shape`
-of the very constructors the loaders use: `abstract_transformer`, `abstract_vae`,
-`abstract_clip_vision`, or the tiny preset's) and `jax.ShapeDtypeStruct` inputs, and compiled, each group
-in its own thread `wan_tpu-compile-NAME` (`Warmup.start(kind="compile")`):
-  * `condition`: the VAE's first-frame encode, the condition buffer, `_gray_latents`, the normalisation;
+Every program a stream runs through its second chunk is loaded from the executable cache
+(`wan_tpu.executable_cache`, keyed by `MatrixGamePipeline.program_key`: the components' configs, dtypes,
+sizes), or else lowered from abstract modules (`nnx.eval_shape` of the very constructors the loaders use:
+`abstract_transformer`, `abstract_vae`, `abstract_clip_vision`, or the tiny preset's) and
+`jax.ShapeDtypeStruct` inputs, compiled and stored; each group in its own thread `wan_tpu-compile-NAME`
+(`Warmup.start(kind="compile")`):
+  * `condition`: the VAE's first-frame encode (`encode-first`), the condition buffer (`start-latents`),
+    `_gray_latents` (`gray-latents`), the normalisation (`normalized`);
   * `clip`: CLIP's encode of one image; `cache`: `_init_cache` for its tokens; `key`: the stream's key;
   * `chunk-0`: the first chunk's `_chunk_program`; `chunk-1`: the one every later chunk runs (its VAE
-    caches' shapes are chunk-0's outputs'). Each program is traced once: a later one takes an earlier
-    one's output shapes (`Lowered.out_info`).
-The calls then find them in JAX's in-memory cache of compiled programs (same functions, equal static
-arguments: the abstract modules' graphdefs equal the loaded ones'; same shapes, dtypes and placements),
-so results are bit-identical with and without `prepare`. With the persistent compile cache warm,
-"compiling" is fetching from it, which now overlaps the weights' reads instead of following them; cold,
-the compiles overlap them too. Each call waits for its own program only (`Warmup.wait_compiled`); a
-compile that fails (a config that does not describe the weights, …) is a warning and the call compiles
-as without `prepare`. `Warmup.cancel` stops the threads at the next program.
+    caches' shapes are chunk-0's outputs'). A later program takes an earlier one's output shapes
+    (`out_info`) instead of tracing it again.
+Each lands in `pipe._programs` by name, and the calls run it (`Programs.call`, without the jitted
+functions' static arguments): the very programs compiled ahead, so results are bit-identical with and
+without `prepare`. Warm, nothing is traced or lowered and no abstract module is built: a start reads its
+programs from disk while the weights load, instead of spending seconds of Python (the GIL the loads need
+too) re-deriving JAX's compile-cache keys. Each call waits for its own program only
+(`Warmup.wait_compiled`); a compile that fails (a config that does not describe the weights, …) is a
+warning and the call compiles as without `prepare`. `Warmup.cancel` stops the threads at the next program.
 """
 
 from __future__ import annotations
@@ -34,31 +37,33 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from wan_tpu import executable_cache
 from wan_tpu.warmup import Cancelled
 
 COMPONENTS = ("transformer", "vae", "image_encoder")
 
 
 def compile_ahead(pipe, warmup) -> None:
-    """Start compiling, in `warmup`'s threads, every program a stream of `pipe` runs (module docstring).
-    Nothing starts for a pipeline without abstract components (its calls compile on use)."""
+    """Start loading or compiling, in `warmup`'s threads, every program a stream of `pipe` runs (module
+    docstring). Nothing starts for a pipeline without abstract components (its calls compile on use)."""
     if not all(name in pipe._abstracts for name in COMPONENTS):
         return
     abstract = _Abstracts(pipe._abstracts)
     stop = warmup.cancelled
-    # Each program is traced once: a later one takes an earlier one's output shapes (`Lowered.out_info`)
-    # instead of tracing it again; tracing is Python, which the weights' loads wait for too (the GIL).
+    # A later program is lowered for an earlier one's output shapes, handed over as soon as they are known
+    # (`out_info` of the stored or lowered program) instead of tracing the earlier one again.
     visual, cache, key, first = (concurrent.futures.Future() for _ in range(4))
     warmup.start("condition", _condition, pipe, abstract, stop, kind="compile")
-    warmup.start("clip", _compile, lambda: abstract("image_encoder").lower(1), visual, kind="compile")
-    warmup.start("cache", _compile, lambda: _cache(pipe, abstract, _wait(visual, stop)), cache, kind="compile")
-    warmup.start("key", _compile, _key_lowered, key, kind="compile")
+    warmup.start("clip", _program, pipe, "clip", lambda: abstract("image_encoder").lower(1), visual, kind="compile")
+    warmup.start("cache", _program, pipe, "cache", lambda: _cache(pipe, abstract, _wait(visual, stop)), cache,
+                 kind="compile")
+    warmup.start("key", _program, pipe, "key", _key_lowered, key, kind="compile")
 
     def chunk(vae_caches):
         return lambda: _chunk(pipe, abstract, stop, _wait(cache, stop), _wait(key, stop), vae_caches())
 
-    warmup.start("chunk-0", _compile, chunk(lambda: None), first, kind="compile")
-    warmup.start("chunk-1", _compile, chunk(lambda: _wait(first, stop)[2]), kind="compile")
+    warmup.start("chunk-0", _program, pipe, "chunk-0", chunk(lambda: None), first, kind="compile")
+    warmup.start("chunk-1", _program, pipe, "chunk-1", chunk(lambda: _wait(first, stop)[2]), kind="compile")
 
 
 def _wait(future: concurrent.futures.Future, stop: threading.Event):
@@ -70,21 +75,35 @@ def _wait(future: concurrent.futures.Future, stop: threading.Event):
             _check(stop)
 
 
-def _compile(lower, out: concurrent.futures.Future | None = None) -> None:
-    """Lower, hand the output shapes to whoever waits on `out` (if given), then compile."""
+def _program(pipe, name: str, lower, out: concurrent.futures.Future | None = None):
+    """Program `name` from the executable cache, or lowered by `lower()`, compiled and stored; registered on
+    `pipe` (`pipe._programs`) and its output shapes handed to whoever waits on `out` → its output shapes."""
     try:
-        lowered = lower()
+        key = pipe.program_key()
+        compiled = executable_cache.load(name, key)
+        if compiled is None:
+            lowered = lower()
+            if out is not None:
+                out.set_result(_shapes(lowered.out_info))  # the next program lowers while this one compiles
+            compiled = executable_cache.store(name, key, lowered)
     except BaseException as e:
-        if out is not None:
+        if out is not None and not out.done():
             out.set_exception(e)
         raise
-    if out is not None:
-        out.set_result(lowered.out_info)
-    lowered.compile()
+    if out is not None and not out.done():
+        out.set_result(_shapes(compiled.out_info))
+    pipe._programs.put(name, compiled)
+    return _shapes(compiled.out_info)
+
+
+def _shapes(tree):
+    """Shapes and dtypes only: a compiled program's `out_info` also pins shardings and layouts, which would
+    make a program lowered from it differ from the one a call traces."""
+    return jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, weak_type=s.weak_type), tree)
 
 
 class _Abstracts:
-    """Each component's abstract module, built once whichever thread asks first."""
+    """Each component's abstract module, built once whichever thread asks first (only on a miss)."""
 
     def __init__(self, builds: dict):
         self._builds = builds
@@ -108,19 +127,22 @@ def _condition(pipe, abstract, stop) -> None:
     from wan_tpu.models.matrix_game.condition import (CONDITION_FRAMES, GRAY_RUN, _gray_latents, _normalized,
                                                    _start_latents, gray_frame_shape)
 
-    vae = abstract("vae")
-    image_shape = (1, vae.config.video_channels, *pipe.size)
-    mu, caches = vae.compile_encode_chunk((*image_shape[:2], 1, *image_shape[2:]))
+    def vae():
+        return abstract("vae")
+
+    config = pipe.configs["vae"] if pipe.configs else vae().config
+    h, w = pipe.size
+    image = (1, config.video_channels, 1, h, w)
+    caches, mu = _program(pipe, "encode-first", lambda: vae().lower_encode_chunk(image))
     _check(stop)
-    latents = _start_latents.lower(mu, CONDITION_FRAMES)
-    latents.compile()
+    latents = _program(pipe, "start-latents", lambda: _start_latents.lower(mu, CONDITION_FRAMES))
     _check(stop)
-    graphdef, state = nnx.split(vae)
-    frame = gray_frame_shape(vae.config, image_shape)
     offset = jax.ShapeDtypeStruct((), jnp.int32)
-    _gray_latents.lower(graphdef, state, caches, latents.out_info, offset, GRAY_RUN, frame).compile()
+    frame = gray_frame_shape(config, (1, config.video_channels, h, w))
+    _program(pipe, "gray-latents",
+             lambda: _gray_latents.lower(*nnx.split(vae()), caches, latents, offset, GRAY_RUN, frame))
     _check(stop)
-    _normalized.lower(graphdef, state, latents.out_info).compile()
+    _program(pipe, "normalized", lambda: _normalized.lower(*nnx.split(vae()), latents))
 
 
 def _cache(pipe, abstract, visual):

@@ -117,11 +117,18 @@ class UnifolmPipeline:
     # ---- construction --------------------------------------------------------------------------
     @classmethod
     def from_pretrained(cls, path_or_preset: str, dtype=jnp.float32, mesh=None, attention_impl=None,
-                        stats: str | None = None) -> UnifolmPipeline:
+                        stats: str | None = None, encoder_dtype=jnp.float32,
+                        compile_cache: bool = True) -> UnifolmPipeline:
         """A converted checkpoint folder (`scripts/convert_unifolm_checkpoint.py`) or a preset name
-        (`unifolm-tiny`, `unifolm-tiny-base`: random weights, seconds on a CPU). The VAE and the CLIP
-        towers run in float32 whatever `dtype` (the model's: UNet, heads, projectors). `stats`: a
-        LeRobot stats.safetensors (default: the folder's, when present)."""
+        (`unifolm-tiny`, `unifolm-tiny-base`: random weights, seconds on a CPU). `dtype`: the model's
+        (UNet, heads, projectors); `encoder_dtype`: the CLIP towers' (float32 by default, as the authors;
+        bfloat16 halves their memory); the VAE runs in float32. `stats`: a LeRobot stats.safetensors
+        (default: the folder's, when present). `compile_cache` turns the persistent compilation cache
+        (`wan_tpu.compile_cache`) on (the default: a later process loads the compiled sampling instead of
+        compiling it for minutes) or off for the whole process."""
+        from wan_tpu import compile_cache as cache
+
+        cache.enable() if compile_cache else cache.disable()
         table = None if stats is None else MinMaxTable.from_file(stats)
         if path_or_preset in PRESETS:
             from wan_tpu.unifolm_presets import tiny_pipeline
@@ -138,10 +145,10 @@ class UnifolmPipeline:
 
         model = load_unifolm(path, dtype=dtype, mesh=mesh, attention_impl=attention_impl)
         vae = load_autoencoder_kl(os.path.join(path, "vae"), mesh=mesh)
-        image_encoder = OpenCLIPImageEncoder.from_pretrained(os.path.join(path, "image_encoder"), mesh=mesh,
-                                                             attention_impl=attention_impl)
+        image_encoder = OpenCLIPImageEncoder.from_pretrained(os.path.join(path, "image_encoder"), dtype=encoder_dtype,
+                                                             mesh=mesh, attention_impl=attention_impl)
         text_encoder = OpenCLIPTextEncoder.from_pretrained(os.path.join(path, "text_encoder"), os.path.join(path, "tokenizer"),
-                                                           mesh=mesh)
+                                                           dtype=encoder_dtype, mesh=mesh)
         if table is None and os.path.isfile(os.path.join(path, STATS_FILE)):
             table = MinMaxTable.from_file(os.path.join(path, STATS_FILE))
         return cls(model, vae, image_encoder, text_encoder, table, name=model.config.name)

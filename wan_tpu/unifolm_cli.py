@@ -48,7 +48,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=123, help="random seed (authors: 123)")
     p.add_argument("--fs", type=int, default=None, help="frame-stride condition fps // stride (Z1 sets 7, G1 5; default: the config's 10)")
     p.add_argument("--iterations", type=int, default=1, help="interaction iterations (interact)")
-    p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32", help="UNet and heads dtype (encoders, VAE: float32)")
+    p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32", help="UNet and heads dtype (VAE: float32)")
+    p.add_argument("--encoder-dtype", choices=("float32", "bfloat16"), default="float32",
+                   help="the CLIP towers' dtype (bfloat16 halves their memory)")
+    p.add_argument("--no-compile-cache", action="store_true",
+                   help="neither read nor write compiled programs on disk (see wan_tpu.compile_cache)")
     p.add_argument("--output", default="unifolm.mp4", help="video path; actions/states go beside it (.npz, .json)")
     p.add_argument("--overwrite", action="store_true", help="replace existing outputs")
     p.add_argument("--serve", type=int, metavar="PORT", help="serve POST /predict_action on 127.0.0.1:PORT instead of one run")
@@ -121,7 +125,9 @@ def run(args) -> None:
     actions = _need(read_arrays(args.actions, "actions"), "actions", args.actions) if args.mode == "world" else None
     timer = StageTimer()
     with timer.stage("load"):
-        pipe = UnifolmPipeline.from_pretrained(args.model, dtype=jnp.dtype(args.dtype), stats=args.stats)
+        pipe = UnifolmPipeline.from_pretrained(args.model, dtype=jnp.dtype(args.dtype), stats=args.stats,
+                                               encoder_dtype=jnp.dtype(args.encoder_dtype),
+                                               compile_cache=not args.no_compile_cache)
     pipe.timer = timer
     steps = args.steps or (16 if args.mode == "generate" else 50)
     common = dict(num_steps=steps, eta=args.eta, seed=args.seed, fs=args.fs)
@@ -151,7 +157,10 @@ def run(args) -> None:
                     "unnormalised": pipe.stats is not None}
             write_vectors(paths[1], paths[2], {k: np.asarray(v, np.float32) for k, v in vectors.items()}, meta, args.overwrite)
     print(f"wrote {', '.join(paths)} ({len(video)} frames, {pipe.width}x{pipe.height}, {FPS} fps)")
-    print(timer.table([("steps", str(steps))]))
+    from wan_tpu import compile_cache
+
+    cache = f"{compile_cache.stats()}  ({compile_cache.cache_dir()})" if compile_cache.is_enabled() else "off"
+    print(timer.table([("steps", str(steps)), ("compile cache", cache)]))
 
 
 def main(argv=None) -> int:

@@ -89,7 +89,9 @@ def serve(args) -> None:
 
     from wan_tpu.unifolm import UnifolmPipeline
 
-    pipe = UnifolmPipeline.from_pretrained(args.model, dtype=jnp.dtype(args.dtype), stats=args.stats)
+    pipe = UnifolmPipeline.from_pretrained(args.model, dtype=jnp.dtype(args.dtype), stats=args.stats,
+                                           encoder_dtype=jnp.dtype(args.encoder_dtype),
+                                           compile_cache=not args.no_compile_cache)
     if not pipe.has_heads:
         raise WanInputError(f"{pipe.name} has no action head; serve a UnifoLM-WMA-0 checkpoint")
     server = make_server(pipe, args.serve, num_steps=args.steps or 16, eta=args.eta, seed=args.seed, fs=args.fs)

@@ -128,15 +128,13 @@ class WanVAE(nnx.Module):
         caches, mu = _encode_chunk(graphdef, state, video.astype(self.dtype), caches, None)
         return mu, caches
 
-    def compile_encode_chunk(self, shape, caches=None):
-        """Compile, without running, the program `encode_chunk` runs on video of `shape` after `caches`
-        (abstract, or None for a video's first frame); also on an abstract VAE (`nnx.eval_shape`), before
-        any weight exists. Returns the abstract (latent frame, caches) it gives."""
+    def lower_encode_chunk(self, shape, caches=None):
+        """The program `encode_chunk` runs on video of `shape` after `caches` (abstract, or None for a video's
+        first frame), lowered, without running it; also on an abstract VAE (`nnx.eval_shape`), before any
+        weight exists. Its `out_info` is the abstract (caches, latent frame) it gives; called compiled, it
+        takes (state, video, caches), the VAE's `nnx.split` state."""
         graphdef, state = nnx.split(self)
-        video = jax.ShapeDtypeStruct(tuple(shape), self.dtype)
-        _encode_chunk.lower(graphdef, state, video, caches, None).compile()
-        caches, mu = _encode_chunk.eval_shape(graphdef, state, video, caches, None)
-        return mu, caches
+        return _encode_chunk.lower(graphdef, state, jax.ShapeDtypeStruct(tuple(shape), self.dtype), caches, None)
 
     def decode_chunk(self, z, caches=None):
         """Streaming decode: the next latent frames (B, z_dim, F, h, w) of a video → (video frames

@@ -38,24 +38,35 @@ class ImageCondition:
         self.repeat_len = repeat_len
 
     @classmethod
-    def encode(cls, vae, split, image: np.ndarray, max_latent_frames: int) -> ImageCondition:
+    def encode(cls, vae, split, image: np.ndarray, max_latent_frames: int, programs=None) -> ImageCondition:
+        """`programs` (an `executable_cache.Programs`): the compiled programs `MatrixGamePipeline.prepare`
+        loaded or compiled (`encode-first`, `start-latents`, `gray-latents`, `normalized`); without one, or without a program, the jitted path."""
         graphdef, state = split
+
+        def run(name, dynamic, fallback):
+            return fallback() if programs is None else programs.call(name, dynamic, fallback)
+
         # Cast on the host and put on the device as it is: a cast or `jnp.asarray` there would be one more
         # program to compile before the first frame.
-        mu, caches = vae.encode_chunk(jax.device_put(np.asarray(image[:, :, None], vae.dtype)))
-        latents = _start_latents(mu, CONDITION_FRAMES)
-        count, repeat, run = 1, None, GRAY_RUN
+        pixels = jax.device_put(np.asarray(image[:, :, None], vae.dtype))
+        caches, mu = run("encode-first", (state, pixels, None), lambda: vae.encode_chunk(pixels)[::-1])
+        latents = run("start-latents", (mu,), lambda: _start_latents(mu, CONDITION_FRAMES))
+        count, repeat, run_len = 1, None, GRAY_RUN
         frame = gray_frame_shape(vae.config, image.shape)
         while count < max_latent_frames:
-            if count + run > latents.shape[2]:  # no repeat within the bound (not seen): encode on, as far as needed
-                grow = 1 + run * -(-(max_latent_frames - 1) // run) - latents.shape[2]
+            if count + run_len > latents.shape[2]:  # no repeat within the bound (not seen): encode on, as far as needed
+                grow = 1 + run_len * -(-(max_latent_frames - 1) // run_len) - latents.shape[2]
                 latents = jnp.pad(latents, ((0, 0), (0, 0), (0, grow), (0, 0), (0, 0)))
-            caches, latents, same = _gray_latents(graphdef, state, caches, latents, np.int32(count), run, frame)
-            count += run
+            offset = np.int32(count)
+            caches, latents, same = run(
+                "gray-latents", (state, caches, latents, offset),
+                lambda: _gray_latents(graphdef, state, caches, latents, offset, run_len, frame))  # noqa: B023 - called at once
+            count += run_len
             if bool(same):
-                repeat = (count - run, run)
+                repeat = (count - run_len, run_len)
                 break
-        return cls(_normalized(graphdef, state, latents), *(repeat or (count, 1)))
+        normalized = run("normalized", (state, latents), lambda: _normalized(graphdef, state, latents))
+        return cls(normalized, *(repeat or (count, 1)))
 
     def index(self, latent_frames):
         """Where latent frames (traced ints) read from `latents`."""

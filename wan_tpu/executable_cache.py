@@ -1,0 +1,183 @@
+"""Compiled programs kept on disk whole and found by a key computed without tracing: a warm start loads
+its programs instead of tracing and lowering them.
+
+    compiled = executable_cache.load("chunk-1", key)            # None on a miss (or with the cache off)
+    if compiled is None:
+        compiled = executable_cache.store("chunk-1", key, jitted.lower(*abstract_args))   # compiles, writes
+    programs.put("chunk-1", compiled)
+    out = programs.call("chunk-1", dynamic_args, lambda: jitted(*args, **kwargs))
+
+JAX's persistent compile cache (`wan_tpu.compile_cache`) is keyed by the lowered program, so even a hit
+first traces and lowers it: seconds of Python for a 30-block DiT, under the GIL that the weights' loads
+need too. Here the caller names what determines the program — the components' configs, dtypes, sizes,
+the attention settings — and the file key adds what the caller cannot see: jax, jaxlib, flax and numpy
+versions, the devices (platform, kind, count), `XLA_FLAGS`, every `WAN_TPU_*` setting but the cache
+folder, the `jax.config` values that change programs, and a hash of this package's source files. So an
+entry is never found by another version, device, setting or code; a key whose text holds an object
+address (not stable across processes) is never written.
+
+Entries live in `executables/` of the compile cache's folder and follow its switch
+(`compile_cache.is_enabled()`); off, `load` misses and `store` only compiles. An entry that cannot be
+read (a killed writer, another jaxlib's format) is deleted with a warning and the program recompiled and
+written again; a backend that cannot serialise its executables just keeps them in memory. Writes go to
+a temporary file renamed into place, so a reader never sees half an entry.
+
+`Programs` holds a pipeline's loaded programs by name. A call made with arguments the program was not
+compiled for (a `TypeError` from JAX's argument check, raised before anything runs or is donated) drops
+it with a warning and takes the jitted path, so an entry can cost a compile, never a wrong result.
+`jax.stages.Compiled` is called without the jitted function's static arguments.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import os
+import pickle
+import threading
+import warnings
+
+import jax
+
+from wan_tpu import compile_cache
+
+FOLDER = "executables"
+_lock = threading.Lock()
+_counts = {"hits": 0, "writes": 0}
+
+
+def load(name: str, key) -> jax.stages.Compiled | None:
+    """The program stored under (`name`, `key`), deserialised and loaded on this process's devices, or None."""
+    path = _path(name, key)
+    if path is None or not os.path.isfile(path):
+        return None
+    try:
+        from jax.experimental.serialize_executable import deserialize_and_load
+
+        with open(path, "rb") as f:
+            payload, in_tree, out_tree, device_ids = pickle.load(f)
+        by_id = {d.id: d for d in jax.devices()}
+        compiled = deserialize_and_load(payload, in_tree, out_tree, execution_devices=[by_id[i] for i in device_ids])
+    except Exception as e:  # noqa: BLE001 - an unreadable entry is a miss, repaired by the next store
+        _remove(path)
+        warnings.warn(f"executable cache: dropped an unreadable entry for {name} ({type(e).__name__}); it is "
+                      "recompiled", stacklevel=2)
+        return None
+    with _lock:
+        _counts["hits"] += 1
+    return compiled
+
+
+def store(name: str, key, lowered: jax.stages.Lowered) -> jax.stages.Compiled:
+    """Compile `lowered` and write it under (`name`, `key`) when the cache is on; → the compiled program."""
+    compiled = lowered.compile()
+    path = _path(name, key)
+    if path is None:
+        return compiled
+    try:
+        from jax.experimental.serialize_executable import serialize
+
+        # The devices it runs on, in its assignment's order: loading would otherwise spread it over all.
+        device_ids = [d.id for d in compiled.runtime_executable().local_devices()]
+        data = pickle.dumps((*serialize(compiled), device_ids), protocol=pickle.HIGHEST_PROTOCOL)
+    except (ValueError, NotImplementedError, TypeError, pickle.PicklingError):
+        return compiled  # this backend or program cannot be serialised: kept in memory only
+    tmp = f"{path}.{os.getpid()}.{threading.get_ident()}.tmp"
+    try:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        with open(tmp, "wb") as f:
+            f.write(data)
+        os.replace(tmp, path)
+    except OSError as e:  # a full or read-only disk: the run goes on, uncached
+        _remove(tmp)
+        warnings.warn(f"executable cache: could not write {name} ({e.strerror or e})", stacklevel=2)
+        return compiled
+    with _lock:
+        _counts["writes"] += 1
+    return compiled
+
+
+def stats() -> dict:
+    """{"hits": programs loaded, "writes": programs written} in this process."""
+    with _lock:
+        return dict(_counts)
+
+
+class Programs:
+    """Compiled programs by name; `call` runs one, or the jitted fallback when there is none (or it refuses
+    the arguments: dropped, warned once)."""
+
+    def __init__(self):
+        self._compiled: dict[str, jax.stages.Compiled] = {}
+
+    def put(self, name: str, compiled: jax.stages.Compiled) -> None:
+        self._compiled[name] = compiled
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._compiled
+
+    def call(self, name: str, dynamic: tuple, fallback):
+        """`compiled(*dynamic)` (the jitted function's arguments less its static ones), else `fallback()`."""
+        compiled = self._compiled.get(name)
+        if compiled is not None:
+            try:
+                return compiled(*dynamic)
+            except TypeError as e:  # JAX checks the arguments before running or donating anything
+                self._compiled.pop(name, None)
+                warnings.warn(f"the stored program {name} does not take these arguments ({str(e).splitlines()[0]}); "
+                              "it is compiled again", stacklevel=2)
+        return fallback()
+
+
+def _path(name: str, key) -> str | None:
+    folder = compile_cache.cache_dir()
+    if folder is None or key is None:  # no key: the caller cannot say what determines the program
+        return None
+    text = repr(key)
+    if " at 0x" in text:  # an object's address: a different key in every process, and no equality check
+        return None
+    digest = hashlib.sha256("\n".join((name, text, *_environment())).encode()).hexdigest()[:40]
+    return os.path.join(folder, FOLDER, f"{_safe(name)}-{digest}.bin")
+
+
+def _environment() -> tuple[str, ...]:
+    """What changes a program that its caller's key does not name (the module docstring)."""
+    import flax
+    import jaxlib
+    import numpy
+
+    devices = jax.devices()
+    settings = sorted((k, v) for k, v in os.environ.items() if k.startswith("WAN_TPU_") and k != "WAN_TPU_CACHE_DIR")
+    config = {name: getattr(jax.config, name, None) for name in (
+        "jax_enable_x64", "jax_default_matmul_precision", "jax_threefry_partitionable", "jax_default_prng_impl",
+        "jax_numpy_rank_promotion", "jax_use_shardy_partitioner")}
+    return (f"jax {jax.__version__} jaxlib {jaxlib.__version__} flax {flax.__version__} numpy {numpy.__version__}",
+            f"devices {devices[0].platform} {devices[0].device_kind} x{len(devices)}",
+            f"XLA_FLAGS {os.environ.get('XLA_FLAGS', '')}", repr(settings), repr(sorted(config.items())), _source_hash())
+
+
+@functools.cache
+def _source_hash() -> str:
+    """sha256 of this package's Python sources (paths and contents), once per process."""
+    root = os.path.dirname(os.path.abspath(__file__))
+    digest = hashlib.sha256()
+    for folder, dirs, files in os.walk(root):
+        dirs.sort()
+        for name in sorted(files):
+            if name.endswith(".py"):
+                path = os.path.join(folder, name)
+                digest.update(os.path.relpath(path, root).encode())
+                with open(path, "rb") as f:
+                    digest.update(f.read())
+    return digest.hexdigest()
+
+
+def _safe(name: str) -> str:
+    return "".join(c if c.isalnum() or c in "-_." else "-" for c in name)
+
+
+def _remove(path: str) -> None:
+    try:
+        os.remove(path)
+    except OSError:
+        pass
