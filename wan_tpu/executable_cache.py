@@ -54,6 +54,7 @@ def load(name: str, key) -> jax.stages.Compiled | None:
     try:
         from jax.experimental.serialize_executable import deserialize_and_load
 
+        _load_kernel_runtimes()
         with open(path, "rb") as f:
             payload, in_tree, out_tree, device_ids = pickle.load(f)
         by_id = {d.id: d for d in jax.devices()}
@@ -127,6 +128,18 @@ class Programs:
                 warnings.warn(f"the stored program {name} does not take these arguments ({str(e).splitlines()[0]}); "
                               "it is compiled again", stacklevel=2)
         return fallback()
+
+
+@functools.cache
+def _load_kernel_runtimes() -> None:
+    """What a program's custom calls need at run time, which tracing would have set up: on NVIDIA GPUs,
+    Mosaic GPU kernels (our attention) find their runtime library through a variable that importing
+    `jax.experimental.mosaic.gpu` sets; without it a loaded program fails on its first kernel launch."""
+    if jax.devices()[0].platform == "gpu":
+        try:
+            import jax.experimental.mosaic.gpu  # noqa: F401
+        except ImportError:  # a jaxlib without Mosaic GPU: its programs hold no such kernel
+            pass
 
 
 def _path(name: str, key) -> str | None:
