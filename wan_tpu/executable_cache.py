@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import importlib
 import os
 import pickle
 import threading
@@ -137,7 +138,7 @@ def _load_kernel_runtimes() -> None:
     `jax.experimental.mosaic.gpu` sets; without it a loaded program fails on its first kernel launch."""
     if jax.devices()[0].platform == "gpu":
         try:
-            import jax.experimental.mosaic.gpu  # noqa: F401
+            importlib.import_module("jax.experimental.mosaic.gpu")
         except ImportError:  # a jaxlib without Mosaic GPU: its programs hold no such kernel
             pass
 
