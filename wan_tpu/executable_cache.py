@@ -30,6 +30,7 @@ it with a warning and takes the jitted path, so an entry can cost a compile, nev
 
 from __future__ import annotations
 
+import ctypes
 import functools
 import hashlib
 import importlib
@@ -133,14 +134,20 @@ class Programs:
 
 @functools.cache
 def _load_kernel_runtimes() -> None:
-    """What a program's custom calls need at run time, which tracing would have set up: on NVIDIA GPUs,
-    Mosaic GPU kernels (our attention) find their runtime library through a variable that importing
-    `jax.experimental.mosaic.gpu` sets; without it a loaded program fails on its first kernel launch."""
-    if jax.devices()[0].platform == "gpu":
-        try:
-            importlib.import_module("jax.experimental.mosaic.gpu")
-        except ImportError:  # a jaxlib without Mosaic GPU: its programs hold no such kernel
-            pass
+    """What a program's custom calls need at run time, which tracing would have set up. On NVIDIA GPUs, a
+    Mosaic GPU kernel (our attention) stored in a program links its host code against Mosaic GPU's runtime
+    library when the program loads: the library must be in the process, with its symbols global (tracing
+    a kernel loads it; loading a stored program does not). Without it the kernel is rebuilt on its first
+    run, inside XLA's CUDA-graph capture, which fails (`cudaErrorStreamCaptureUnjoined`) or takes seconds."""
+    if jax.devices()[0].platform != "gpu":
+        return
+    try:
+        importlib.import_module("jax.experimental.mosaic.gpu")  # sets MOSAIC_GPU_RUNTIME_LIB_PATH
+    except ImportError:  # a jaxlib without Mosaic GPU: its programs hold no such kernel
+        return
+    runtime = os.environ.get("MOSAIC_GPU_RUNTIME_LIB_PATH")
+    if runtime and os.path.isfile(runtime):
+        ctypes.CDLL(runtime, mode=ctypes.RTLD_GLOBAL)
 
 
 def _path(name: str, key) -> str | None:

@@ -182,9 +182,10 @@ class MatrixGamePipeline:
     def prepare(self):
         """Start reading every component at once, and compiling every program a stream runs, in background
         threads; returns at once (a `wan_tpu.warmup.Warmup`; as a context manager, leaving it waits for
-        the threads). `component()` then waits for the one it needs only, and each call for its program
-        only. The weights of one come off the disk while another's are placed, and the programs are
-        compiled (or fetched from the compile cache) from the components' configs meanwhile, so a first
+        the threads). `component()` then waits for the one it needs only, and the first call that runs a
+        program for the programs (`_wait_compiled`). The weights of one come off the disk while another's
+        are placed, and the programs are loaded from the executable cache, or compiled from the
+        components' configs, meanwhile, so a first
         frame waits for the slowest load, not for their sum and the compiles after it
         (`wan_tpu.matrix_game_warmup`). A program whose compile ahead fails is a warning and compiles on use."""
         from wan_tpu.matrix_game_warmup import compile_ahead
@@ -212,9 +213,15 @@ class MatrixGamePipeline:
         return (self.variant, tuple(sorted(self.configs.items())), dtypes, self.attention_impl)
 
     def _wait_compiled(self, name: str) -> None:
-        """Wait for `prepare`'s compile of the program(s) `name`, if it started one (a failure warns)."""
+        """Before running the program(s) `name`: wait for every program `prepare` started (a failure warns),
+        not only `name`'s. XLA records a program's first run on a GPU as a CUDA graph, and a program loaded
+        meanwhile by another thread (its kernels' modules) breaks that capture
+        (`cudaErrorStreamCaptureUnjoined`, seen on an H100 when a warm start's chunk programs were still
+        loading while the image encoded). They all load within about a second warm; cold, the first frame
+        needs the slowest, chunk-0, anyway."""
         if self._warmup is not None:
-            self._warmup.wait_compiled(name)
+            for pending in [name, *self._warmup.compiles]:
+                self._warmup.wait_compiled(pending)
 
     def component(self, name: str):
         if name not in self._loaded:
@@ -365,8 +372,8 @@ class MatrixGameSession:
         # stream, unless `prepare` compiles it (for the condition's usual shape). Not a daemon thread: one
         # killed inside XLA's compiler aborts the process.
         self._steady = threading.Thread(target=self._compile_steady, name="wan_tpu-compile-chunk")
-        ahead = (pipe._warmup is not None and "chunk-1" in pipe._warmup.compiles
-                 and condition.latents.shape[2] == CONDITION_FRAMES)
+        ahead = ("chunk-1" in pipe._programs or pipe._warmup is not None and "chunk-1" in pipe._warmup.compiles) \
+            and condition.latents.shape[2] == CONDITION_FRAMES
         if max_latents > pipe.frames_per_chunk and not ahead:
             self._steady.start()
 

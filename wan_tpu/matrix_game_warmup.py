@@ -3,7 +3,7 @@
 
     pipe = wan_tpu.MatrixGamePipeline.from_pretrained("matrix-game-2-wan-tpu")
     with pipe.prepare():                        # loads and compiles start; returns at once
-        session = pipe.stream("start.png")      # each call waits for its own program only
+        session = pipe.stream("start.png")      # waits for the programs, not for the DiT's load
         frames = session.step(keyboard=[1, 0, 0, 0], mouse=[0, 0.1])
 
 Every program a stream runs through its second chunk is loaded from the executable cache
@@ -22,8 +22,8 @@ Each lands in `pipe._programs` by name, and the calls run it (`Programs.call`, w
 functions' static arguments): the very programs compiled ahead, so results are bit-identical with and
 without `prepare`. Warm, nothing is traced or lowered and no abstract module is built: a start reads its
 programs from disk while the weights load, instead of spending seconds of Python (the GIL the loads need
-too) re-deriving JAX's compile-cache keys. Each call waits for its own program only
-(`Warmup.wait_compiled`); a compile that fails (a config that does not describe the weights, …) is a
+too) re-deriving JAX's compile-cache keys. The first call that runs a program waits for all of them
+(`MatrixGamePipeline._wait_compiled` says why: a CUDA-graph capture); a compile that fails (a config that does not describe the weights, …) is a
 warning and the call compiles as without `prepare`. `Warmup.cancel` stops the threads at the next program.
 """
 
