@@ -27,7 +27,8 @@ the chunk program's inputs have one shape whatever the image.
 (image preparation, both chunk programs) from the executable cache or compiles it from the components'
 configs (`wan_tpu.matrix_game_warmup`, `wan_tpu.executable_cache`);
 `stream()` encodes the image with the VAE and CLIP in the order their weights arrive, while the DiT
-may still load. Without `prepare`, each program compiles on its first call, the later chunks' one in a
+may still load (not on a GPU, where a program's first run must not overlap other CUDA work: see
+`_wait_compiled`). Without `prepare`, each program compiles on its first call, the later chunks' one in a
 thread started by the session.
 
 Each chunk is one compiled program (`_chunk_program`): the DiT's whole chunk (its denoising steps,
@@ -214,14 +215,19 @@ class MatrixGamePipeline:
 
     def _wait_compiled(self, name: str) -> None:
         """Before running the program(s) `name`: wait for every program `prepare` started (a failure warns),
-        not only `name`'s. XLA records a program's first run on a GPU as a CUDA graph, and a program loaded
-        meanwhile by another thread (its kernels' modules) breaks that capture
-        (`cudaErrorStreamCaptureUnjoined`, seen on an H100 when a warm start's chunk programs were still
-        loading while the image encoded). They all load within about a second warm; cold, the first frame
-        needs the slowest, chunk-0, anyway."""
-        if self._warmup is not None:
-            for pending in [name, *self._warmup.compiles]:
-                self._warmup.wait_compiled(pending)
+        not only `name`'s, and on a GPU for every component's load too. XLA records a program's first run
+        on a GPU as a CUDA graph, and CUDA work from other threads meanwhile (a program's kernels loading,
+        weights being placed) breaks that capture: `cudaErrorStreamCaptureUnjoined` in the VAE's first
+        encode, seen on an H100 when a warm start encoded the image while the DiT still loaded. Warm, the
+        programs load within about a second and the weights within four; cold, the first frame needs the
+        slowest program, chunk-0, anyway."""
+        if self._warmup is None:
+            return
+        for pending in [name, *self._warmup.compiles]:
+            self._warmup.wait_compiled(pending)
+        if jax.devices()[0].platform == "gpu":
+            for component in self._loaders:
+                self.component(component)
 
     def component(self, name: str):
         if name not in self._loaded:

@@ -121,8 +121,8 @@ def play(args) -> None:
         check_frames(args.frames, pipe.frames_per_chunk)
     if args.model == "matrix-game-tiny":
         print("note: matrix-game-tiny has random weights; pass --model PATH (a converted Matrix-Game-2 folder) for a real video")
-    # The three components read at once and every program compiled meanwhile; `stream` waits for each
-    # only where it needs it (the image's encodes run while the DiT still loads).
+    # The three components read at once and every program loaded or compiled meanwhile; `stream` waits
+    # for them where it needs them.
     pipe.prepare()
     max_frames = len(scripted[0]) if scripted is not None else args.frames
     with trace(args.profile), VideoWriter(args.output, pipe.variant.fps, args.overwrite) as video:
