@@ -138,3 +138,22 @@ def test_a_failed_compile_ahead_is_a_warning_and_the_stream_works():
     assert frames.shape == (9, *pipe.size, 3) and frames.dtype == np.uint8
     messages = [str(w.message) for w in caught]
     assert any(m.startswith("compiling chunk-0 ahead of time failed") for m in messages), messages
+
+
+@pytest.mark.slow  # compiles the stream's programs unless the compile cache has them
+@pytest.mark.parametrize("graphs", [False, True])
+def test_a_first_run_waits_for_every_program_and_on_a_gpu_for_every_load(monkeypatch, graphs):
+    """`_wait_compiled(name)` waits for all of `prepare`'s programs (not only `name`'s), and where XLA
+    captures CUDA graphs (patched in here) for the components' loads too: a first run must not overlap
+    other CUDA work."""
+    monkeypatch.setattr(mg, "_captures_graphs", lambda: graphs)
+    tiny = mg._tiny(jnp.float32, jnp.float32, None)
+    pipe = mg.MatrixGamePipeline(tiny.variant, tiny._loaders, name="t", dtype=jnp.float32, vae_dtype=jnp.float32,
+                                 abstracts=tiny._abstracts, configs=lambda: tiny.configs)
+    with pipe.prepare() as warmup:
+        pipe._wait_compiled("key")
+        assert not warmup.compiles  # every program waited for, chunk-1's too
+        assert {"chunk-0", "chunk-1", "key", "clip", "cache", "encode-first"} <= set(pipe._programs._compiled)
+        loaded = {name for name in ("transformer", "vae", "image_encoder") if name in pipe._loaded}
+        if graphs:
+            assert loaded == {"transformer", "vae", "image_encoder"}

@@ -225,7 +225,7 @@ class MatrixGamePipeline:
             return
         for pending in [name, *self._warmup.compiles]:
             self._warmup.wait_compiled(pending)
-        if jax.devices()[0].platform == "gpu":
+        if _captures_graphs():
             for component in self._loaders:
                 self.component(component)
 
@@ -437,6 +437,11 @@ class MatrixGameSession:
         self.chunk_frames.append(n)
         self.chunk += 1
         return frames
+
+
+def _captures_graphs() -> bool:
+    """Whether XLA records first runs as CUDA graphs here (NVIDIA GPUs)."""
+    return jax.devices()[0].platform == "gpu"
 
 
 @functools.partial(jax.jit, static_argnums=(0, 3))
