@@ -103,3 +103,27 @@ def test_second_process_loads_from_the_cache_and_bad_entries_are_ignored(tmp_pat
     off_out, off = _generate(tmp_path, "off", "--no-compile-cache")
     assert re.search(r"compile cache\s+off", off_out)
     assert np.array_equal(off, cold)
+
+
+def test_world_model_pipelines_and_clis_switch_the_cache():
+    """Matrix-Game and UnifoLM turn the cache on by default and off on request, as `WanPipeline` does
+    (their CLIs pass `--no-compile-cache` through; the timing tables print `compile_cache.summary()`)."""
+    from wan_tpu import matrix_game_cli, unifolm_cli
+    from wan_tpu.matrix_game import MatrixGamePipeline
+    from wan_tpu.unifolm import UnifolmPipeline
+
+    before = compile_cache.cache_dir()
+    folder = before or os.path.join(compile_cache.base_dir(), compile_cache.version_key())  # a folder in use is kept
+    try:
+        for load in (lambda on: MatrixGamePipeline.from_pretrained("matrix-game-tiny", compile_cache=on),
+                     lambda on: UnifolmPipeline.from_pretrained("unifolm-tiny", compile_cache=on)):
+            load(False)
+            assert not compile_cache.is_enabled() and compile_cache.summary() == "off"
+            load(True)
+            assert compile_cache.is_enabled() and compile_cache.cache_dir() == folder
+            assert compile_cache.summary().endswith(f"({folder})")
+    finally:
+        compile_cache.enable() if before else compile_cache.disable()
+    for parser, required in ((matrix_game_cli.build_parser(), ["--image", "x.png", "--random-actions"]), (unifolm_cli.build_parser(), [])):
+        assert parser.parse_args([*required, "--no-compile-cache"]).no_compile_cache
+        assert not parser.parse_args(required).no_compile_cache

@@ -192,3 +192,22 @@ def test_full_model_round_trip_loads(tmp_path):
     assert model.config.name == "unifolm-tiny"
     np.testing.assert_array_equal(np.asarray(model.agent_state_pos_emb[...]),
                                   init_tensor("conditioning:agent_state_pos_emb", model.agent_state_pos_emb.shape))
+    # The whole pipeline from the folder, its CLIP towers in float32 (the default) and in bfloat16
+    # (`encoder_dtype`): the bf16 towers hold bf16 weights and give the float32 ones' tokens to bf16
+    # precision (relative error ≤ 3e-2; the real-size figure is in docs/PERFORMANCE.md).
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from wan_tpu.unifolm import UnifolmPipeline
+
+    pipes = {d: UnifolmPipeline.from_pretrained(str(tmp_path / "out"), encoder_dtype=d) for d in (jnp.float32, jnp.bfloat16)}
+    images = np.random.default_rng(0).uniform(-1, 1, (1, 3, 64, 64)).astype(np.float32)
+    tokens = {}
+    for dtype, pipe in pipes.items():
+        for tower in (pipe.image_encoder.model, pipe.text_encoder.model):
+            assert {leaf.dtype for leaf in jax.tree.leaves(nnx.state(tower))} == {jnp.dtype(dtype)}
+        tokens[dtype] = (np.asarray(pipe.image_encoder.encode(images), np.float64),
+                         np.asarray(pipe.text_encoder.encode(["stack the cups"]), np.float64))
+    for bf16, f32 in zip(tokens[jnp.bfloat16], tokens[jnp.float32]):
+        assert np.linalg.norm(bf16 - f32) / np.linalg.norm(f32) <= 3e-2

@@ -5,6 +5,7 @@
     compile_cache.disable()       # what `generate --no-compile-cache` / compile_cache=False do
     compile_cache.cache_dir()     # where this process reads and writes: see below
     compile_cache.stats()         # programs loaded from / written to the cache so far in this process
+    compile_cache.summary()       # the same with the folder, or "off": the CLIs' timing-table line
 
 The cache lives in `$WAN_TPU_CACHE_DIR`, else `$XDG_CACHE_HOME/wan_tpu`, else `~/.cache/wan_tpu`, in a
 folder per jax version, jaxlib version, backend and device kind (e.g.
@@ -36,8 +37,11 @@ import jax
 
 _HIT = "/jax/compilation_cache/cache_hits"
 _WRITE = "/jax/compilation_cache/cache_misses"  # JAX records it when it writes an entry
+# Recorded (`jax.monitoring.record_event`) by `wan_tpu.executable_cache`, for whole programs it loads / stores.
+PROGRAM_LOADED = "/wan_tpu/executable_cache/loaded"
+PROGRAM_STORED = "/wan_tpu/executable_cache/stored"
 _lock = threading.Lock()
-_counts = {_HIT: 0, _WRITE: 0}
+_counts = {_HIT: 0, _WRITE: 0, PROGRAM_LOADED: 0, PROGRAM_STORED: 0}
 _state = {"listening": False, "repairing": False}
 
 
@@ -109,15 +113,25 @@ def disable() -> None:
 class CacheStats:
     hits: int  # programs loaded from the cache
     writes: int  # programs compiled and written to it
+    programs_loaded: int = 0  # whole programs loaded by `wan_tpu.executable_cache` (nothing traced)
+    programs_stored: int = 0  # and written by it
 
     def __str__(self) -> str:
-        return f"{self.hits} loaded, {self.writes} compiled and stored"
+        text = f"{self.hits} loaded, {self.writes} compiled and stored"
+        if self.programs_loaded or self.programs_stored:
+            text += f"; whole programs: {self.programs_loaded} loaded, {self.programs_stored} stored"
+        return text
 
 
 def stats() -> CacheStats:
     """Cache traffic of this process since the first `enable()`."""
     with _lock:
-        return CacheStats(_counts[_HIT], _counts[_WRITE])
+        return CacheStats(_counts[_HIT], _counts[_WRITE], _counts[PROGRAM_LOADED], _counts[PROGRAM_STORED])
+
+
+def summary() -> str:
+    """`stats()` and the folder, or "off": the line the CLIs' timing tables print."""
+    return f"{stats()}  ({cache_dir()})" if is_enabled() else "off"
 
 
 def size_bytes(path: str | None = None) -> int:

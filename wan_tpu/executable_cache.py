@@ -44,8 +44,6 @@ import jax
 from wan_tpu import compile_cache
 
 FOLDER = "executables"
-_lock = threading.Lock()
-_counts = {"hits": 0, "writes": 0}
 
 
 def load(name: str, key) -> jax.stages.Compiled | None:
@@ -66,8 +64,7 @@ def load(name: str, key) -> jax.stages.Compiled | None:
         warnings.warn(f"executable cache: dropped an unreadable entry for {name} ({type(e).__name__}); it is "
                       "recompiled", stacklevel=2)
         return None
-    with _lock:
-        _counts["hits"] += 1
+    jax.monitoring.record_event(compile_cache.PROGRAM_LOADED)  # counted in `compile_cache.stats()`
     return compiled
 
 
@@ -95,15 +92,8 @@ def store(name: str, key, lowered: jax.stages.Lowered) -> jax.stages.Compiled:
         _remove(tmp)
         warnings.warn(f"executable cache: could not write {name} ({e.strerror or e})", stacklevel=2)
         return compiled
-    with _lock:
-        _counts["writes"] += 1
+    jax.monitoring.record_event(compile_cache.PROGRAM_STORED)
     return compiled
-
-
-def stats() -> dict:
-    """{"hits": programs loaded, "writes": programs written} in this process."""
-    with _lock:
-        return dict(_counts)
 
 
 class Programs:

@@ -398,8 +398,7 @@ def report(pipe, s, timer, step_seconds, out=None) -> None:
     from wan_tpu import compile_cache
     from wan_tpu.profiling import dit_forward_flops, mfu
 
-    extra = [("compile cache", f"{compile_cache.stats()}  ({compile_cache.cache_dir()})" if compile_cache.is_enabled()
-              else "off")]
+    extra = [("compile cache", compile_cache.summary())]
     cache = pipe.cache_stats
     if cache is not None:
         extra.append(("steps skipped", f"{cache.skipped:9d} of {cache.steps}  ({cache.method}, threshold "

@@ -169,11 +169,9 @@ def report(timer, session) -> str:
     """The stage table, then each chunk's fps and the whole video's."""
     frames, seconds = sum(session.chunk_frames), sum(session.chunk_seconds)
     steady = sorted(session.fps[2:]) or sorted(session.fps)
-    from wan_tpu import compile_cache, executable_cache
+    from wan_tpu import compile_cache
 
-    programs = executable_cache.stats()
-    extra = [("compile cache", f"{programs['hits']} programs loaded, {programs['writes']} stored; {compile_cache.stats()} "
-              f"by JAX  ({compile_cache.cache_dir()})" if compile_cache.is_enabled() else "off"),
+    extra = [("compile cache", compile_cache.summary()),
              ("chunk count", f"{len(session.chunk_frames):9d}"),
              ("video fps (all chunks)", f"{frames / seconds:9.2f}" if seconds else "      n/a"),
              ("chunk fps (median from chunk 2)", f"{steady[len(steady) // 2]:9.2f}" if steady else "      n/a")]

@@ -122,7 +122,7 @@ class UnifolmPipeline:
         """A converted checkpoint folder (`scripts/convert_unifolm_checkpoint.py`) or a preset name
         (`unifolm-tiny`, `unifolm-tiny-base`: random weights, seconds on a CPU). `dtype`: the model's
         (UNet, heads, projectors); `encoder_dtype`: the CLIP towers' (float32 by default, as the authors;
-        bfloat16 halves their memory); the VAE runs in float32. `stats`: a LeRobot stats.safetensors
+        bfloat16 halves their memory; the presets' random towers stay float32); the VAE runs in float32. `stats`: a LeRobot stats.safetensors
         (default: the folder's, when present). `compile_cache` turns the persistent compilation cache
         (`wan_tpu.compile_cache`) on (the default: a later process loads the compiled sampling instead of
         compiling it for minutes) or off for the whole process."""

@@ -50,7 +50,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--iterations", type=int, default=1, help="interaction iterations (interact)")
     p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32", help="UNet and heads dtype (VAE: float32)")
     p.add_argument("--encoder-dtype", choices=("float32", "bfloat16"), default="float32",
-                   help="the CLIP towers' dtype (bfloat16 halves their memory)")
+                   help="the CLIP towers' dtype (bfloat16 halves their memory; the tiny presets' stay float32)")
     p.add_argument("--no-compile-cache", action="store_true",
                    help="neither read nor write compiled programs on disk (see wan_tpu.compile_cache)")
     p.add_argument("--output", default="unifolm.mp4", help="video path; actions/states go beside it (.npz, .json)")
@@ -159,8 +159,7 @@ def run(args) -> None:
     print(f"wrote {', '.join(paths)} ({len(video)} frames, {pipe.width}x{pipe.height}, {FPS} fps)")
     from wan_tpu import compile_cache
 
-    cache = f"{compile_cache.stats()}  ({compile_cache.cache_dir()})" if compile_cache.is_enabled() else "off"
-    print(timer.table([("steps", str(steps)), ("compile cache", cache)]))
+    print(timer.table([("steps", str(steps)), ("compile cache", compile_cache.summary())]))
 
 
 def main(argv=None) -> int:
