@@ -29,8 +29,10 @@ one decision-making sampling at each `--steps` (first call, which compiles, and 
 `--repeats` warm calls) and s/step = sampling / steps; VAE decode of the 16 latents; one interaction
 iteration (decide + world model, encoders and decodes included) at the first `--steps`; peak device
 memory (torch: `max_memory_allocated` per variant; JAX: `peak_bytes_in_use`, cumulative over the
-process, so `ours-bf16` runs before `ours-fp32`; the fresh process's row also gives the time from its
-start to the end of its first sampling). Everything prints as one table.
+process, so `ours-bf16` runs before `ours-fp32`; for ours also the memory in use after the load, the
+weights, the peak by then, and the peak when each stage (encode, sampling, decode; each mode) first
+finishes, which shows the stage that set the peak; the fresh process's row also gives the time from its start to the end of
+its first sampling). Everything prints as one table.
 """
 
 from __future__ import annotations
@@ -219,15 +221,26 @@ class Ours:
         self.images = jax.numpy.asarray(rng.uniform(-1, 1, (1, 3, 2, pipe.height, pipe.width)).astype(np.float32))
         self.states = jax.numpy.asarray(rng.uniform(-1, 1, (1, 2, 16)).astype(np.float32))
         self.actions = jax.numpy.asarray(rng.uniform(-1, 1, (1, 16, 16)).astype(np.float32))
+        self.peaks = {}
+
+    def _peak(self, stage: str, out):
+        """The process's peak device memory when `stage` first finishes (JAX's peak only grows, so the
+        first stage whose row jumps is the one that set it)."""
+        label = f"peak after first {stage} (GB)"
+        if label not in self.peaks:
+            self.jax.block_until_ready(out)
+            self.peaks[label] = (self.jax.devices()[0].memory_stats() or {}).get("peak_bytes_in_use", float("nan")) / 1e9
+        return out
 
     def sample(self, steps: int, world: bool):
         p, key = self.pipe, self.jax.random.key(0)
-        cond = p.encode_conditions("" if world else "pick up the cup", self.images, self.states,
-                                   self.actions if world else None, 7, key=key)
-        return p.sample(cond, steps, 1.0, key=key)
+        mode = "world-model" if world else "decision"
+        cond = self._peak(f"{mode} encode", p.encode_conditions("" if world else "pick up the cup", self.images,
+                                                                 self.states, self.actions if world else None, 7, key=key))
+        return self._peak(f"{mode} sampling", p.sample(cond, steps, 1.0, key=key))
 
     def decode(self, samples):
-        return self.pipe.decode(samples)
+        return self._peak("decode", self.pipe.decode(samples))
 
     def sync(self, x=None):
         return self.jax.block_until_ready(x)
@@ -360,7 +373,13 @@ def main(argv=None):
             dtype = jnp.float32 if variant == "ours-fp32" else jnp.bfloat16
             pipe, load = timed(lambda: UnifolmPipeline.from_pretrained(folder or "unifolm-tiny", dtype=dtype,
                                                                        encoder_dtype=jnp.dtype(args.encoder_dtype)))
-            row = measure(Ours(pipe), steps_list, args.repeats)
+            loaded = jax.devices()[0].memory_stats() or {}  # what the weights hold, and the load's own peak
+            runner = Ours(pipe)
+            row = measure(runner, steps_list, args.repeats)
+            row.update({k: v for k, v in runner.peaks.items() if v == v})  # none on a CPU
+            for label, key in (("in use after load (GB)", "bytes_in_use"), ("peak by the end of load (GB)", "peak_bytes_in_use")):
+                if key in loaded:
+                    row[label] = loaded[key] / 1e9
             row["model load (s)"] = load
             if "UNIFOLM_BENCH_T0" in os.environ:  # a fresh process (ours-bf16-fresh): its start to here
                 row["process start → first sampling done (s)"] = row.pop("_first_done") - float(os.environ["UNIFOLM_BENCH_T0"])

@@ -78,3 +78,40 @@ def test_named_impl_honoured_when_exporting_for_tpu():
     exported = jax.export.export(jax.jit(lambda q, k, v: attention(q, k, v, impl="splash_exp2")),
                                  platforms=("tpu",))(spec, spec, spec)
     assert "tpu_custom_call" in exported.mlir_module()
+
+
+def _masked64(q, k, v, kv_len):
+    """float64 numpy attention where row b sees keys [0, kv_len[b])."""
+    q, k, v = (np.asarray(x, np.float64) for x in (q, k, v))
+    logits = np.einsum("bqhd,bkhd->bhqk", q, k) / np.sqrt(q.shape[-1])
+    keep = np.arange(k.shape[1])[None, :] < np.asarray(kv_len)[:, None]
+    logits = np.where(keep[:, None, None, :], logits, -np.inf)
+    p = np.exp(logits - logits.max(-1, keepdims=True))
+    return np.einsum("bhqk,bkhd->bqhd", p / p.sum(-1, keepdims=True), v)
+
+
+@on_cpu
+def test_kv_len_masks_keys_and_picks_the_reference_here(monkeypatch):
+    monkeypatch.delenv("WAN_TPU_ATTENTION", raising=False)
+    seed, (q, k, v) = random_qkv(4, 37, 64, 2, 64, jnp.float32)
+    kv_len = jnp.array([16, 32, 48, 64])
+    out = attention(q, k, v, kv_len=kv_len)
+    np.testing.assert_array_equal(out, reference_attention(q, k, v, kv_len=kv_len))
+    err = rel_error(out, _masked64(q, k, v, kv_len))
+    assert err <= 1e-5, f"rel. error {err:.2e} > 1e-5 (seed {seed})"
+
+
+def test_kv_len_refuses_an_impl_without_a_mask():
+    _, (q, k, v) = random_qkv(1, 8, 8, 1, 64, jnp.float32)
+    with pytest.raises(wan_tpu.WanInputError, match="takes no kv_len"):
+        attention(q, k, v, impl="splash_exp2", kv_len=jnp.array([4]))
+
+
+@pytest.mark.gpu
+def test_kv_len_on_a_gpu_uses_cudnn_s_padding_mask():
+    """UniFoLM's action branch: 16 frames, frame f sees (f + 1)·16 of 256 keys, without the logits in memory."""
+    seed, (q, k, v) = random_qkv(16, 2560, 256, 5, 64, jnp.bfloat16)
+    kv_len = (jnp.arange(16) + 1) * 16
+    assert "cudnn" in str(jax.jit(lambda *a: attention(*a, kv_len=kv_len)).lower(q, k, v).as_text()).lower()
+    err = rel_error(attention(q, k, v, kv_len=kv_len), _masked64(q, k, v, kv_len))
+    assert err <= 1e-2, f"rel. error {err:.2e} > 1e-2 (seed {seed})"

@@ -84,6 +84,25 @@ def test_condition_latents_equal_the_authors_full_encode(pipe):
     assert np.abs(ours - full).max() <= 1e-6 * np.abs(full).max()
 
 
+def test_gray_runs_are_encoded_as_the_stream_reaches_them(pipe):
+    pixels = pipe.preprocess_image(IMAGE)
+    whole = pipe.encode_image(pixels)
+    f = pipe.frames_per_chunk
+    lazy = pipe.encode_image(pixels, frames=f)
+    assert (lazy.repeat_start, lazy.repeat_len) == (1 + f, 1)  # the image and one run of gray frames
+    first = np.asarray(lazy.latents)
+    np.testing.assert_array_equal(first[:, :, : 1 + f], np.asarray(whole.latents)[:, :, : 1 + f])
+    assert not np.array_equal(first, np.asarray(whole.latents))  # the later runs are not encoded yet
+    chunk = 1
+    while lazy._runs is not None:  # one more run per chunk until the repeat is found
+        chunk += 1
+        lazy.cover(f * chunk)
+        assert lazy.repeat_start >= f * chunk or lazy._runs is None
+    assert (lazy.repeat_start, lazy.repeat_len) == (whole.repeat_start, whole.repeat_len)
+    np.testing.assert_array_equal(np.asarray(lazy.latents), np.asarray(whole.latents))
+    assert chunk * f < whole.repeat_start + 2 * f  # it stopped at the repeat, not at the stream's end
+
+
 def test_step_checks_its_actions(pipe):
     session = pipe.stream(IMAGE, seed=0, max_frames=9)
     with pytest.raises(WanInputError, match="9 frames"):

@@ -21,6 +21,7 @@ from matrix_game_golden import LATENT, golden, randn, rel_err, weights
 from wan_tpu.configs.matrix_game import MATRIX_GAME_VARIANTS, config_from_json
 from wan_tpu.errors import WanInputError
 from wan_tpu.models.matrix_game.action import chunk_action_window
+from wan_tpu.models.matrix_game.cache import num_window_branches
 from wan_tpu.models.matrix_game.loading import cache_sharding, load_matrix_game_transformer, shard_matrix_game
 from wan_tpu.models.matrix_game.model import MatrixGameTransformer, init_cache
 from wan_tpu.models.matrix_game.sampling import (
@@ -225,3 +226,25 @@ def test_chunk_step_exports_for_tpu():
     assert module.count("@tpu_custom_call") == 3
     for keys in (84, 168, 257):
         assert re.search(rf"@_call\w*\(%arg0: tensor<1x42x1x32xbf16>.*tensor<1x{keys}x1x32xbf16>", module)
+
+
+@pytest.mark.slow
+def test_first_and_later_chunk_programs_keep_only_their_branches(golden_stream):
+    """The pipeline's two chunk programs (`first_chunk` True, then False) equal the all-branch program."""
+    run, _, data, meta = golden_stream
+    model = load_matrix_game_transformer(weights("mouse_keyboard"), config_from_json(meta["config"]))
+    graphdef, state = nnx.split(model)
+    schedule, c, arrays = chunk_schedule(meta["steps"]), meta["frames_per_chunk"], meta["arrays"]
+    assert num_window_branches(model.config.window_frames, c) == 2  # each program keeps one of the two
+    programs = {first: jax.jit(functools.partial(denoise_chunk, graphdef, schedule=schedule, first_chunk=first))
+                for first in (True, False)}
+    expected, _ = run(meta["chunks"])
+    cache = model.init_cache(jnp.asarray(arrays["visual_context"]), LATENT)
+    for k in range(meta["chunks"]):
+        frames = slice(k * c, (k + 1) * c)
+        eps = np.stack([randn(meta["renoise_seed"] + 10 * k + i, (1, 16, c, *LATENT)) for i in range(2)])
+        x0, cache = programs[k == 0](state, cache, jnp.asarray(arrays["noise"][:, :, frames]),
+                                     jnp.asarray(arrays["cond_concat"][:, :, frames]),
+                                     chunk_action_window(data["keyboard"], k, c), chunk_action_window(data["mouse"], k, c),
+                                     jnp.int32(k), jnp.asarray(eps))
+        assert rel_err(np.asarray(x0), expected[k]) <= 1e-6

@@ -51,6 +51,31 @@ def test_min_max_table_is_the_authors_normalize(stats_file):
     np.testing.assert_allclose(table.unnormalize(table.normalize(x, "action"), "action"), x, atol=1e-5)
 
 
+def test_stage_programs_return_no_weights(pipe):
+    """The prepare and decode programs return only their results: a program handed whole modules
+    (`nnx.jit`) also returns every weight, a second copy of the model at the memory peak."""
+    import jax
+    from flax import nnx
+
+    from wan_tpu.unifolm import _decode_program, _prepare_program
+
+    images, states = observation()
+    imgs = pipe.check_images(images)
+    st, _ = pipe.check_vectors(states / 10, "state", imgs.shape[2], pad_rows=True)
+    h, w = pipe.config.latent_size
+    args = (pipe.encode_text("x"), pipe.image_encoder.encode(imgs[:, :, -1]), imgs[:, :, -1],
+            jax.numpy.zeros((1, pipe.vae.config.latent_channels, h, w)), imgs, st, None, jax.numpy.int32(7))
+    (mg, ms), (vg, vs) = nnx.split(pipe.model), nnx.split(pipe.vae)
+    weights = sum(x.nbytes for x in jax.tree.leaves((ms, vs)))
+    prep = _prepare_program.lower(mg, vg, ms, vs, *args, keep_action_tokens=True).compile().memory_analysis()
+    cond = pipe.encode_conditions("x", imgs, st, key=jax.random.key(0))
+    results = sum(x.nbytes for x in jax.tree.leaves(cond))
+    assert results <= prep.output_size_in_bytes <= results + 1024 < weights / 10  # + the tuple's pointer table
+    z = jax.numpy.zeros((1, pipe.vae.config.latent_channels, 2, h, w))
+    dec = _decode_program.lower(vg, vs, z).compile().memory_analysis()
+    assert dec.output_size_in_bytes <= 3 * 2 * imgs.shape[-2] * imgs.shape[-1] * 4 + 1024
+
+
 @pytest.mark.slow
 def test_modes_and_queues(pipe):
     images, states = observation()

@@ -79,6 +79,23 @@ def test_unet_forward_with_heads(tiny, with_action_tokens):
 
 
 @pytest.mark.slow
+def test_unet_with_out_first_conv_kernels_equals_golden(tmp_path, monkeypatch):
+    """The GPU's convolution kernel layout (out, *k, in), forced here: loaded from the same torch weights,
+    the same forward (`wan_tpu.layers.conv`)."""
+    monkeypatch.setenv("WAN_TPU_CONV_KERNEL", "out_first")
+    model = load_unifolm(write_tiny(str(tmp_path / "tiny")))
+    unet = model.diffusion_model
+    conv_in = unet.input_blocks[0][0]
+    assert conv_in.out_first and conv_in.kernel.shape[1:3] == (3, 3)  # (out, 3, 3, in)
+    x, g = unet_inputs(), golden("unet")
+    frames = jitted(unet, "expand_context")(x["context"])
+    obs = jitted(unet, "encode_observations")(x["obs_img"], x["obs_state"])
+    v, a, s = jitted(unet, "__call__")(x["x"], jnp.array([999, 500]), frames, jnp.array([7, 5]), x["xa"], x["xs"], obs)
+    for ours, name in ((v, "v"), (a, "action"), (s, "state")):
+        assert_close(ours, g[f"unet/{name}"], 1e-5, name)
+
+
+@pytest.mark.slow
 def test_base_unet_without_heads(tmp_path):
     base = load_unifolm(write_tiny(str(tmp_path / "base"), base=True))
     assert base.diffusion_model.action_unet is None

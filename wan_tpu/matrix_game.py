@@ -20,8 +20,9 @@ and scaled to [-1, 1]; the VAE encodes it followed by gray frames (the condition
 4-channel mask on the first latent frame), CLIP encodes it (its first n-1 of n blocks). The gray
 frames' latents stop changing once the image has left the encoder's causal receptive field: they are
 encoded until the encoder's state repeats exactly (34 latent frames for Wan 2.1's VAE) and reused from
-there, instead of encoding 4·(N-1) gray frames up front; they are held padded to `CONDITION_FRAMES`, so
-the chunk program's inputs have one shape whatever the image.
+there, instead of encoding 4·(N-1) gray frames up front, and only as the video reaches them (one run of
+3 latent frames before each chunk, so the first frame does not wait for the other ten); they are held
+padded to `CONDITION_FRAMES`, so the chunk program's inputs have one shape whatever the image.
 
 `pipe.prepare()` reads the three components at once and, meanwhile, loads every program a stream runs
 (image preparation, both chunk programs) from the executable cache or compiles it from the components'
@@ -34,7 +35,8 @@ thread started by the session.
 Each chunk is one compiled program (`_chunk_program`): the DiT's whole chunk (its denoising steps,
 re-noising, the clean cache-update pass: `denoise_chunk`) and the VAE's streaming decode of the
 chunk, caches carried and donated, uint8 frames out; the first chunk of a stream compiles it once
-(the VAE's first latent frame is special), every later chunk shares a second compilation. A stream
+(the VAE's first latent frame is special, and its attention window holds only its own frames), every
+later chunk shares a second compilation. A stream
 and a one-shot call with the same image, seed and actions give identical frames: the one-shot call
 is a stream. Noise: chunk k draws its initial noise and its re-noising from `fold_in(key(seed), k)`.
 
@@ -283,15 +285,16 @@ class MatrixGamePipeline:
         x = np.asarray(pil, np.float32) / np.float32(255)
         return ((x - np.float32(0.5)) / np.float32(0.5)).transpose(2, 0, 1)[None]
 
-    def encode_image(self, image: np.ndarray) -> ImageCondition:
+    def encode_image(self, image: np.ndarray, frames: int | None = None) -> ImageCondition:
         """The condition latents of `image` (from `preprocess_image`) followed by gray frames, up to where
         they repeat, whatever the video's length: so every stream of this model runs the same compiled
-        chunk program (the latents are one of its inputs) and a one-shot call equals a stream."""
+        chunk program (the latents are one of its inputs) and a one-shot call equals a stream. `frames`:
+        encode only what the first `frames` latent frames need now (`ImageCondition.cover` the rest)."""
         from wan_tpu.models.matrix_game.model import MAX_FRAMES
 
         split = self.split("vae")
         self._wait_compiled("condition")
-        return ImageCondition.encode(self.vae, split, image, MAX_FRAMES, self._programs)
+        return ImageCondition.encode(self.vae, split, image, MAX_FRAMES, self._programs, frames=frames)
 
     def encode_clip(self, image: np.ndarray) -> jax.Array:
         """CLIP tokens (1, N, image_dim) of `image` (from `preprocess_image`), as the authors' `encode_video`."""
@@ -323,7 +326,7 @@ class MatrixGamePipeline:
             for name in order if self._warmup is None else self._warmup.as_loaded(order, self._loaded):
                 if name == "vae":
                     with scope("1.2_VAE_Encode_FirstFrame"):
-                        condition = self.encode_image(pixels)
+                        condition = self.encode_image(pixels, frames=f)
                 else:
                     with scope("1.4_CLIP_Visual_Context"):
                         visual = self.encode_clip(pixels)
@@ -427,6 +430,7 @@ class MatrixGameSession:
         if k < 2:
             pipe._wait_compiled(f"chunk-{k}")
         with scope(f"2.3_Block_{k}"):
+            self.condition.cover(f * (k + 1))  # this chunk's gray frames, until they repeat
             args, kwargs = self._chunk_args(*windows, np.int32(k))
             dynamic = (args[1], *args[3:])  # less the graphdefs (static, as `schedule` and `frames_per_chunk`)
             frames, self.cache, self.vae_caches = pipe._programs.call(
@@ -500,7 +504,8 @@ def _chunk_program(dit_graph, dit_state, vae_graph, vae_state, cache, vae_caches
                    chunk_index, key, repeat, *, schedule, frames_per_chunk):
     """One chunk: noise, condition, the DiT's denoising (`denoise_chunk`), the VAE's streaming decode and
     uint8 frames (the authors' `((x + 1) · 127.5).clip(0, 255)`, truncated) → (frames (1, T, H, W, 3),
-    the DiT cache, the VAE caches). `repeat`: the condition's (repeat_start, repeat_len), int32 scalars."""
+    the DiT cache, the VAE caches). `repeat`: the condition's (repeat_start, repeat_len), int32 scalars.
+    `vae_caches` None is the stream's first chunk (chunk_index 0), else a later one."""
     from wan_tpu.models.matrix_game.sampling import denoise_chunk
 
     f = frames_per_chunk
@@ -513,7 +518,8 @@ def _chunk_program(dit_graph, dit_state, vae_graph, vae_state, cache, vae_caches
     mask = jnp.broadcast_to((frame == 0).astype(jnp.float32)[None, None, :, None, None], (b, MASK_CHANNELS, f, h, w))
     with jax.named_scope("2.3_Denoise"):
         x0, cache = denoise_chunk(dit_graph, dit_state, cache, noise, jnp.concatenate([mask, image], axis=1),
-                                  keyboard, mouse, chunk_index, k_steps, schedule=schedule)
+                                  keyboard, mouse, chunk_index, k_steps, schedule=schedule,
+                                  first_chunk=vae_caches is None)
     with jax.named_scope("2.3_VAE_Decode"):
         vae = nnx.merge(vae_graph, vae_state)
         video, vae_caches = vae.decode_chunk(vae.denormalize_latents(x0.astype(vae.dtype)), vae_caches)

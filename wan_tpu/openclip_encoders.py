@@ -158,6 +158,11 @@ def _image_tokens(graphdef, state, images):
     return model.apply(preprocess_images(images, model.config.image_size))
 
 
+@functools.partial(jax.jit, static_argnums=0)
+def _text_tokens(graphdef, state, input_ids):
+    return nnx.merge(graphdef, state)(input_ids)
+
+
 def clean_text(text: str) -> str:
     """open_clip's `basic_clean` + `whitespace_clean` + lower-casing."""
     if ftfy is not None:
@@ -199,7 +204,7 @@ class OpenCLIPTextEncoder:
 
     def encode_tokens(self, input_ids) -> jax.Array:
         """(B, 77) token ids (as `tokenize` makes them) → (B, 77, width)."""
-        return self.model(jnp.asarray(input_ids, jnp.int32))
+        return _text_tokens(*nnx.split(self.model), jnp.asarray(input_ids, jnp.int32))
 
 
 # ---- open_clip → transformers names ----------------------------------------------------------------

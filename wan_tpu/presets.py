@@ -44,13 +44,20 @@ def random_module(build, seed: int, draw=None):
     import numpy as np
     from flax import nnx
 
-    graphdef, state = nnx.split(nnx.eval_shape(build))
+    from wan_tpu.layers.conv import out_first_kernels, spatial_first_shape, spatial_to_out_first
+
+    abstract = nnx.eval_shape(build)
+    out_first = out_first_kernels(abstract)  # drawn spatial-first then moved: the same values either way
+    graphdef, state = nnx.split(abstract)
     rng = np.random.default_rng(seed)
     flat = nnx.to_flat_state(state)
     for path, var in flat:
         names = [str(p) for p in path]
         shape, dtype = var.get_value().shape, var.get_value().dtype
         leaf = names[-1]
+        moved = ".".join(names) in out_first
+        if moved:
+            shape = spatial_first_shape(shape)
         value = None if draw is None else draw(names, shape, rng)
         if value is None and leaf == "kernel":
             # Stacked transformer blocks carry the layer axis first; it is not part of fan-in.
@@ -62,6 +69,8 @@ def random_module(build, seed: int, draw=None):
             value = rng.standard_normal(shape) / math.sqrt(shape[-1])
         elif value is None:
             value = 0.02 * rng.standard_normal(shape)
+        if moved:
+            value = spatial_to_out_first(np.asarray(value))
         # Cast on the host (round to nearest even, as XLA does): loaders in parallel threads then compile no
         # conversion programs, which they would race to compile and to read from the compilation cache.
         var.set_value(jax.device_put(np.asarray(value, np.float32).astype(dtype)))

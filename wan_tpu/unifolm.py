@@ -26,6 +26,7 @@ and states into the observation queues, and feeds back the decoded frames unclam
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 from dataclasses import dataclass, field
 
@@ -221,8 +222,8 @@ class UnifolmPipeline:
             h, w = self.config.latent_size
             noise = jax.random.normal(key, (last.shape[0], self.vae.config.latent_channels, h, w))
         fs = jnp.asarray(self.config.unet.default_fs if fs is None else fs, jnp.int32)
-        return _PREPARE(self.model, self.vae, self.encode_text(prompt), self.image_encoder.encode(last), last, noise,
-                             images, states, actions, fs, keep_action_tokens)
+        return _prepare_split(self.model, self.vae, self.encode_text(prompt), self.image_encoder.encode(last), last, noise,
+                             images, states, actions, fs, keep_action_tokens=keep_action_tokens)
 
     def sample(self, cond, num_steps: int = 50, eta: float = 1.0, key=None, noise=None):
         """Stage 2: latents (1, 4, T, h, w), actions and states (1, 16, 16), normalised."""
@@ -234,7 +235,7 @@ class UnifolmPipeline:
 
     def decode(self, latents) -> jax.Array:
         """Stage 3: latents (B, 4, T, h, w) × scale_factor → video (B, 3, T, H, W), unclamped."""
-        return _DECODE(self.vae, latents)
+        return _decode_split(self.vae, latents)
 
     def _stage(self, name: str):
         return self.timer.stage(name) if self.timer is not None else contextlib.nullcontext()
@@ -333,8 +334,25 @@ def _prepare(model, vae, text_emb, clip_tokens, last_frame, noise, images, state
 
 
 # Module-level, so every pipeline (and every preset rebuilt in one process) shares the compiled code.
-_PREPARE = nnx.jit(_prepare, static_argnames=("keep_action_tokens",))
-_DECODE = nnx.jit(lambda vae, z: vae.decode_video(z))
+# Weights go in as split state and only the results come out: `nnx.jit` would also return every weight
+# of the modules it is given (to carry mutations back), a copy of the whole model held at the peak.
+@functools.partial(jax.jit, static_argnums=(0, 1), static_argnames=("keep_action_tokens",))
+def _prepare_program(model_graph, vae_graph, model_state, vae_state, *args, keep_action_tokens):
+    return _prepare(nnx.merge(model_graph, model_state), nnx.merge(vae_graph, vae_state), *args, keep_action_tokens)
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _decode_program(vae_graph, vae_state, z):
+    return nnx.merge(vae_graph, vae_state).decode_video(z)
+
+
+def _prepare_split(model, vae, *args, keep_action_tokens: bool):
+    (model_graph, model_state), (vae_graph, vae_state) = nnx.split(model), nnx.split(vae)
+    return _prepare_program(model_graph, vae_graph, model_state, vae_state, *args, keep_action_tokens=keep_action_tokens)
+
+
+def _decode_split(vae, z):
+    return _decode_program(*nnx.split(vae), z)
 
 
 if __name__ == "__main__":

@@ -15,6 +15,11 @@ Softmax scale is 1/sqrt(D), non-causal, any Sq, Skv ≥ 1. Kernels:
 tuned defaults of `kernels/tuning.py`, unknown keys are an error) tunes the Pallas kernels; the GPU
 kernels read only block_q and block_kv.
 
+`kv_len` ((B,) integers ≥ 1, optional): row b attends only to keys [0, kv_len[b]) (UniFoLM's block-causal
+action tokens). Only `"reference"` and `"cudnn"` (its padding mask, `key_value_seq_lengths`) take it;
+`impl=None` then picks cuDNN for bf16/fp16 on a GPU, so the masked logits are never materialised there,
+else the reference.
+
 `impl=None` picks by backend: TPU → splash_exp2; Hopper GPU → the faster of pallas_gpu and cuDNN
 for the shape class, as measured (`kernels/tuning.py`: ours for self-attention, cuDNN for short
 cross-attention), other GPUs → cuDNN, float32 on GPU → reference; CPU → reference. The
@@ -67,10 +72,12 @@ def reference_attention(q, k, v, kv_len=None, *, scale: float | None = None, bia
     return out.astype(q.dtype)
 
 
-def cudnn_attention(q, k, v):
+def cudnn_attention(q, k, v, kv_len=None):
     if q.dtype not in _HALF:
         raise WanInputError(f"cudnn attention needs bfloat16 or float16 inputs, got {q.dtype}; cast first or use impl='reference'")
-    return jax.nn.dot_product_attention(q, k, v, implementation="cudnn")
+    if kv_len is not None:
+        kv_len = jnp.broadcast_to(jnp.asarray(kv_len, jnp.int32), (q.shape[0],))
+    return jax.nn.dot_product_attention(q, k, v, key_value_seq_lengths=kv_len, implementation="cudnn")
 
 
 def _splash_exp2(q, k, v, block_sizes, interpret):
@@ -94,6 +101,8 @@ _IMPLS = {
 }
 # Pallas interpret mode runs these on any backend.
 _INTERPRETABLE = ("splash_exp2", "pallas_gpu")
+# The impls that take `kv_len`, each called as fn(q, k, v, kv_len).
+_MASKED = {"reference": reference_attention, "cudnn": cudnn_attention}
 
 
 def runnable_impls(backend: str, interpret: bool = False) -> list[str]:
@@ -122,7 +131,7 @@ def _backend_of(x) -> str | None:
     return next(iter(x.devices())).platform
 
 
-def attention(q, k, v, impl=None, interpret=False, block_sizes=None):
+def attention(q, k, v, impl=None, interpret=False, block_sizes=None, kv_len=None):
     """Attention over (B, S, H, D) inputs; returns (B, Sq, H, D) in q's dtype."""
     if q.ndim != 4 or k.shape != v.shape or k.ndim != 4 or (q.shape[0], q.shape[2:]) != (k.shape[0], k.shape[2:]):
         raise WanInputError(f"q {q.shape}, k {k.shape}, v {v.shape} must be (B, S, H, D) with equal B, H, D")
@@ -130,6 +139,8 @@ def attention(q, k, v, impl=None, interpret=False, block_sizes=None):
         raise WanInputError(f"sequence lengths must be ≥ 1, got Sq={q.shape[1]}, Skv={k.shape[1]}")
     check_block_keys(block_sizes)
     backend = _backend_of(q)
+    if kv_len is not None:
+        return _masked(q, k, v, impl, backend, kv_len)
     if impl is None:
         backend = backend or jax.default_backend()
         impl = _default_impl(q, k, backend)
@@ -142,3 +153,18 @@ def attention(q, k, v, impl=None, interpret=False, block_sizes=None):
         )
     fn, _ = _IMPLS[impl]
     return fn(q, k, v, block_sizes, interpret)
+
+
+def _masked(q, k, v, impl, backend, kv_len):
+    """`attention` with `kv_len`: cuDNN's padding mask for half precision on a GPU, else the reference."""
+    if impl is None:
+        where = backend or jax.default_backend()
+        impl = os.environ.get("WAN_TPU_ATTENTION") if os.environ.get("WAN_TPU_ATTENTION") in _MASKED else None
+        impl = impl or ("cudnn" if where == "gpu" and q.dtype in _HALF and q.shape[-1] % 8 == 0 and q.shape[-1] <= 256
+                        else "reference")
+    if impl not in _MASKED:
+        raise WanInputError(f"attention impl {impl!r} takes no kv_len (a key mask); use one of {sorted(_MASKED)} or impl=None")
+    if backend is not None and impl not in runnable_impls(backend):
+        raise WanInputError(f"attention impl {impl!r} cannot run on {backend}; choose one of "
+                            f"{[n for n in runnable_impls(backend) if n in _MASKED]} for a kv_len")
+    return _MASKED[impl](q, k, v, kv_len)

@@ -118,9 +118,15 @@ def check_chunk_index(chunk_index: int, frames_per_chunk: int):
 
 
 def denoise_chunk(graphdef, state, cache, noise, cond_concat, keyboard, mouse, chunk_index, step_noise, *,
-                  schedule: ChunkSchedule):
+                  schedule: ChunkSchedule, first_chunk: bool | None = None):
     """One chunk: every denoising step, the re-noising between them and the cache-update pass.
-    Pure; see the module docstring for the arguments. Returns (x0 float32, cache)."""
+    Pure; see the module docstring for the arguments. Returns (x0 float32, cache).
+
+    The attention window holds (k+1)·C frames at chunk k until it is full: one traced branch per such
+    size (`lax.switch` on `chunk_index`). `first_chunk` True keeps only the first chunk's (chunk_index
+    must be 0), False only the later chunks', None all: a stream's two programs then hold one and
+    four copies of the scanned DiT instead of five each, which is what their compile and their load
+    from the executable cache cost."""
     model = nnx.merge(graphdef, state)
     b, _, f = noise.shape[:3]
     n = schedule.num_steps
@@ -157,11 +163,13 @@ def denoise_chunk(graphdef, state, cache, noise, cond_concat, keyboard, mouse, c
         (_, cache), x0 = jax.lax.scan(body, (noise.astype(jnp.float32), cache), (temb, tproj, sigma, sigma_next, eps))
         return x0[n - 1], cache
 
-    valid = [valid_window_frames(window, (k + 1) * f) for k in range(num_window_branches(window, f))]
-    branches = [lambda c, v=v: run(v, c) for v in valid]
+    count = num_window_branches(window, f)
+    lo = 1 if first_chunk is False and count > 1 else 0
+    hi = 1 if first_chunk else count
+    branches = [lambda c, v=valid_window_frames(window, (k + 1) * f): run(v, c) for k in range(lo, hi)]
     if len(branches) == 1:
         return branches[0](cache)
-    return jax.lax.switch(jnp.minimum(chunk_index, len(branches) - 1), branches, cache)
+    return jax.lax.switch(jnp.clip(chunk_index, lo, hi - 1) - lo, branches, cache)
 
 
 def _draw(key, i, shape):

@@ -13,18 +13,19 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from wan_tpu.layers.attention import reference_attention
+from wan_tpu.layers.attention import attention
+from wan_tpu.layers.conv import Conv
 from wan_tpu.layers.embeddings import FeedForward, linear
 from wan_tpu.layers.norms import FP32LayerNorm, GroupNorm
 
 
-def conv(cin: int, cout: int, kernel, *, stride=1, padding=None, use_bias=True, dtype, rngs) -> nnx.Conv:
-    """torch Conv{1,2,3}d with symmetric padding `kernel // 2` per axis unless given; channels-last."""
+def conv(cin: int, cout: int, kernel, *, stride=1, padding=None, use_bias=True, dtype, rngs) -> Conv:
+    """torch Conv{1,2,3}d with symmetric padding `kernel // 2` per axis unless given; channels-last, the
+    kernel in the backend's layout (`wan_tpu.layers.conv`)."""
     kernel = (kernel,) if isinstance(kernel, int) else tuple(kernel)
     if padding is None:
         padding = tuple((k // 2, k // 2) for k in kernel)
-    return nnx.Conv(cin, cout, kernel, strides=stride, padding=padding, use_bias=use_bias, dtype=dtype,
-                    param_dtype=dtype, rngs=rngs)
+    return Conv(cin, cout, kernel, strides=stride, padding=padding, use_bias=use_bias, dtype=dtype, rngs=rngs)
 
 
 def heads(x, n: int):
@@ -161,7 +162,7 @@ class CrossAttention(nnx.Module):
             a0, a1 = layout.action
             per_frame = (a1 - a0) // 16
             frame = jnp.arange(q.shape[0]) % 16
-            masked = lambda q, k, v: reference_attention(q, k, v, kv_len=(frame + 1) * per_frame)
+            masked = lambda q, k, v: attention(q, k, v, kv_len=(frame + 1) * per_frame)
             out = out + self._branch(q, context, layout.action, self.to_k_aa, self.to_v_aa, masked)
         return self.to_out(merge_heads(out))
 

@@ -10,8 +10,9 @@ Folder layout (written by `scripts/convert_unifolm_checkpoint.py` from the autho
     (vae, text_encoder, image_encoder .safetensors: read by their own loaders)
 
 Tensor names stay the authors' (torch layout); this module maps our parameter paths to them
-(`torch_name`) and converts layouts: a `kernel` is torch's (out, in, *k) moved to (*k, in, out) and
-reshaped to ours (Conv1d(k=1) → linear, Conv3d (3,1,1) → the 2-D temporal conv). Everything is
+(`torch_name`) and converts layouts: a `kernel` is torch's (out, in, *k) moved to (*k, in, out) — or to
+(out, *k, in) for a convolution built out-first (`wan_tpu.layers.conv`, on GPUs) — and reshaped to
+ours (Conv1d(k=1) → linear, Conv3d (3,1,1) → the 2-D temporal conv). Everything is
 checked before any data is read, and all missing / unexpected / mis-shaped names are listed in one
 line. Tensors stream one at a time from memory maps; with a `mesh` each lands sharded by the
 "unifolm" rules of `configs/sharding.py`.
@@ -19,6 +20,7 @@ line. Tensors stream one at a time from memory maps; with a `mesh` each lands sh
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -31,6 +33,7 @@ from flax import nnx
 from wan_tpu.checkpoint import open_component
 from wan_tpu.configs.unifolm import config_from_json
 from wan_tpu.errors import WanInputError
+from wan_tpu.layers.conv import kernel_layout, out_first_kernels, torch_to_kernel
 from wan_tpu.models.unifolm.model import UnifolmWMA, abstract_unifolm
 
 # Our module path → the authors' (applied in order, each once, to the dotted module path).
@@ -106,15 +109,15 @@ def torch_name(path: str) -> tuple[str, str]:
     return component, f"{name}.{leaf}" if name else leaf
 
 
-def _to_ours(a: np.ndarray, leaf: str, shape: tuple[int, ...]) -> np.ndarray:
+def _to_ours(a: np.ndarray, leaf: str, shape: tuple[int, ...], out_first: bool = False) -> np.ndarray:
     if leaf == "kernel":
-        a = a.transpose(tuple(range(2, a.ndim)) + (1, 0))
+        a = torch_to_kernel(a, out_first)
     return a.reshape(shape)
 
 
-def _fits(src: tuple[int, ...], leaf: str, shape: tuple[int, ...]) -> bool:
-    if leaf == "kernel":
-        src = tuple(src[2:]) + (src[1], src[0]) if len(src) >= 2 else src
+def _fits(src: tuple[int, ...], leaf: str, shape: tuple[int, ...], out_first: bool = False) -> bool:
+    if leaf == "kernel" and len(src) >= 2:
+        src = (src[0], *src[2:], src[1]) if out_first else (*src[2:], src[1], src[0])
     return int(np.prod(src)) == int(np.prod(shape)) and [d for d in src if d != 1] == [d for d in shape if d != 1]
 
 
@@ -130,7 +133,10 @@ def load_unifolm(path: str, dtype=jnp.float32, mesh=None, attention_impl=None) -
     except json.JSONDecodeError as e:
         raise WanInputError(f"{cfg_path}: not valid JSON ({e}); re-convert the checkpoint") from None
     sources = {c: open_component(path, c) for c in ("unet", "conditioning")}
-    abstract = abstract_unifolm(cfg, dtype, attention_impl)
+    # Sharded, the convolutions keep (*k, in, out), the layout the sharding rules name.
+    with kernel_layout(False) if mesh is not None else contextlib.nullcontext():
+        abstract = abstract_unifolm(cfg, dtype, attention_impl)
+    out_first = out_first_kernels(abstract)
     graphdef, state = nnx.split(abstract)
     flat = nnx.to_flat_state(state)
 
@@ -144,7 +150,7 @@ def load_unifolm(path: str, dtype=jnp.float32, mesh=None, attention_impl=None) -
         src = sources[component]
         if name not in src:
             missing.append(f"{component}:{name}")
-        elif not _fits(tuple(src.shape(name)), leaf, shape):
+        elif not _fits(tuple(src.shape(name)), leaf, shape, ours in out_first):
             misshaped.append(f"{component}:{name} {tuple(src.shape(name))} (model needs {shape})")
         plan.append((ours, component, name, leaf, var))
     unused = lambda c, n: _IGNORED.search("." + n) or (not cfg.has_heads and c == "unet" and _HEADS.match(n))
@@ -158,7 +164,8 @@ def load_unifolm(path: str, dtype=jnp.float32, mesh=None, attention_impl=None) -
         from wan_tpu.sharding import place_param
     for ours, component, name, leaf, var in plan:
         target = var.get_value()
-        host = _to_ours(np.asarray(sources[component][name]), leaf, tuple(target.shape)).astype(target.dtype)
+        host = _to_ours(np.asarray(sources[component][name]), leaf, tuple(target.shape), ours in out_first)
+        host = host.astype(target.dtype)
         var.set_value(jax.device_put(host) if mesh is None else place_param(mesh, "unifolm", ours, host))
         del host
     model = nnx.merge(graphdef, nnx.from_flat_state(flat))

@@ -64,8 +64,12 @@ def abstract_unifolm(config: UnifolmConfig, dtype=jnp.float32, attention_impl=No
 
 def random_unifolm(config: UnifolmConfig, dtype=jnp.float32, seed: int = 0, attention_impl=None) -> "UnifolmWMA":
     """Random weights (presets, tests, benchmarks), drawn on the host per parameter: fan-in scaled
-    normal weights, unit norm scales, zero biases — no per-shape device compile."""
+    normal weights, unit norm scales, zero biases — no per-shape device compile. The same values in
+    either convolution kernel layout (drawn spatial-first, then moved)."""
+    from wan_tpu.layers.conv import out_first_kernels, spatial_first_shape, spatial_to_out_first
+
     model = abstract_unifolm(config, dtype, attention_impl)
+    out_first = out_first_kernels(model)
     graphdef, state = nnx.split(model)
     flat = nnx.to_flat_state(state)
     for key, var in flat:
@@ -74,7 +78,9 @@ def random_unifolm(config: UnifolmConfig, dtype=jnp.float32, seed: int = 0, atte
         rng = np.random.default_rng([seed, zlib.crc32(path.encode())])
         leaf, shape = path.rsplit(".", 1)[-1], tuple(target.shape)
         if leaf == "kernel":
-            value = rng.standard_normal(shape) / np.sqrt(max(int(np.prod(shape[:-1])), 1))
+            drawn = spatial_first_shape(shape) if path in out_first else shape
+            value = rng.standard_normal(drawn) / np.sqrt(max(int(np.prod(drawn[:-1])), 1))
+            value = spatial_to_out_first(value) if path in out_first else value
         elif leaf in ("weight", "temperature"):
             value = np.ones(shape)
         elif leaf == "bias":
