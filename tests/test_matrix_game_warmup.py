@@ -90,8 +90,8 @@ keyboard, mouse = random_actions(mg._tiny(jnp.float32, jnp.float32, None).action
 out = {}
 for label in ("prepare", "plain"):
     pipe = mg._tiny(jnp.float32, jnp.float32, None)
+    start = len(compiles)  # before prepare: its first compile may end before prepare returns
     warmup = pipe.prepare() if label == "prepare" else None
-    start = len(compiles)
     session = pipe.stream(image, seed=0, max_frames=21)
     frames = [session.step(keyboard[:9], mouse[:9]), session.step(keyboard[9:21], mouse[9:21])]
     if warmup is not None:

@@ -63,6 +63,32 @@ def test_device_layout_matches_host_bitwise(source, monkeypatch, threads, device
         np.testing.assert_array_equal(p.read_host().view(np.uint8), ref.view(np.uint8))
 
 
+def test_a_warm_start_loads_the_layout_programs_instead_of_lowering_them(source, monkeypatch, tmp_path):
+    """With the compile cache on, each layout program is stored whole and a fresh process (here: an empty
+    in-process table) loads it from the executable cache, with results identical to the host's."""
+    from wan_tpu import compile_cache
+
+    src, tensors = source
+    monkeypatch.setattr(param_loading, "DEVICE_LAYOUT_BYTES", 0)
+    before = compile_cache.cache_dir()
+    compile_cache.enable(str(tmp_path / "cache"))
+    try:
+        params = cases(src)[:4]  # the ones with a layout change or a cast: a program each
+        monkeypatch.setattr(param_loading, "_LAYOUT_PROGRAMS", {})
+        stored = compile_cache.stats().programs_stored
+        load_params(params)
+        assert compile_cache.stats().programs_stored - stored == len(params)
+        monkeypatch.setattr(param_loading, "_LAYOUT_PROGRAMS", {})
+        monkeypatch.setattr(param_loading, "_to_ours", None)  # nothing may trace or lower it now
+        loaded = compile_cache.stats().programs_loaded
+        outs = load_params(params)
+        assert compile_cache.stats().programs_loaded - loaded == len(params)
+    finally:
+        compile_cache.enable(before) if before else compile_cache.disable()
+    for p, out in zip(params, outs):
+        np.testing.assert_array_equal(np.asarray(out).view(np.uint8), host_reference(p, tensors).view(np.uint8))
+
+
 def test_place_gets_final_host_arrays_in_order(source):
     src, tensors = source
     params = cases(src)

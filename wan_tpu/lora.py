@@ -59,6 +59,7 @@ import numpy as np
 from flax import nnx
 
 from wan_tpu.errors import WanInputError
+from wan_tpu.models import stacking
 
 # Prefixes a key may carry before the module name.
 _PREFIXES = ("base_model.model.", "model.diffusion_model.", "diffusion_model.", "transformer.", "lora_unet_")
@@ -238,7 +239,7 @@ def check_lora(config, path, scale: float = 1.0) -> int:
 def _abstract_transformer(config):
     from wan_tpu.models.transformer import WanTransformer
 
-    return nnx.eval_shape(lambda: WanTransformer(config, rngs=nnx.Rngs(0)))
+    return stacking.eval_shape(lambda: WanTransformer(config, rngs=nnx.Rngs(0)))
 
 
 def _check_scale(scale) -> float:

@@ -41,6 +41,7 @@ import math
 from dataclasses import dataclass
 
 from wan_tpu.errors import WanInputError
+from wan_tpu.models import stacking
 
 GiB = 2**30
 _FLASH = ("splash_exp2", "pallas_gpu", "cudnn")
@@ -150,7 +151,7 @@ def _dit_elements(cfg) -> int:
 
     from wan_tpu.models.transformer import WanTransformer
 
-    abstract = nnx.eval_shape(lambda: WanTransformer(cfg, dtype=jnp.float32, rngs=nnx.Rngs(0)))
+    abstract = stacking.eval_shape(lambda: WanTransformer(cfg, dtype=jnp.float32, rngs=nnx.Rngs(0)))
     return sum(x.size for x in jax.tree.leaves(nnx.state(abstract)))
 
 

@@ -34,11 +34,30 @@ the text encoder is released, as without `prepare`.
 from __future__ import annotations
 
 import concurrent.futures
+import functools
 import threading
 import warnings
 import weakref
 
 import jax
+
+
+@functools.cache
+def start_transfers() -> None:
+    """Make this process's first host→device transfer now, in a background thread, once. The first
+    transfer sets up the runtime's transfer path: 1.1 s on an H100 host (a 4-byte `device_put`; the next
+    64 MB took 0.04 s), which the first weights to load would otherwise wait for while the other loads,
+    already read from disk, queue behind it. Started beside the loads' abstract builds and header reads,
+    it is off their path (the Matrix-Game DiT's warm load: 2.1 s → 0.9 s with it done beforehand)."""
+    import numpy as np
+
+    def first_transfer():
+        try:
+            jax.device_put(np.zeros(1, np.float32)).block_until_ready()
+        except Exception:  # noqa: BLE001 - a warm-up only: the loads report a real device failure themselves
+            pass
+
+    threading.Thread(target=first_transfer, name="wan_tpu-first-transfer", daemon=True).start()
 
 
 class Warmup:
@@ -57,6 +76,7 @@ class Warmup:
         self._threads: list[threading.Thread] = []
         self._lock = threading.Lock()
         _live.add(self)
+        start_transfers()
 
     def cancel(self) -> None:
         self.cancelled.set()

@@ -38,6 +38,7 @@ from wan_tpu.layers import attention as attention_lib
 from wan_tpu.layers.embeddings import FeedForward, TextProjection, TimestepEmbedding, linear, timestep_embedding
 from wan_tpu.layers.norms import FP32LayerNorm, RMSNorm, layer_norm, modulated_layer_norm
 from wan_tpu.layers.rope import apply_rope, rope_tables, rotate
+from wan_tpu.models.stacking import stack_layers
 
 
 def _heads(x, num_heads):
@@ -179,12 +180,7 @@ class WanTransformer(nnx.Module):
         self.patch_embedding = linear(cfg.in_channels * cfg.patch_volume, dim, dtype, rngs)
         self.condition_embedder = WanConditionEmbedder(cfg, dtype=dtype, rngs=rngs)
 
-        @nnx.split_rngs(splits=cfg.num_layers)
-        @nnx.vmap(in_axes=(0,), out_axes=0)
-        def make_blocks(r):
-            return WanTransformerBlock(cfg, dtype=dtype, rngs=r)
-
-        self.blocks = make_blocks(rngs)
+        self.blocks = stack_layers(lambda r: WanTransformerBlock(cfg, dtype=dtype, rngs=r), cfg.num_layers, rngs)
         self.proj_out = linear(dim, cfg.out_channels * cfg.patch_volume, dtype, rngs)
         self.scale_shift_table = nnx.Param(jax.random.normal(rngs.params(), (1, 2, dim), jnp.float32) / dim**0.5)
 

@@ -20,6 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from wan_tpu.models import stacking
 from wan_tpu.checkpoint import TensorSource, open_checkpoint
 from wan_tpu.configs.models import WanTransformerConfig, config_from_json
 from wan_tpu.errors import WanInputError
@@ -180,7 +181,7 @@ def load_transformer(path: str, dtype=jnp.float32, mesh=None, quantize: str | No
         check_device(quantize, None if mesh is None else list(mesh.devices.flat))
     config, tensors = open_checkpoint(path, "transformer")
     cfg = config_from_json(config)
-    abstract = nnx.eval_shape(lambda: WanTransformer(cfg, dtype=dtype, rngs=nnx.Rngs(0)))
+    abstract = stacking.eval_shape(lambda: WanTransformer(cfg, dtype=dtype, rngs=nnx.Rngs(0)))
     graphdef, state = nnx.split(abstract)
     flat = nnx.to_flat_state(state)
 

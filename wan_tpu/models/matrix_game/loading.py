@@ -27,6 +27,7 @@ from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from wan_tpu.models import stacking
 from wan_tpu.checkpoint import TensorSource
 from wan_tpu.configs.matrix_game import MatrixGameTransformerConfig, config_from_json, get_variant
 from wan_tpu.errors import WanInputError
@@ -153,7 +154,7 @@ def load_matrix_game_transformer(path: str, variant=None, dtype=jnp.float32, mes
 def abstract_transformer(cfg: MatrixGameTransformerConfig, dtype=jnp.float32, attention_impl=None) -> MatrixGameTransformer:
     """The DiT `load_matrix_game_transformer` fills (without a mesh), without weights (`nnx.eval_shape`):
     its graphdef is the loaded one's, so programs compiled for it serve the loaded model."""
-    return nnx.eval_shape(lambda: MatrixGameTransformer(cfg, dtype=dtype, rngs=nnx.Rngs(0), attention_impl=attention_impl))
+    return stacking.eval_shape(lambda: MatrixGameTransformer(cfg, dtype=dtype, rngs=nnx.Rngs(0), attention_impl=attention_impl))
 
 
 def shard_matrix_game(model: MatrixGameTransformer, mesh, **attention_kwargs) -> MatrixGameTransformer:

@@ -40,6 +40,7 @@ from wan_tpu.layers.norms import FP32LayerNorm, layer_norm
 from wan_tpu.layers.rope import rope_tables
 from wan_tpu.models.matrix_game.action import ActionModule
 from wan_tpu.models.matrix_game.cache import BlockCache, KVCache, MatrixGameCache, ring_write, valid_window_frames
+from wan_tpu.models.stacking import stack_layers
 from wan_tpu.models.transformer import WanAttention, WanImageEmbedding, _default_attention, _identity, patchify, unpatchify
 
 # The authors' RoPE table (`rope_params(1024, …)`) covers 1024 latent frames.
@@ -148,12 +149,7 @@ class MatrixGameTransformer(nnx.Module):
         self.condition_embedder = MatrixGameConditionEmbedder(cfg, dtype=dtype, rngs=rngs)
 
         def make_run(start, stop, has_action):
-            @nnx.split_rngs(splits=stop - start)
-            @nnx.vmap(in_axes=(0,), out_axes=0)
-            def make(r):
-                return MatrixGameBlock(cfg, has_action, dtype=dtype, rngs=r)
-
-            return make(rngs)
+            return stack_layers(lambda r: MatrixGameBlock(cfg, has_action, dtype=dtype, rngs=r), stop - start, rngs)
 
         self.blocks = nnx.List([make_run(*run) for run in self.block_runs])
         self.proj_out = linear(cfg.dim, cfg.out_dim * cfg.patch_volume, dtype, rngs)
