@@ -66,19 +66,20 @@ def test_device_layout_matches_host_bitwise(source, monkeypatch, threads, device
 def test_a_warm_start_loads_the_layout_programs_instead_of_lowering_them(source, monkeypatch, tmp_path):
     """With the compile cache on, each layout program is stored whole and a fresh process (here: an empty
     in-process table) loads it from the executable cache, with results identical to the host's."""
-    from wan_tpu import compile_cache
+    from wan_tpu import compile_cache, executable_cache
 
     src, tensors = source
     monkeypatch.setattr(param_loading, "DEVICE_LAYOUT_BYTES", 0)
+    monkeypatch.setattr(executable_cache, "SERVES_CPU", True)  # these small programs load fine on a CPU
     before = compile_cache.cache_dir()
     compile_cache.enable(str(tmp_path / "cache"))
     try:
         params = cases(src)[:4]  # the ones with a layout change or a cast: a program each
-        monkeypatch.setattr(param_loading, "_LAYOUT_PROGRAMS", {})
+        monkeypatch.setattr(executable_cache, "_CALLED", {})
         stored = compile_cache.stats().programs_stored
         load_params(params)
         assert compile_cache.stats().programs_stored - stored == len(params)
-        monkeypatch.setattr(param_loading, "_LAYOUT_PROGRAMS", {})
+        monkeypatch.setattr(executable_cache, "_CALLED", {})
         monkeypatch.setattr(param_loading, "_to_ours", None)  # nothing may trace or lower it now
         loaded = compile_cache.stats().programs_loaded
         outs = load_params(params)

@@ -7,6 +7,9 @@ its programs instead of tracing and lowering them.
     programs.put("chunk-1", compiled)
     out = programs.call("chunk-1", dynamic_args, lambda: jitted(*args, **kwargs))
 
+    # or, at a call site whose arguments are at hand (the loaders' layout programs):
+    out = executable_cache.cached_call("param-layout", key, jitted, args, kwargs, static_argnames=(...))
+
 JAX's persistent compile cache (`wan_tpu.compile_cache`) is keyed by the lowered program, so even a hit
 first traces and lowers it: seconds of Python for a 30-block DiT, under the GIL that the weights' loads
 need too. Here the caller names what determines the program — the components' configs, dtypes, sizes,
@@ -120,6 +123,54 @@ class Programs:
                 warnings.warn(f"the stored program {name} does not take these arguments ({str(e).splitlines()[0]}); "
                               "it is compiled again", stacklevel=2)
         return fallback()
+
+
+# XLA:CPU (jax 0.10.2) failed to run some whole programs loaded in a process that had compiled others
+# ("Function copy_bitcast_fusion.3 not found", UnifoLM's stage programs, 2026-11-25): on a CPU
+# `cached_call` takes the jitted path (JAX's own compile cache still serves it).
+SERVES_CPU = False
+_CALLED: dict = {}  # full key → compiled program, for `cached_call`, once per process
+_CALLED_LOCK = threading.Lock()
+
+
+def cached_call(name: str, key, jitted, args: tuple, kwargs: dict | None = None, *, static_argnums: tuple = (),
+                static_argnames: tuple = ()):
+    """`jitted(*args, **kwargs)` (a `jax.jit` function and its static arguments' positions and names) run by
+    a program loaded whole from this cache, or compiled and stored on a miss: a later process traces and
+    lowers nothing for it. `key` names what the arguments' shapes do not (configs, dtypes, the attention
+    setting) and stands for the static graphdefs (`nnx.GraphDef`), which have no stable text; other static
+    values and every dynamic leaf's shape and dtype complete the key. Without a key, with the cache off, on
+    a CPU (`SERVES_CPU`) or with arguments spread over several devices (another program): the jitted path."""
+    from flax import nnx
+
+    kwargs = kwargs or {}
+    if key is None or compile_cache.cache_dir() is None or (jax.default_backend() == "cpu" and not SERVES_CPU):
+        return jitted(*args, **kwargs)
+    dynamic = tuple(a for i, a in enumerate(args) if i not in static_argnums)
+    dynamic_kw = {k: v for k, v in kwargs.items() if k not in static_argnames}
+    statics = [a for i, a in enumerate(args) if i in static_argnums] + [kwargs[k] for k in static_argnames if k in kwargs]
+    leaves, tree = jax.tree.flatten((dynamic, dynamic_kw))
+    signature = []
+    for leaf in leaves:
+        if isinstance(leaf, jax.Array) and len(leaf.sharding.device_set) > 1:
+            return jitted(*args, **kwargs)
+        signature.append((tuple(getattr(leaf, "shape", ())), str(getattr(leaf, "dtype", type(leaf).__name__)),
+                          bool(getattr(leaf, "weak_type", False))))
+    full = (key, tuple(repr(s) for s in statics if not isinstance(s, nnx.GraphDef)), repr(tree), tuple(signature))
+    with _CALLED_LOCK:
+        compiled = _CALLED.get((name, full))
+    if compiled is None:
+        compiled = load(name, full) or store(name, full, jitted.lower(*args, **kwargs))
+        with _CALLED_LOCK:
+            _CALLED[(name, full)] = compiled
+    try:
+        return compiled(*dynamic, **dynamic_kw)
+    except TypeError as e:  # JAX checks the arguments before running anything
+        with _CALLED_LOCK:
+            _CALLED.pop((name, full), None)
+        warnings.warn(f"the stored program {name} does not take these arguments ({str(e).splitlines()[0]}); "
+                      "it is compiled again", stacklevel=2)
+        return jitted(*args, **kwargs)
 
 
 @functools.cache

@@ -30,7 +30,6 @@ import collections
 import concurrent.futures
 import dataclasses
 import functools
-import threading
 from collections.abc import Callable, Sequence
 
 import jax
@@ -117,30 +116,16 @@ def _to_ours(layers, layout: Layout, stacked: bool, dtype):
     return layout.apply(stored, stacked).astype(dtype)
 
 
-_LAYOUT_PROGRAMS: dict = {}  # key → compiled `_to_ours`, once per process (loaders in threads share it)
-_LAYOUT_LOCK = threading.Lock()
-
-
 def _layout_program(layers: tuple, layout: Layout, stacked: bool, dtype):
-    """`_to_ours(layers, ...)` through a program loaded from the executable cache (`wan_tpu.executable_cache`)
-    when the compile cache holds it: a warm start then traces and lowers nothing. Lowering the Matrix-Game
-    DiT's 10 layout programs took 1.3 s of its 1.7 s warm load on an H100 (its transfers: 0.25 s)."""
+    """`_to_ours(layers, ...)` through a program loaded whole from the executable cache when the compile
+    cache holds it (`executable_cache.cached_call`): a warm start then traces and lowers nothing. Lowering
+    the Matrix-Game DiT's 10 layout programs took 1.3 s of its 1.7 s warm load on an H100 (its transfers
+    0.25 s)."""
     from wan_tpu import executable_cache
 
-    dtype = np.dtype(dtype)
-    key = (tuple((a.shape, a.dtype.name) for a in layers), layout, stacked, dtype.name)
-    with _LAYOUT_LOCK:
-        program = _LAYOUT_PROGRAMS.get(key)
-    if program is None:
-        program = executable_cache.load("param-layout", key)
-        if program is None:
-            program = executable_cache.store("param-layout", key, _to_ours.lower(layers, layout, stacked, dtype))
-        with _LAYOUT_LOCK:
-            program = _LAYOUT_PROGRAMS.setdefault(key, program)
-    try:
-        return program(layers)
-    except TypeError:  # arguments it was not compiled for (another device): the jitted path
-        return _to_ours(layers, layout, stacked, dtype)
+    return executable_cache.cached_call("param-layout", "param-layout", _to_ours, (layers,),
+                                        dict(layout=layout, stacked=stacked, dtype=np.dtype(dtype)),
+                                        static_argnames=("layout", "stacked", "dtype"))
 
 
 def _ordered(pool, fn, items, ahead: int):
