@@ -13,7 +13,7 @@ bf16 weights in numpy took the DiT loader down to 0.43 GB/s. So here:
   * the layout change (`Layout`: a reshape and a transpose, e.g. torch's (out, in) → (in, out)), the
     stacking of per-layer tensors on a leading axis and the cast to the model's dtype run on the device,
     where they cost microseconds, in one small program per distinct (layers, shape, layout, dtype) that
-    the executable cache keeps whole (a warm start loads it without tracing or lowering);
+    a GPU's or TPU's executable cache keeps whole (a warm start loads it without tracing or lowering);
   * a small parameter (under `DEVICE_LAYOUT_BYTES`, e.g. the VAE's many convolutions, a layer norm's
     stacked gains) is built on the host, where that is cheap, rather than compiling a program for each
     of its shapes.
@@ -118,9 +118,9 @@ def _to_ours(layers, layout: Layout, stacked: bool, dtype):
 
 def _layout_program(layers: tuple, layout: Layout, stacked: bool, dtype):
     """`_to_ours(layers, ...)` through a program loaded whole from the executable cache when the compile
-    cache holds it (`executable_cache.cached_call`): a warm start then traces and lowers nothing. Lowering
-    the Matrix-Game DiT's 10 layout programs took 1.3 s of its 1.7 s warm load on an H100 (its transfers
-    0.25 s)."""
+    cache holds it (`executable_cache.cached_call`; not on a CPU): a warm start then traces and lowers
+    nothing. Lowering the Matrix-Game DiT's 10 layout programs took 1.3 s of its 1.7 s warm load on an
+    H100 (its transfers 0.25 s)."""
     from wan_tpu import executable_cache
 
     return executable_cache.cached_call("param-layout", "param-layout", _to_ours, (layers,),
