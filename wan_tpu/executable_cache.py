@@ -137,12 +137,9 @@ def cached_call(name: str, key, jitted, args: tuple, kwargs: dict | None = None,
                 static_argnames: tuple = ()):
     """`jitted(*args, **kwargs)` (a `jax.jit` function and its static arguments' positions and names) run by
     a program loaded whole from this cache, or compiled and stored on a miss: a later process traces and
-    lowers nothing for it. `key` names what the arguments' shapes do not (configs, dtypes, the attention
-    setting) and stands for the static graphdefs (`nnx.GraphDef`), which have no stable text; other static
-    values and every dynamic leaf's shape and dtype complete the key. Without a key, with the cache off, on
+    lowers nothing for it. `key` names what the arguments do not (configs, dtypes, settings); the static
+    values' text and every dynamic leaf's shape and dtype complete it. Without a key, with the cache off, on
     a CPU (`SERVES_CPU`) or with arguments spread over several devices (another program): the jitted path."""
-    from flax import nnx
-
     kwargs = kwargs or {}
     if key is None or compile_cache.cache_dir() is None or (jax.default_backend() == "cpu" and not SERVES_CPU):
         return jitted(*args, **kwargs)
@@ -156,7 +153,7 @@ def cached_call(name: str, key, jitted, args: tuple, kwargs: dict | None = None,
             return jitted(*args, **kwargs)
         signature.append((tuple(getattr(leaf, "shape", ())), str(getattr(leaf, "dtype", type(leaf).__name__)),
                           bool(getattr(leaf, "weak_type", False))))
-    full = (key, tuple(repr(s) for s in statics if not isinstance(s, nnx.GraphDef)), repr(tree), tuple(signature))
+    full = (key, tuple(repr(s) for s in statics), repr(tree), tuple(signature))
     with _CALLED_LOCK:
         compiled = _CALLED.get((name, full))
     if compiled is None:

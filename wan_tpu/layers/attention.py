@@ -159,9 +159,9 @@ def _masked(q, k, v, impl, backend, kv_len):
     """`attention` with `kv_len`: cuDNN's padding mask for half precision on a GPU, else the reference."""
     if impl is None:
         where = backend or jax.default_backend()
-        impl = os.environ.get("WAN_TPU_ATTENTION") if os.environ.get("WAN_TPU_ATTENTION") in _MASKED else None
-        impl = impl or ("cudnn" if where == "gpu" and q.dtype in _HALF and q.shape[-1] % 8 == 0 and q.shape[-1] <= 256
-                        else "reference")
+        chosen = os.environ.get("WAN_TPU_ATTENTION")
+        cudnn_fits = where == "gpu" and q.dtype in _HALF and q.shape[-1] % 8 == 0 and q.shape[-1] <= 256
+        impl = chosen if chosen in _MASKED else "cudnn" if cudnn_fits else "reference"
     if impl not in _MASKED:
         raise WanInputError(f"attention impl {impl!r} takes no kv_len (a key mask); use one of {sorted(_MASKED)} or impl=None")
     if backend is not None and impl not in runnable_impls(backend):
