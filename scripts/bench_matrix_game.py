@@ -22,9 +22,10 @@ so a later call can run the rest while the machine still holds WORKDIR):
   seed and actions, through a stream, with the compile cache warm from the first-frame runs when
   they ran first.
 - `first-frame`: ours in a fresh process from `python` start to the first chunk's frames on the host,
-  with an empty compile cache (cold) and again with it filled (warm), and where the time went (seconds
-  from start): imports done, every load finished, the image prepared (condition, CLIP tokens, the DiT
-  cache), the first frame; and when each load and each compile ahead (`prepare`) finished.
+  with an empty compile cache (cold) and again with it filled (warm, `--warm-runs` times), and where the
+  time went (seconds from start): imports done, every load finished, the image prepared (condition, CLIP
+  tokens, the DiT cache), the first frame; when each load and each compile ahead (`prepare`) finished,
+  when each stored program's load began and ended, and how long the second chunk took.
 - `startup` (after `first-frame`): a warm start's steps one after the other in a fresh process (imports,
   backend start, Mosaic GPU's runtime, the source hash, each stored program's load, each component's
   weights), so the concurrent start's overlap can be read against its parts.
@@ -293,19 +294,98 @@ def _their_forward_ms(ref, pipe, cond_dict, n_lat):
     return statistics.median(times[2:])
 
 
+class StackSampler:
+    """Where each thread is, every 5 ms (`--sample-stacks`): per thread, the segments (≥ 50 ms) in one
+    function (the innermost frame of this package, jax or flax, else the innermost), and the sampler's
+    own late wake-ups (≥ 30 ms: the GIL held that long by native code, named by the busiest stacks)."""
+
+    def __init__(self, t0: float):
+        import threading
+
+        self.t0, self.segments, self.stalls = t0, {}, []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="sampler", daemon=True)
+        self._thread.start()
+
+    @staticmethod
+    def _where(frame) -> str:
+        first = None
+        while frame is not None:
+            name = frame.f_code.co_filename
+            label = f"{os.path.basename(name)}:{frame.f_code.co_name}"
+            first = first or label
+            if any(part in name for part in ("/wan_tpu/", "/jax/", "/flax/", "/safetensors/")):
+                return label
+            frame = frame.f_back
+        return first or "?"
+
+    def _run(self):
+        import threading
+
+        last = time.time()
+        names = {}
+        while not self._stop.is_set():
+            time.sleep(0.005)
+            now = time.time()
+            frames = sys._current_frames()
+            for t in threading.enumerate():
+                names[t.ident] = t.name
+            where = {names.get(i, str(i)): self._where(f) for i, f in frames.items() if names.get(i) != "sampler"}
+            if now - last >= 0.03:
+                self.stalls.append((round(last - self.t0, 2), round(now - last, 2), where))
+            for thread, label in where.items():
+                segs = self.segments.setdefault(thread, [])
+                if segs and segs[-1][2] == label:
+                    segs[-1][1] = now - self.t0
+                else:
+                    segs.append([now - self.t0, now - self.t0, label])
+            last = now
+
+    def report(self) -> dict:
+        self._stop.set()
+        self._thread.join()
+        return {"threads": {t: [(round(a, 2), round(b, 2), w) for a, b, w in segs if b - a >= 0.05]
+                            for t, segs in self.segments.items()},
+                "stalls": self.stalls}
+
+
 def ours(args, first_frame_only=False) -> dict:
     """Our stream as the CLI runs it: `prepare` (every load and every program's compile start at once),
     then `stream` and `step`. Times are seconds from the process start (`MG_BENCH_T0`)."""
     t0 = float(os.environ.get("MG_BENCH_T0", time.time()))
+    sampler = StackSampler(t0) if first_frame_only and args.sample_stacks else None
     _enable_compile_cache(args.cache_dir)
     import jax
     import jax.numpy as jnp
 
+    from wan_tpu import executable_cache
     from wan_tpu.matrix_game import MatrixGamePipeline
 
     dtypes = {"bfloat16": jnp.bfloat16, "float32": jnp.float32}
     model = CONFIGS[args.config]["preset"] or os.path.join(args.workdir, "converted")
     startup_s = time.time() - t0  # the imports
+    loading = {}  # each stored program's load: (start, end) in s from start
+    load = executable_cache.load
+
+    def timed_load(name, key):
+        begin = time.time() - t0
+        try:
+            return load(name, key)
+        finally:
+            loading[name] = (begin, time.time() - t0)
+
+    executable_cache.load = timed_load
+    calling = {}  # each program's first call (dispatch, not its device time): (start, end) in s from start
+    call = executable_cache.Programs.call
+
+    def timed_call(self, name, dynamic, fallback):
+        begin = time.time() - t0
+        try:
+            return call(self, name, dynamic, fallback)
+        finally:
+            calling.setdefault(name, (begin, time.time() - t0))
+
+    executable_cache.Programs.call = timed_call
     pipe = MatrixGamePipeline.from_pretrained(model, dtype=dtypes[args.dtype], vae_dtype=dtypes[args.vae_dtype])
     warmup = pipe.prepare()
     ready = {}  # when each load / compile ahead finished (s from start)
@@ -332,7 +412,10 @@ def ours(args, first_frame_only=False) -> dict:
     load_s = max(t for key, t in ready.items() if key.startswith("load "))
     if first_frame_only:
         return {"first_frame_s": first, "startup_s": startup_s, "load_s": load_s, "image_s": image_s, "prep_s": prep_s,
-                "second_chunk_s": session.chunk_seconds[1], "ready": dict(sorted(ready.items(), key=lambda kv: kv[1]))}
+                "second_chunk_s": session.chunk_seconds[1], "ready": dict(sorted(ready.items(), key=lambda kv: kv[1])),
+                "program_loads": dict(sorted(loading.items(), key=lambda kv: kv[1])),
+                "first_calls": dict(sorted(calling.items(), key=lambda kv: kv[1])),
+                "stacks": sampler.report() if sampler else None}
     forward_ms, profile = _our_forward_ms(pipe, session, keyboard, mouse, args.profile)
     stats = jax.devices()[0].memory_stats() or {}
     return {"ours": _summary(session.chunk_frames, session.chunk_seconds, forward_ms, first,
@@ -445,7 +528,7 @@ def startup(args) -> dict:
     _enable_compile_cache(args.cache_dir)
     executable_cache._load_kernel_runtimes()
     mark("kernel runtimes (Mosaic GPU)")
-    executable_cache._source_hash()
+    executable_cache.source_hash()
     mark("source hash")
     import jax.numpy as jnp
 
@@ -470,7 +553,12 @@ def startup(args) -> dict:
 
 def first_frame(argv) -> dict:
     """Ours in fresh processes: an empty compile cache, then the filled one."""
-    return {"first_frame": {label: run_child("first", argv) for label in ("cold", "warm")}}
+    labels = ["cold", "warm", *(f"warm {i}" for i in range(2, warm_runs(argv) + 1))]
+    return {"first_frame": {label: run_child("first", argv) for label in labels}}
+
+
+def warm_runs(argv) -> int:
+    return int(argv[argv.index("--warm-runs") + 1]) if "--warm-runs" in argv else 1
 
 
 def run_child(part: str, argv) -> dict:
@@ -543,6 +631,18 @@ def table(results: dict) -> str:
                      f"image prepared {r.get('image_s', 0):.1f}, first frame {r['first_frame_s']:.1f})")
         if "ready" in r:
             lines.append("    ready at: " + ", ".join(f"{k} {t:.1f}" for k, t in r["ready"].items()))
+        if r.get("program_loads"):
+            lines.append("    stored programs loaded (from-to): " + ", ".join(
+                f"{k} {a:.2f}-{b:.2f}" for k, (a, b) in r["program_loads"].items()))
+        if r.get("first_calls"):
+            lines.append("    programs' first calls, dispatch (from-to): " + ", ".join(
+                f"{k} {a:.2f}-{b:.2f}" for k, (a, b) in r["first_calls"].items()))
+        for thread, segs in ((r.get("stacks") or {}).get("threads") or {}).items():
+            lines.append(f"    thread {thread}: " + "; ".join(f"{a:.2f}-{b:.2f} {w}" for a, b, w in segs))
+        for at, gap, where in (r.get("stacks") or {}).get("stalls") or []:
+            lines.append(f"    GIL stall at {at:.2f} for {gap:.2f} s: " + "; ".join(f"{t}={w}" for t, w in where.items()))
+        if "second_chunk_s" in r:
+            lines.append(f"    second chunk: {r['second_chunk_s']:.2f} s after the first")
     if "startup" in results:
         lines.append("ours warm start, each step alone (s): " + ", ".join(f"{k} {t:.2f}" for k, t in results["startup"].items()))
     lines += results.get("ours", {}).get("profile", [])
@@ -560,6 +660,8 @@ def main(argv=None):
     p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"), help="our DiT and CLIP dtype")
     p.add_argument("--vae-dtype", default="bfloat16", choices=("bfloat16", "float32"), help="our VAE dtype")
     p.add_argument("--their-compile", default="max-autotune-no-cudagraphs", help="their decoder's torch.compile mode, or none")
+    p.add_argument("--warm-runs", type=int, default=1, help="`first-frame`: fresh processes with the cache filled")
+    p.add_argument("--sample-stacks", action="store_true", help="`first-frame`: where every thread is, sampled")
     p.add_argument("--profile", default=None, help="folder for a trace of our DiT forward (`ours`): op classes printed")
     args = p.parse_args(argv)
     args.latent_frames = args.latent_frames or CONFIGS[args.config]["latent_frames"]

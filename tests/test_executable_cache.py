@@ -163,3 +163,27 @@ def test_a_warm_start_traces_nothing_and_gives_the_same_frames(tmp_path):
     assert PROGRAMS <= set(cold["traced"]) and cold["writes"] == 9 and cold["hits"] == 0, cold
     assert not PROGRAMS & set(warm["traced"]) and warm["hits"] == 9 and warm["writes"] == 0, warm
     np.testing.assert_array_equal(np.load(tmp_path / "warm.npy"), np.load(tmp_path / "cold.npy"))
+
+
+@functools.partial(jax.jit, static_argnames="scale")
+def _scaled(x, scale):
+    return x * scale + 1
+
+
+def test_cached_call_serves_a_stored_program_and_its_options_are_part_of_the_key(cache, monkeypatch):
+    monkeypatch.setattr(executable_cache, "SERVES_CPU", True)  # the GPU/TPU path, taken on this CPU
+    monkeypatch.setattr(executable_cache, "_CALLED", {})
+    x = jnp.arange(4.0)
+
+    def call(options=None):
+        return executable_cache.cached_call("scaled", "key", _scaled, (x,), dict(scale=2.0), static_argnames=("scale",),
+                                            compiler_options=options)
+
+    np.testing.assert_array_equal(call(), x * 2 + 1)
+    assert len(_entries(cache)) == 1
+    executable_cache._CALLED.clear()  # as a new process: found on disk, not compiled
+    loaded = compile_cache.stats().programs_loaded
+    np.testing.assert_array_equal(call(), x * 2 + 1)
+    assert compile_cache.stats().programs_loaded == loaded + 1
+    np.testing.assert_array_equal(call(executable_cache.GRAPHLESS), x * 2 + 1)  # other options: another program
+    assert len(_entries(cache)) == 2

@@ -142,18 +142,57 @@ def test_a_failed_compile_ahead_is_a_warning_and_the_stream_works():
 
 @pytest.mark.slow  # compiles the stream's programs unless the compile cache has them
 @pytest.mark.parametrize("graphs", [False, True])
-def test_a_first_run_waits_for_every_program_and_on_a_gpu_for_every_load(monkeypatch, graphs):
+def test_a_first_run_waits_for_every_program_and_on_a_gpu_for_every_load(monkeypatch, tmp_path, graphs):
     """`_wait_compiled(name)` waits for all of `prepare`'s programs (not only `name`'s), and where XLA
     captures CUDA graphs (patched in here) for the components' loads too: a first run must not overlap
-    other CUDA work."""
-    monkeypatch.setattr(mg, "_captures_graphs", lambda: graphs)
+    other CUDA work. There a stored chunk-1 loads only once the first chunk has run."""
+    from wan_tpu import compile_cache, matrix_game_warmup
+
+    monkeypatch.setattr(matrix_game_warmup, "captures_graphs", lambda: graphs)
+    before = compile_cache.cache_dir()  # the executable cache on, in a folder of this test's
+    compile_cache.enable(str(tmp_path / "cache"))
+    try:
+        _first_runs(graphs)
+    finally:
+        compile_cache.enable(before) if before else compile_cache.disable()
+
+
+def _first_runs(graphs):
+    import threading
+
     tiny = mg._tiny(jnp.float32, jnp.float32, None)
-    pipe = mg.MatrixGamePipeline(tiny.variant, tiny._loaders, name="t", dtype=jnp.float32, vae_dtype=jnp.float32,
-                                 abstracts=tiny._abstracts, configs=lambda: tiny.configs)
+    gate = threading.Event()
+
+    def pipeline(loaders):
+        return mg.MatrixGamePipeline(tiny.variant, loaders, name="t", dtype=jnp.float32, vae_dtype=jnp.float32,
+                                     abstracts=tiny._abstracts, configs=lambda: tiny.configs)
+
+    first = pipeline(tiny._loaders)
+    warmup = first.prepare()  # every program compiled (or found) and stored: chunk-1's too
+    for name in list(warmup.compiles):
+        warmup.wait_compiled(name)
+    warmup.close()
+
+    def transformer():
+        gate.wait(60)
+        return tiny._loaders["transformer"]()
+
+    pipe = pipeline({**tiny._loaders, "transformer": transformer})  # the DiT's load held until `gate`
     with pipe.prepare() as warmup:
-        pipe._wait_compiled("key")
-        assert not warmup.compiles  # every program waited for, chunk-1's too
-        assert {"chunk-0", "chunk-1", "key", "clip", "cache", "encode-first"} <= set(pipe._programs._compiled)
-        loaded = {name for name in ("transformer", "vae", "image_encoder") if name in pipe._loaded}
-        if graphs:
-            assert loaded == {"transformer", "vae", "image_encoder"}
+        waiting = threading.Thread(target=pipe._wait_compiled, args=("key",))
+        waiting.start()
+        waiting.join(0.5 if graphs else 120)  # without graphs it needs no load: only the programs
+        assert waiting.is_alive() == graphs  # with graphs: waiting for the DiT's load
+        gate.set()
+        waiting.join()
+        assert {"chunk-0", "key", "clip", "cache", "encode-first", "gray-latents"} <= set(pipe._programs._compiled)
+        if not graphs:
+            assert not warmup.compiles and "chunk-1" in pipe._programs  # every program waited for
+            return
+        assert {"transformer", "vae", "image_encoder"} <= set(pipe._loaded)
+        assert list(warmup.compiles) == ["chunk-1"]  # stored: it loads after the first chunk
+        with pytest.raises(TimeoutError):
+            warmup.compiles["chunk-1"].result(timeout=0.3)
+        pipe.first_chunk_ran.set()
+        pipe._wait_compiled("chunk-1")
+        assert "chunk-1" in pipe._programs and not warmup.compiles

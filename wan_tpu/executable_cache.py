@@ -71,9 +71,16 @@ def load(name: str, key) -> jax.stages.Compiled | None:
     return compiled
 
 
-def store(name: str, key, lowered: jax.stages.Lowered) -> jax.stages.Compiled:
-    """Compile `lowered` and write it under (`name`, `key`) when the cache is on; → the compiled program."""
-    compiled = lowered.compile()
+def exists(name: str, key) -> bool:
+    """Whether an entry for (`name`, `key`) is on disk (it may still prove unreadable when loaded)."""
+    path = _path(name, key)
+    return path is not None and os.path.isfile(path)
+
+
+def store(name: str, key, lowered: jax.stages.Lowered, compiler_options: dict | None = None) -> jax.stages.Compiled:
+    """Compile `lowered` (with XLA's `compiler_options`, which the key must name) and write it under (`name`,
+    `key`) when the cache is on; → the compiled program."""
+    compiled = lowered.compile(compiler_options)
     path = _path(name, key)
     if path is None:
         return compiled
@@ -125,6 +132,18 @@ class Programs:
         return fallback()
 
 
+# XLA's compiler option for a program without command buffers (no CUDA graphs), on NVIDIA GPUs. XLA
+# records a program's first run there as a CUDA graph, which CUDA work from another thread meanwhile can
+# break (`cudaErrorStreamCaptureUnjoined`); a program run once or a few times per load (the loaders'
+# layout programs, which several loads run at once in their threads) gains nothing from a graph.
+GRAPHLESS = {"xla_gpu_enable_command_buffer": ""}
+
+
+def graphless() -> dict | None:
+    """`GRAPHLESS` where XLA records first runs as CUDA graphs (NVIDIA GPUs), else None."""
+    return GRAPHLESS if jax.devices()[0].platform == "gpu" else None
+
+
 # XLA:CPU (jax 0.10.2) failed to run some whole programs loaded in a process that had compiled others
 # ("Function copy_bitcast_fusion.3 not found", UnifoLM's stage programs, 2026-11-25): on a CPU
 # `cached_call` takes the jitted path (JAX's own compile cache still serves it).
@@ -134,14 +153,15 @@ _CALLED_LOCK = threading.Lock()
 
 
 def cached_call(name: str, key, jitted, args: tuple, kwargs: dict | None = None, *, static_argnums: tuple = (),
-                static_argnames: tuple = ()):
+                static_argnames: tuple = (), compiler_options: dict | None = None):
     """`jitted(*args, **kwargs)` (a `jax.jit` function and its static arguments' positions and names) run by
-    a program loaded whole from this cache, or compiled and stored on a miss: a later process traces and
-    lowers nothing for it. `key` names what the arguments do not (configs, dtypes, settings); the static
-    values' text and every dynamic leaf's shape and dtype complete it. Without a key, with the cache off, on
-    a CPU (`SERVES_CPU`) or with arguments spread over several devices (another program): the jitted path."""
+    a program loaded whole from this cache, or compiled (with XLA's `compiler_options`) and stored on a
+    miss: a later process traces and lowers nothing for it. `key` names what the arguments do not (configs,
+    dtypes, settings); the static values' text, every dynamic leaf's shape and dtype and the options complete
+    it. With the cache off the program is compiled once per process. Without a key, on a CPU (`SERVES_CPU`)
+    or with arguments spread over several devices (another program): the jitted path."""
     kwargs = kwargs or {}
-    if key is None or compile_cache.cache_dir() is None or (jax.default_backend() == "cpu" and not SERVES_CPU):
+    if key is None or (jax.default_backend() == "cpu" and not SERVES_CPU):
         return jitted(*args, **kwargs)
     dynamic = tuple(a for i, a in enumerate(args) if i not in static_argnums)
     dynamic_kw = {k: v for k, v in kwargs.items() if k not in static_argnames}
@@ -153,11 +173,12 @@ def cached_call(name: str, key, jitted, args: tuple, kwargs: dict | None = None,
             return jitted(*args, **kwargs)
         signature.append((tuple(getattr(leaf, "shape", ())), str(getattr(leaf, "dtype", type(leaf).__name__)),
                           bool(getattr(leaf, "weak_type", False))))
-    full = (key, tuple(repr(s) for s in statics), repr(tree), tuple(signature))
+    full = (key, tuple(repr(s) for s in statics), repr(tree), tuple(signature),
+            tuple(sorted((compiler_options or {}).items())))
     with _CALLED_LOCK:
         compiled = _CALLED.get((name, full))
     if compiled is None:
-        compiled = load(name, full) or store(name, full, jitted.lower(*args, **kwargs))
+        compiled = load(name, full) or store(name, full, jitted.lower(*args, **kwargs), compiler_options)
         with _CALLED_LOCK:
             _CALLED[(name, full)] = compiled
     try:
@@ -174,17 +195,28 @@ def cached_call(name: str, key, jitted, args: tuple, kwargs: dict | None = None,
 def _load_kernel_runtimes() -> None:
     """What a program's custom calls need at run time, which tracing would have set up. On NVIDIA GPUs, a
     Mosaic GPU kernel (our attention) stored in a program links its host code against Mosaic GPU's runtime
-    library when the program loads: the library must be in the process, with its symbols global (tracing
-    a kernel loads it; loading a stored program does not). Without it the kernel is rebuilt on its first
-    run, inside XLA's CUDA-graph capture, which fails (`cudaErrorStreamCaptureUnjoined`) or takes seconds."""
+    library when the program loads: the library must be in the process, with its symbols global, and named
+    by `MOSAIC_GPU_RUNTIME_LIB_PATH` (tracing a kernel imports `jax.experimental.mosaic.gpu`, which does
+    both; loading a stored program does not). Without it the kernel is rebuilt on its first run, inside
+    XLA's CUDA-graph capture, which fails (`cudaErrorStreamCaptureUnjoined`) or takes seconds. The library
+    sits beside the GPU plugin's Mosaic GPU extension, found as that package finds it, without importing
+    the package: 0.17 s alone, but 1 s while the loads' threads held the GIL (an H100 host's warm start)."""
     if jax.devices()[0].platform != "gpu":
         return
-    try:
-        importlib.import_module("jax.experimental.mosaic.gpu")  # sets MOSAIC_GPU_RUNTIME_LIB_PATH
-    except ImportError:  # a jaxlib without Mosaic GPU: its programs hold no such kernel
-        return
     runtime = os.environ.get("MOSAIC_GPU_RUNTIME_LIB_PATH")
+    if not runtime:
+        try:
+            from jax._src.lib import mosaic_gpu
+
+            runtime = os.path.join(os.path.dirname(mosaic_gpu._mosaic_gpu_ext.__file__), "libmosaic_gpu_runtime.so")
+        except (ImportError, AttributeError):  # another layout: ask the package itself
+            try:
+                importlib.import_module("jax.experimental.mosaic.gpu")  # sets MOSAIC_GPU_RUNTIME_LIB_PATH
+            except ImportError:  # a jaxlib without Mosaic GPU: its programs hold no such kernel
+                return
+            runtime = os.environ.get("MOSAIC_GPU_RUNTIME_LIB_PATH")
     if runtime and os.path.isfile(runtime):
+        os.environ.setdefault("MOSAIC_GPU_RUNTIME_LIB_PATH", runtime)
         ctypes.CDLL(runtime, mode=ctypes.RTLD_GLOBAL)
 
 
@@ -212,12 +244,23 @@ def _environment() -> tuple[str, ...]:
         "jax_numpy_rank_promotion", "jax_use_shardy_partitioner")}
     return (f"jax {jax.__version__} jaxlib {jaxlib.__version__} flax {flax.__version__} numpy {numpy.__version__}",
             f"devices {devices[0].platform} {devices[0].device_kind} x{len(devices)}",
-            f"XLA_FLAGS {os.environ.get('XLA_FLAGS', '')}", repr(settings), repr(sorted(config.items())), _source_hash())
+            f"XLA_FLAGS {os.environ.get('XLA_FLAGS', '')}", repr(settings), repr(sorted(config.items())), source_hash())
+
+
+_HASH_LOCK = threading.Lock()
+
+
+def source_hash() -> str:
+    """sha256 of this package's Python sources (paths and contents), once per process: the first caller
+    computes it while the others wait. `Warmup` asks before its threads start: alone it takes 2 ms, but
+    read by six program threads at once beside the loads it took 0.4 s (every file read gives the GIL up,
+    and each taking it back waits for the other threads' turns)."""
+    with _HASH_LOCK:
+        return _hash_sources()
 
 
 @functools.cache
-def _source_hash() -> str:
-    """sha256 of this package's Python sources (paths and contents), once per process."""
+def _hash_sources() -> str:
     root = os.path.dirname(os.path.abspath(__file__))
     digest = hashlib.sha256()
     for folder, dirs, files in os.walk(root):

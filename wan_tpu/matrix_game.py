@@ -52,6 +52,7 @@ chunk) / `VAE_Decode_Frame` (the scanned frames), `VAE_Decode_Postprocessing`.
 
 from __future__ import annotations
 
+import concurrent.futures
 import functools
 import json
 import os
@@ -100,6 +101,8 @@ class MatrixGamePipeline:
         self._programs = Programs()  # what `prepare` loaded or compiled, by name; calls fall back to jit
         self._loaded: dict = {}
         self._warmup = None
+        self.first_chunk_ran = threading.Event()  # set once a stream's first chunk is on the host
+        self._chunk_1_waits = None  # after `prepare`: a future, whether its `chunk-1` waits for that
         from wan_tpu.models.matrix_game.sampling import chunk_schedule
 
         v = variant
@@ -218,18 +221,31 @@ class MatrixGamePipeline:
     def _wait_compiled(self, name: str) -> None:
         """Before running the program(s) `name`: wait for every program `prepare` started (a failure warns),
         not only `name`'s, and on a GPU for every component's load too. XLA records a program's first run
-        on a GPU as a CUDA graph, and CUDA work from other threads meanwhile (a program's kernels loading,
-        weights being placed) breaks that capture: `cudaErrorStreamCaptureUnjoined` in the VAE's first
-        encode, seen on an H100 when a warm start encoded the image while the DiT still loaded. Warm, the
-        programs load within about a second and the weights within four; cold, the first frame needs the
-        slowest program, chunk-0, anyway."""
+        on a GPU as a CUDA graph, and cuDNN captures one while it builds a fused kernel's plan on its first
+        run, even in a program without graphs; CUDA work from other threads meanwhile (a program's kernels
+        loading or autotuning, weights being placed) breaks that capture: `cudaErrorStreamCaptureUnjoined`,
+        seen on an H100 in the VAE's first encode while the DiT still loaded, and in `_init_cache` beside
+        the chunk programs' compiles. One exception: a stored `chunk-1` loads only once the first chunk has
+        run (`wan_tpu.matrix_game_warmup`), so the first chunk does not wait for it."""
+        from wan_tpu.matrix_game_warmup import captures_graphs
+
         if self._warmup is None:
             return
         for pending in [name, *self._warmup.compiles]:
-            self._warmup.wait_compiled(pending)
-        if _captures_graphs():
+            if not (pending == "chunk-1" and self._chunk_1_after_first()):
+                self._warmup.wait_compiled(pending)
+        if captures_graphs():
             for component in self._loaders:
                 self.component(component)
+            self._warmup.first_transfer.join()
+
+    def _chunk_1_after_first(self) -> bool:
+        """Whether `prepare`'s chunk-1 thread loads only once the first chunk has run, which it has not yet."""
+        compile = self._warmup.compiles.get("chunk-1")
+        if self.first_chunk_ran.is_set() or self._chunk_1_waits is None or compile is None:
+            return False
+        concurrent.futures.wait([self._chunk_1_waits, compile], return_when=concurrent.futures.FIRST_COMPLETED)
+        return self._chunk_1_waits.done() and self._chunk_1_waits.result() and not compile.done()
 
     def component(self, name: str):
         if name not in self._loaded:
@@ -437,15 +453,11 @@ class MatrixGameSession:
                 f"chunk-{min(k, 1)}", dynamic, lambda: _chunk_program(*args, **kwargs))
             with scope("3_Video_Postprocessing"):
                 frames = np.asarray(frames)[0]
+        pipe.first_chunk_ran.set()  # its CUDA-graph capture is over: `prepare` may load chunk-1 now
         self.chunk_seconds.append(time.perf_counter() - start)
         self.chunk_frames.append(n)
         self.chunk += 1
         return frames
-
-
-def _captures_graphs() -> bool:
-    """Whether XLA records first runs as CUDA graphs here (NVIDIA GPUs)."""
-    return jax.devices()[0].platform == "gpu"
 
 
 @functools.partial(jax.jit, static_argnums=(0, 3))

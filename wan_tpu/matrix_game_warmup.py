@@ -23,8 +23,12 @@ functions' static arguments): the very programs compiled ahead, so results are b
 without `prepare`. Warm, nothing is traced or lowered and no abstract module is built: a start reads its
 programs from disk while the weights load, instead of spending seconds of Python (the GIL the loads need
 too) re-deriving JAX's compile-cache keys. The first call that runs a program waits for all of them
-(`MatrixGamePipeline._wait_compiled` says why: a CUDA-graph capture); a compile that fails (a config that does not describe the weights, …) is a
-warning and the call compiles as without `prepare`. `Warmup.cancel` stops the threads at the next program.
+(`MatrixGamePipeline._wait_compiled` says why: on a GPU a program's first run must not overlap other CUDA
+work), but for one: a stored `chunk-1` is loaded only once the first chunk has run
+(`MatrixGamePipeline.first_chunk_ran`), so the first frame does not wait for its 0.7–1.2 s of deserialising
+(an H100 host) too; compiled (a miss), it starts at once, as on other devices. A compile that fails (a
+config that does not describe the weights, …) is a warning and the call compiles as without `prepare`.
+`Warmup.cancel` stops the threads at the next program.
 """
 
 from __future__ import annotations
@@ -63,7 +67,26 @@ def compile_ahead(pipe, warmup) -> None:
         return lambda: _chunk(pipe, abstract, stop, _wait(cache, stop), _wait(key, stop), vae_caches())
 
     warmup.start("chunk-0", _program, pipe, "chunk-0", chunk(lambda: None), first, kind="compile")
-    warmup.start("chunk-1", _program, pipe, "chunk-1", chunk(lambda: _wait(first, stop)[2]), kind="compile")
+    pipe._chunk_1_waits = concurrent.futures.Future()
+    warmup.start("chunk-1", _later_chunks, pipe, chunk(lambda: _wait(first, stop)[2]), stop, kind="compile")
+
+
+def _later_chunks(pipe, lower, stop) -> None:
+    """`chunk-1`: on a GPU, a stored one is loaded once the first chunk has run (module docstring); whether
+    it waits is told at once (`pipe._chunk_1_waits`), so the first chunk knows not to wait for it."""
+    waits = False
+    try:
+        waits = captures_graphs() and executable_cache.exists("chunk-1", pipe.program_key())
+    finally:
+        pipe._chunk_1_waits.set_result(waits)
+    while waits and not pipe.first_chunk_ran.wait(0.05):
+        _check(stop)
+    _program(pipe, "chunk-1", lower)
+
+
+def captures_graphs() -> bool:
+    """Whether XLA records first runs as CUDA graphs here (NVIDIA GPUs)."""
+    return jax.devices()[0].platform == "gpu"
 
 
 def _wait(future: concurrent.futures.Future, stop: threading.Event):

@@ -43,12 +43,12 @@ import jax
 
 
 @functools.cache
-def start_transfers() -> None:
-    """Make this process's first host→device transfer now, in a background thread, once. The first
-    transfer sets up the runtime's transfer path: 1.1 s on an H100 host (a 4-byte `device_put`; the next
-    64 MB took 0.04 s), which the first weights to load would otherwise wait for while the other loads,
-    already read from disk, queue behind it. Started beside the loads' abstract builds and header reads,
-    it is off their path (the Matrix-Game DiT's warm load: 2.1 s → 0.9 s with it done beforehand)."""
+def start_transfers() -> threading.Thread:
+    """Make this process's first host→device transfer now, in a background thread, once (→ that thread).
+    The first transfer sets up the runtime's transfer path: 1.1 s on an H100 host (a 4-byte `device_put`;
+    the next 64 MB took 0.04 s), which the first weights to load would otherwise wait for while the other
+    loads, already read from disk, queue behind it. Started beside the loads' abstract builds and header
+    reads, it is off their path (the Matrix-Game DiT's warm load: 2.1 s → 0.9 s with it done beforehand)."""
     import numpy as np
 
     def first_transfer():
@@ -57,7 +57,9 @@ def start_transfers() -> None:
         except Exception:  # noqa: BLE001 - a warm-up only: the loads report a real device failure themselves
             pass
 
-    threading.Thread(target=first_transfer, name="wan_tpu-first-transfer", daemon=True).start()
+    thread = threading.Thread(target=first_transfer, name="wan_tpu-first-transfer", daemon=True)
+    thread.start()
+    return thread
 
 
 class Warmup:
@@ -76,7 +78,10 @@ class Warmup:
         self._threads: list[threading.Thread] = []
         self._lock = threading.Lock()
         _live.add(self)
-        start_transfers()
+        self.first_transfer = start_transfers()  # join it before a CUDA-graph capture (Matrix-Game's first chunk)
+        from wan_tpu.executable_cache import source_hash
+
+        source_hash()  # before the threads that all need it start (its docstring says why)
 
     def cancel(self) -> None:
         self.cancelled.set()

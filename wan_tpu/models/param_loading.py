@@ -120,12 +120,14 @@ def _layout_program(layers: tuple, layout: Layout, stacked: bool, dtype):
     """`_to_ours(layers, ...)` through a program loaded whole from the executable cache when the compile
     cache holds it (`executable_cache.cached_call`; not on a CPU): a warm start then traces and lowers
     nothing. Lowering the Matrix-Game DiT's 10 layout programs took 1.3 s of its 1.7 s warm load on an
-    H100 (its transfers 0.25 s)."""
+    H100 (its transfers 0.25 s). Without CUDA graphs (`executable_cache.GRAPHLESS`): the loads of several
+    components run theirs at once, each in its thread, beside the others' transfers."""
     from wan_tpu import executable_cache
 
     return executable_cache.cached_call("param-layout", "param-layout", _to_ours, (layers,),
                                         dict(layout=layout, stacked=stacked, dtype=np.dtype(dtype)),
-                                        static_argnames=("layout", "stacked", "dtype"))
+                                        static_argnames=("layout", "stacked", "dtype"),
+                                        compiler_options=executable_cache.graphless())
 
 
 def _ordered(pool, fn, items, ahead: int):
