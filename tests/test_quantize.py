@@ -67,6 +67,23 @@ def test_quantised_forward_close_to_unquantised(mode, dtype):
     assert _rel(out.astype(jnp.float32), ref) <= TOL
 
 
+def test_a_subset_of_linears_is_quantised_and_the_rest_kept():
+    """`linears=`: only those become `QuantizedLinear`s (scripts/fp8_error.py compares such recipes); the
+    others keep their kernels. A name outside `BLOCK_LINEARS` is refused."""
+    dit = WanTransformer(CFG, dtype=jnp.float32, rngs=nnx.Rngs(0))
+    ffn = tuple(p for p in BLOCK_LINEARS if p[0] == "ffn")
+    kept = {p: getattr(getattr(dit.blocks, p[0]), p[1]).kernel[...] for p in BLOCK_LINEARS if p not in ffn}
+    quantize_transformer(dit, "fp8", linears=ffn)
+    for parent, name in BLOCK_LINEARS:
+        layer = getattr(getattr(dit.blocks, parent), name)
+        assert isinstance(layer, QuantizedLinear) == ((parent, name) in ffn), (parent, name)
+        if (parent, name) in kept:
+            assert layer.kernel[...] is kept[parent, name]
+    with pytest.raises(ValueError, match="not block linears"):
+        quantize_transformer(WanTransformer(CFG, dtype=jnp.float32, rngs=nnx.Rngs(0)), "fp8",
+                             linears=(("ffn", "gate"),))
+
+
 def test_sharded_quantisation_keeps_the_weight_layout():
     mesh = wan_tpu.make_mesh(2, 1, 4)
     dit = shard_transformer(WanTransformer(CFG, dtype=jnp.bfloat16, rngs=nnx.Rngs(0)), mesh)

@@ -105,11 +105,15 @@ def _scale_sharding(mesh, path: str, shape, num_heads):
     return NamedSharding(mesh, param_spec(mesh, "dit", path, shape, num_heads))
 
 
-def quantize_transformer(dit, mode: str = "fp8", mesh=None):
+def quantize_transformer(dit, mode: str = "fp8", mesh=None, linears=BLOCK_LINEARS):
     """Replace the block linears of a loaded `WanTransformer` with `QuantizedLinear`s, in place; returns it.
 
-    `mesh`: the mesh the DiT was placed on (None: one device). Quantising twice is an error.
+    `mesh`: the mesh the DiT was placed on (None: one device). `linears`: which of `BLOCK_LINEARS`
+    ((parent, name) pairs; the others stay in the DiT's dtype). Quantising twice is an error.
     """
+    unknown = set(linears) - set(BLOCK_LINEARS)
+    if unknown:
+        raise ValueError(f"not block linears: {sorted(unknown)}; choose from BLOCK_LINEARS")
     check_mode(mode)
     if mode is None:
         return dit
@@ -117,7 +121,7 @@ def quantize_transformer(dit, mode: str = "fp8", mesh=None):
     devices = None if mesh is None else list(mesh.devices.flat)
     check_device(mode, devices)
     heads = dit.config.num_attention_heads
-    for parent_name, name in BLOCK_LINEARS:
+    for parent_name, name in linears:
         parent = getattr(dit.blocks, parent_name)
         linear = getattr(parent, name, None)
         if linear is None:
