@@ -187,3 +187,31 @@ def test_cached_call_serves_a_stored_program_and_its_options_are_part_of_the_key
     assert compile_cache.stats().programs_loaded == loaded + 1
     np.testing.assert_array_equal(call(executable_cache.GRAPHLESS), x * 2 + 1)  # other options: another program
     assert len(_entries(cache)) == 2
+
+
+def test_an_abstract_module_is_read_back_with_its_structure_and_shapes(cache):
+    """`cached_abstract`: the second call builds nothing (read from disk) and gives the same graphdef and
+    parameter shapes and dtypes; an unreadable entry is dropped with a warning and built again."""
+    from flax import nnx
+
+    built = []
+
+    def build():
+        built.append(1)
+        return nnx.Sequential(nnx.Linear(3, 4, rngs=nnx.Rngs(0)), nnx.LayerNorm(4, rngs=nnx.Rngs(0)))
+
+    def shapes(module):
+        return jax.tree.map(lambda v: (v.shape, v.dtype), nnx.state(module))
+
+    first = executable_cache.cached_abstract("seq", ("seq", 3, 4), build)
+    again = executable_cache.cached_abstract("seq", ("seq", 3, 4), build)
+    assert len(built) == 1
+    assert nnx.graphdef(again) == nnx.graphdef(first) and shapes(again) == shapes(first)
+    (entry,) = _entries(cache)
+    with open(os.path.join(cache, executable_cache.FOLDER, entry), "wb") as f:
+        f.write(b"not a module")
+    with pytest.warns(UserWarning, match="dropped an unreadable entry for seq"):
+        rebuilt = executable_cache.cached_abstract("seq", ("seq", 3, 4), build)
+    assert len(built) == 2 and shapes(rebuilt) == shapes(first)
+    executable_cache.cached_abstract("seq", None, build)  # no key: built, nothing stored
+    assert len(built) == 3 and len(_entries(cache)) == 1

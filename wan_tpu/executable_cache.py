@@ -92,6 +92,13 @@ def store(name: str, key, lowered: jax.stages.Lowered, compiler_options: dict | 
         data = pickle.dumps((*serialize(compiled), device_ids), protocol=pickle.HIGHEST_PROTOCOL)
     except (ValueError, NotImplementedError, TypeError, pickle.PicklingError):
         return compiled  # this backend or program cannot be serialised: kept in memory only
+    if _write(name, path, data):
+        jax.monitoring.record_event(compile_cache.PROGRAM_STORED)
+    return compiled
+
+
+def _write(name: str, path: str, data: bytes) -> bool:
+    """`data` into `path` through a temporary file renamed into place → whether it was written."""
     tmp = f"{path}.{os.getpid()}.{threading.get_ident()}.tmp"
     try:
         os.makedirs(os.path.dirname(path), exist_ok=True)
@@ -100,10 +107,36 @@ def store(name: str, key, lowered: jax.stages.Lowered, compiler_options: dict | 
         os.replace(tmp, path)
     except OSError as e:  # a full or read-only disk: the run goes on, uncached
         _remove(tmp)
-        warnings.warn(f"executable cache: could not write {name} ({e.strerror or e})", stacklevel=2)
-        return compiled
-    jax.monitoring.record_event(compile_cache.PROGRAM_STORED)
-    return compiled
+        warnings.warn(f"executable cache: could not write {name} ({e.strerror or e})", stacklevel=3)
+        return False
+    return True
+
+
+def cached_abstract(name: str, key, build):
+    """`nnx.eval_shape(build)`, the module without weights (its structure and each parameter's shape,
+    dtype and metadata), read back from this cache when a process with the same code and `key` (what
+    `build` depends on: config, dtype, settings) built it before. Building one traces every layer's
+    constructor: 1.6 s for UnifoLM's UNet on a 2-core CPU, 0.2 s to read back. Without a key or with
+    the cache off: built."""
+    from flax import nnx
+
+    path = _path(f"abstract-{name}", key)
+    if path is not None and os.path.isfile(path):
+        try:
+            with open(path, "rb") as f:
+                return nnx.merge(*pickle.load(f))
+        except Exception as e:  # noqa: BLE001 - an unreadable entry is a miss, repaired below
+            _remove(path)
+            warnings.warn(f"executable cache: dropped an unreadable entry for {name} ({type(e).__name__}); it is "
+                          "built again", stacklevel=2)
+    module = nnx.eval_shape(build)
+    if path is not None:
+        try:
+            data = pickle.dumps(nnx.split(module), protocol=pickle.HIGHEST_PROTOCOL)
+        except (pickle.PicklingError, TypeError, AttributeError):
+            return module  # something in it does not pickle: built every time
+        _write(name, path, data)
+    return module
 
 
 class Programs:

@@ -28,7 +28,7 @@ TINY_VAE = dataclasses.replace(VAE_PRESETS["tiny"], z_dim=16, latents_mean=WAN21
                                latents_std=WAN21_LATENTS_STD)
 
 
-def random_module(build, seed: int, draw=None):
+def random_module(build, seed: int, draw=None, abstract=None):
     """`build()` (an nnx module constructor) with seeded random weights drawn on the host.
 
     The module is only traced abstractly; each parameter is then drawn with numpy's PCG64 from
@@ -37,6 +37,8 @@ def random_module(build, seed: int, draw=None):
     ones: kernels N(0, 1/fan_in), biases N(0, 0.02²), norm weights 1, modulation tables N(0, 1/dim).
     `draw(names, shape, rng)` (optional) gives a parameter's value (a numpy array), or None for the
     usual one: for modules whose parameter names these rules do not fit (UMT5's torch-layout `weight`s).
+    `abstract`: `build`'s module without weights, when the caller has it (read back from the executable
+    cache, `executable_cache.cached_abstract`); else `build` is traced here.
     """
     import math
 
@@ -46,7 +48,7 @@ def random_module(build, seed: int, draw=None):
 
     from wan_tpu.layers.conv import out_first_kernels, spatial_first_shape, spatial_to_out_first
 
-    abstract = nnx.eval_shape(build)
+    abstract = nnx.eval_shape(build) if abstract is None else abstract
     out_first = out_first_kernels(abstract)  # drawn spatial-first then moved: the same values either way
     graphdef, state = nnx.split(abstract)
     rng = np.random.default_rng(seed)

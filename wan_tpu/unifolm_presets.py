@@ -37,13 +37,15 @@ def tiny_pipeline(name: str, dtype=jnp.float32, attention_impl=None, stats=None,
     from wan_tpu.configs.autoencoder_kl import AUTOENCODER_KL_CONFIGS
     from wan_tpu.configs.unifolm import CONFIGS
     from wan_tpu.models.autoencoder_kl import AutoencoderKL
-    from wan_tpu.models.unifolm import UnifolmWMA
-    from wan_tpu.models.unifolm.model import KeyCounter
+    from wan_tpu.executable_cache import cached_abstract
+    from wan_tpu.models.unifolm.model import KeyCounter, abstract_unifolm
     from wan_tpu.presets import random_module
     from wan_tpu.unifolm import UnifolmPipeline
 
     cfg = CONFIGS[name]
-    model = random_module(lambda: UnifolmWMA(cfg, dtype=dtype, rngs=KeyCounter(0), attention_impl=attention_impl), seed)
-    vae = random_module(lambda: AutoencoderKL(AUTOENCODER_KL_CONFIGS["tiny"], rngs=KeyCounter(0)), seed + 1)
+    model = random_module(None, seed, abstract=abstract_unifolm(cfg, dtype, attention_impl))
+    vae_config = AUTOENCODER_KL_CONFIGS["tiny"]
+    vae = random_module(None, seed + 1, abstract=cached_abstract(
+        "autoencoder-kl", (vae_config,), lambda: AutoencoderKL(vae_config, rngs=KeyCounter(0))))
     image_encoder, text_encoder = tiny_towers(cfg.unet.context_dim, cfg.resampler.embedding_dim, seed + 2)
     return UnifolmPipeline(model, vae, image_encoder, text_encoder, stats, name=name)

@@ -58,8 +58,13 @@ class KeyCounter:
 
 
 def abstract_unifolm(config: UnifolmConfig, dtype=jnp.float32, attention_impl=None) -> "UnifolmWMA":
-    """The model with `ShapeDtypeStruct` leaves (no memory): for loaders, sharding plans, `jax.export`."""
-    return nnx.eval_shape(lambda: UnifolmWMA(config, dtype=dtype, rngs=KeyCounter(0), attention_impl=attention_impl))
+    """The model with `ShapeDtypeStruct` leaves (no memory): for loaders, sharding plans, `jax.export`.
+    Read back from the executable cache when built before with the same config and settings."""
+    from wan_tpu import executable_cache
+
+    return executable_cache.cached_abstract(
+        "unifolm", (config, jnp.dtype(dtype).name, attention_impl),
+        lambda: UnifolmWMA(config, dtype=dtype, rngs=KeyCounter(0), attention_impl=attention_impl))
 
 
 def random_unifolm(config: UnifolmConfig, dtype=jnp.float32, seed: int = 0, attention_impl=None) -> "UnifolmWMA":
