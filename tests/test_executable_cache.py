@@ -215,3 +215,35 @@ def test_an_abstract_module_is_read_back_with_its_structure_and_shapes(cache):
     assert len(built) == 2 and shapes(rebuilt) == shapes(first)
     executable_cache.cached_abstract("seq", None, build)  # no key: built, nothing stored
     assert len(built) == 3 and len(_entries(cache)) == 1
+
+
+_SERVED = """import sys
+import jax, jax.numpy as jnp, numpy as np
+from wan_tpu import compile_cache, executable_cache
+compile_cache.enable(sys.argv[1])
+
+def f(x, y):  # a concatenation XLA:CPU fuses with a bitcast
+    z = jnp.concatenate([x.reshape(-1, 4), y.reshape(-1, 4)], axis=0)
+    return (z @ z.T).astype(jnp.bfloat16).view(jnp.int16).sum(), jnp.concatenate([x, y])[::2] * 2
+
+args = (jnp.arange(64.0), jnp.ones(64))
+lowered = jax.jit(f).lower(*args)
+if sys.argv[2] == "fill":  # JAX's persistent cache only
+    lowered.compile()
+elif sys.argv[2] == "store":  # JAX's cache serves this compile
+    executable_cache.store("f", ("f", 64), lowered)
+    assert compile_cache.stats().programs_stored == 1
+else:
+    got = executable_cache.load("f", ("f", 64))(*args)
+    jax.tree.map(np.testing.assert_array_equal, got, jax.jit(f)(*args))
+"""
+
+
+def test_a_program_served_by_jaxs_cache_is_stored_runnable(tmp_path):
+    """XLA:CPU serialises an executable that JAX's persistent cache served without all its functions (a
+    later process failed: "Function bitcast_concatenate_fusion not found"): `store` compiles it afresh.
+    Three processes: JAX's cache filled; the program stored (its compile served by that cache); loaded and run."""
+    for step in ("fill", "store", "load"):
+        done = subprocess.run([sys.executable, "-c", _SERVED, str(tmp_path / "cache"), step], capture_output=True,
+                              text=True, timeout=300)
+        assert done.returncode == 0, (step, done.stderr[-2000:])

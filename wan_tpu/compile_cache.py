@@ -146,6 +146,14 @@ def size_bytes(path: str | None = None) -> int:
     return total
 
 
+_thread = threading.local()
+
+
+def thread_hits() -> int:
+    """Compiles this thread has had served by JAX's persistent cache (a compile runs in its caller's thread)."""
+    return getattr(_thread, "hits", 0)
+
+
 def _listen() -> None:
     if _state["listening"]:
         return
@@ -154,6 +162,8 @@ def _listen() -> None:
         if event in _counts:
             with _lock:
                 _counts[event] += 1
+        if event == _HIT:
+            _thread.hits = getattr(_thread, "hits", 0) + 1
 
     jax.monitoring.register_event_listener(count)
     _state["listening"] = True

@@ -80,10 +80,22 @@ def exists(name: str, key) -> bool:
 def store(name: str, key, lowered: jax.stages.Lowered, compiler_options: dict | None = None) -> jax.stages.Compiled:
     """Compile `lowered` (with XLA's `compiler_options`, which the key must name) and write it under (`name`,
     `key`) when the cache is on; → the compiled program."""
+    hits = compile_cache.thread_hits()
     compiled = lowered.compile(compiler_options)
     path = _path(name, key)
     if path is None:
         return compiled
+    if compile_cache.thread_hits() > hits and jax.devices()[0].platform == "cpu":
+        # XLA:CPU (jax 0.10.2) serialises an executable that JAX's persistent cache served without all of
+        # its functions: a later process fails to run it ("Function bitcast_concatenate_fusion not found";
+        # seen after a change of this package's sources, whose programs JAX's cache still held). Compiled
+        # afresh for the store: with an option that changes nothing on a CPU but JAX's cache key (a GPU
+        # graph size), unique to this entry.
+        hits = compile_cache.thread_hits()
+        fresh = {**(compiler_options or {}), "xla_gpu_graph_min_graph_size": 10**6 + int(os.path.basename(path)[-12:-4], 16) % 10**6}
+        compiled = lowered.compile(fresh)
+        if compile_cache.thread_hits() > hits:  # served again: kept in memory only
+            return compiled
     try:
         from jax.experimental.serialize_executable import serialize
 
