@@ -10,6 +10,9 @@ its programs instead of tracing and lowering them.
     # or, at a call site whose arguments are at hand (the loaders' layout programs):
     out = executable_cache.cached_call("param-layout", key, jitted, args, kwargs, static_argnames=(...))
 
+    # and a module without weights (`nnx.eval_shape`), its structure and parameter shapes pickled:
+    vae = executable_cache.cached_abstract("wan-vae", (config, "bfloat16"), lambda: WanVAE(config, ...))
+
 JAX's persistent compile cache (`wan_tpu.compile_cache`) is keyed by the lowered program, so even a hit
 first traces and lowers it: seconds of Python for a 30-block DiT, under the GIL that the weights' loads
 need too. Here the caller names what determines the program — the components' configs, dtypes, sizes,
@@ -92,8 +95,8 @@ def store(name: str, key, lowered: jax.stages.Lowered, compiler_options: dict | 
         # afresh for the store: with an option that changes nothing on a CPU but JAX's cache key (a GPU
         # graph size), unique to this entry.
         hits = compile_cache.thread_hits()
-        fresh = {**(compiler_options or {}), "xla_gpu_graph_min_graph_size": 10**6 + int(os.path.basename(path)[-12:-4], 16) % 10**6}
-        compiled = lowered.compile(fresh)
+        unique = 10**6 + int(os.path.basename(path)[-12:-4], 16) % 10**6  # from the entry's digest
+        compiled = lowered.compile({**(compiler_options or {}), "xla_gpu_graph_min_graph_size": unique})
         if compile_cache.thread_hits() > hits:  # served again: kept in memory only
             return compiled
     try:

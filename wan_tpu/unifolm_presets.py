@@ -36,8 +36,8 @@ def tiny_pipeline(name: str, dtype=jnp.float32, attention_impl=None, stats=None,
 
     from wan_tpu.configs.autoencoder_kl import AUTOENCODER_KL_CONFIGS
     from wan_tpu.configs.unifolm import CONFIGS
-    from wan_tpu.models.autoencoder_kl import AutoencoderKL
     from wan_tpu.executable_cache import cached_abstract
+    from wan_tpu.models.autoencoder_kl import AutoencoderKL
     from wan_tpu.models.unifolm.model import KeyCounter, abstract_unifolm
     from wan_tpu.presets import random_module
     from wan_tpu.unifolm import UnifolmPipeline
