@@ -52,7 +52,6 @@ chunk) / `VAE_Decode_Frame` (the scanned frames), `VAE_Decode_Postprocessing`.
 
 from __future__ import annotations
 
-import concurrent.futures
 import functools
 import json
 import os
@@ -102,7 +101,7 @@ class MatrixGamePipeline:
         self._loaded: dict = {}
         self._warmup = None
         self.first_chunk_ran = threading.Event()  # set once a stream's first chunk is on the host
-        self._chunk_1_waits = None  # after `prepare`: a future, whether its `chunk-1` waits for that
+        self.chunk_1_after_first = False  # set by `prepare`: whether its `chunk-1` loads only after that
         from wan_tpu.models.matrix_game.sampling import chunk_schedule
 
         v = variant
@@ -231,21 +230,14 @@ class MatrixGamePipeline:
 
         if self._warmup is None:
             return
+        later = self.chunk_1_after_first and not self.first_chunk_ran.is_set()  # chunk-1 is not loading yet
         for pending in [name, *self._warmup.compiles]:
-            if not (pending == "chunk-1" and self._chunk_1_after_first()):
+            if not (pending == "chunk-1" and later):
                 self._warmup.wait_compiled(pending)
         if captures_graphs():
             for component in self._loaders:
                 self.component(component)
             self._warmup.first_transfer.join()
-
-    def _chunk_1_after_first(self) -> bool:
-        """Whether `prepare`'s chunk-1 thread loads only once the first chunk has run, which it has not yet."""
-        compile = self._warmup.compiles.get("chunk-1")
-        if self.first_chunk_ran.is_set() or self._chunk_1_waits is None or compile is None:
-            return False
-        concurrent.futures.wait([self._chunk_1_waits, compile], return_when=concurrent.futures.FIRST_COMPLETED)
-        return self._chunk_1_waits.done() and self._chunk_1_waits.result() and not compile.done()
 
     def component(self, name: str):
         if name not in self._loaded:

@@ -67,19 +67,20 @@ def compile_ahead(pipe, warmup) -> None:
         return lambda: _chunk(pipe, abstract, stop, _wait(cache, stop), _wait(key, stop), vae_caches())
 
     warmup.start("chunk-0", _program, pipe, "chunk-0", chunk(lambda: None), first, kind="compile")
-    pipe._chunk_1_waits = concurrent.futures.Future()
+    pipe.chunk_1_after_first = captures_graphs() and _stored(pipe, "chunk-1")
     warmup.start("chunk-1", _later_chunks, pipe, chunk(lambda: _wait(first, stop)[2]), stop, kind="compile")
 
 
-def _later_chunks(pipe, lower, stop) -> None:
-    """`chunk-1`: on a GPU, a stored one is loaded once the first chunk has run (module docstring); whether
-    it waits is told at once (`pipe._chunk_1_waits`), so the first chunk knows not to wait for it."""
-    waits = False
+def _stored(pipe, name: str) -> bool:
     try:
-        waits = captures_graphs() and executable_cache.exists("chunk-1", pipe.program_key())
-    finally:
-        pipe._chunk_1_waits.set_result(waits)
-    while waits and not pipe.first_chunk_ran.wait(0.05):
+        return executable_cache.exists(name, pipe.program_key())
+    except Exception:  # noqa: BLE001 - unreadable configs: its thread reports that, as a failed compile
+        return False
+
+
+def _later_chunks(pipe, lower, stop) -> None:
+    """`chunk-1`: on a GPU, a stored one is loaded once the first chunk has run (module docstring)."""
+    while pipe.chunk_1_after_first and not pipe.first_chunk_ran.wait(0.05):
         _check(stop)
     _program(pipe, "chunk-1", lower)
 
