@@ -23,10 +23,12 @@ Scheduling variants (`scripts/bench_attention.py` sweeps them; `kernels/tuning.p
 Not done, and why: FA3's intra-warpgroup overlap (Q·Kᵀ of step j+1 in flight during the softmax of
 step j) keeps two score tiles live, 2 × 96 registers per thread at 64 × 192, which with the 64 of
 the output accumulator and the P operand exceeds the 232 the compute warpgroups get; the ping-pong
-between the two warpgroups overlaps the same work across them instead. Lazy rescaling (touch the
-accumulator only when a row max grows past a threshold) would save at most 64 FMA-pipe multiplies
-per thread and step beside 96 exp2 on the MUFU, which bounds the softmax on Hopper, at the price
-of a warpgroup-wide vote and branch per step; not tried.
+between the two warpgroups overlaps the same work across them instead.
+Tried on an H100 and not kept (docs/PERFORMANCE.md, eighth session): a third of the exp2 as an
+FMA-unit polynomial (-6%), packed `ex2.approx.bf16x2` (-2%, and 1.6× the error), FA3's 240/240/24
+register split (-1%; 240/240/32 hangs in `setmaxnreg`), and lazy rescaling in a per-thread
+branch (+0.6-1.1%, within the noise). Taking work off the MUFU slowed the kernel: the softmax is
+bound by its instruction count, not by the MUFU.
 """
 
 from __future__ import annotations

@@ -20,7 +20,9 @@ Options:
 - `--psnr 1.3b --psnr-steps 8`: a short sampling run (flow UniPC, CFG 5, 512 random text tokens)
   with the bf16 and then the FP8 DiT from the same noise, both decoded by a Wan 2.1 VAE, and the
   PSNR of the FP8 video against the bf16 one. Random weights (DiT and VAE): the figure measures how
-  far FP8 moves the pipeline's output, not picture quality.
+  far FP8 moves the pipeline's output, not picture quality. Costly: 1.3B with `fused,fp8-ffn,fp8`
+  and `--psnr` ran past 300 s on an H100 (two variants: about 140 s). Each variant's time and error
+  print as they come, so a run cut short keeps what it measured.
 - `--xla-variants "lt=--xla_gpu_enable_cublaslt=true;..." --xla-configs 1.3b`: ours fused again in a
   fresh process per XLA_FLAGS setting (cuBLASLt epilogues fuse bias+GELU into the GEMM), same table.
 - `--check 1.3b`: ours also on diffusers' own weights (save_pretrained → load_transformer), with
@@ -208,7 +210,14 @@ def run_jax(cfg, latent, args, name, folder, results, notes):
         call = lambda: compiled(state, x, t, c)  # noqa: E731
         label = f"ours {variant}"
         results[label] = median_ms(call, jax.block_until_ready, args.iters, 1)
+        if not args.json:  # as it comes: a run killed at a time limit still leaves its rows
+            print(f"{name}: {label} {results[label]:.1f} ms", flush=True)
         outs[variant] = np.asarray(call().astype(jnp.float32))
+        if variant in FP8_RECIPES and "fused" in outs:
+            notes.append(f"{name}: {variant} forward vs bf16 (ours fused), relative error "
+                         f"{rel(outs[variant], outs['fused']):.2e}")
+            if not args.json:
+                print(notes[-1], flush=True)
         if variant in FP8_RECIPES:
             # What XLA made of the f8 × f8 dots: cuBLASLt FP8 GEMMs, or something slower.
             hlo = compiled.as_text()
@@ -226,9 +235,6 @@ def run_jax(cfg, latent, args, name, folder, results, notes):
             psnr_latents[variant] = sample_latents(model, cfg, latent, args.psnr_steps)
         del state, model
     for variant in FP8_RECIPES:
-        if variant in outs and "fused" in outs:
-            notes.append(f"{name}: {variant} forward vs bf16 (ours fused), relative error "
-                         f"{rel(outs[variant], outs['fused']):.2e}")
         if variant in psnr_latents and "fused" in psnr_latents:
             psnr = decode_psnr(psnr_latents["fused"], psnr_latents[variant], tiny=name == "tiny")
             notes.append(f"{name}: PSNR of the decoded {variant} video vs bf16, {args.psnr_steps} UniPC steps, CFG 5, "

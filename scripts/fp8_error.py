@@ -90,6 +90,12 @@ def main(argv=None) -> int:
     print(f"\n{variant}, {cfg.num_layers} blocks, latent {latent} ({tokens} tokens), {args.text} text tokens: "
           "FP8 forward against float32")
     print(f"  {'recipe (block linears in e4m3)':34s} {'rel. error':>10s} {'share of linear FLOPs':>22s}")
+    # The bf16 model itself (no FP8) against float32: the distance the FP8 rows on the device are
+    # measured from (`scripts/bench_dit.py` compares FP8 with bf16).
+    # The same seed draws the same values, rounded to bf16 (float32 modules stay float32, as loaded).
+    gb, sb = nnx.split(random_module(lambda: WanTransformer(cfg, dtype=jnp.bfloat16, rngs=nnx.Rngs(0)), seed=0))
+    out = np.asarray(run(gb, sb, x.astype(jnp.bfloat16), t, c.astype(jnp.bfloat16)).astype(jnp.float32))
+    print(f"  {'bf16 weights and activations':34s} {rel(out, ref):10.2e} {'':>22s}")
     for name, linears in RECIPES.items():
         model = nnx.merge(graphdef, state)  # shares the float32 arrays; quantising replaces its linears only
         quantize.quantize_transformer(model, "fp8", linears=linears)
