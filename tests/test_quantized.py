@@ -87,13 +87,15 @@ def test_product_is_one_2d_low_precision_dot(fmt, operand, result):
     assert f"(tensor<16x64x{operand}>, tensor<64x48x{operand}>) -> tensor<16x48x{result}>" in dots[0]
 
 
-def test_fp8_product_asks_for_float32_accumulation():
-    """The f8 × f8 dot carries precision HIGHEST: at DEFAULT, XLA's GPU backend turns on cuBLASLt's FP8
-    fast accumulation (partial sums never promoted to float32), which tripled the DiT's FP8 error on
-    an H100. Checked on the lowered program, so it holds for the GPU without one."""
+@pytest.mark.parametrize("platform, precision", [("cuda", "HIGHEST"), ("tpu", "DEFAULT"), ("cpu", "DEFAULT")])
+def test_fp8_product_accumulates_in_float32_on_gpus(platform, precision):
+    """For CUDA the f8 × f8 dot carries precision HIGHEST: at DEFAULT, XLA's GPU backend turns on
+    cuBLASLt's FP8 fast accumulation (partial sums never promoted to float32). Other platforms keep
+    DEFAULT (they accumulate in float32 anyway). Checked on the program lowered for each platform,
+    so it holds without the hardware."""
     x, w, b = _inputs(0)
     wq, w_scale = quantize_weight(w, "fp8")
-    text = jax.jit(quantized_matmul, static_argnames=("fmt", "out_dtype")).lower(
-        x, wq, w_scale, b, fmt="fp8").as_text()
+    fn = jax.jit(lambda x, wq, s, b: quantized_matmul(x, wq, s, b, fmt="fp8"))
+    text = fn.trace(x, wq, w_scale, b).lower(lowering_platforms=(platform,)).as_text()
     dots = [line for line in text.splitlines() if "dot_general" in line and "f8E4M3FN" in line]
-    assert dots and all("HIGHEST" in line for line in dots), dots
+    assert dots and all(f"precision = [{precision}, {precision}]" in line for line in dots), dots
