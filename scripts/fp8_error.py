@@ -5,7 +5,7 @@ emulates them: the arithmetic is `wan_tpu.layers.quantized`'s exactly).
     python scripts/fp8_error.py --config 1.3b --latent 3,16,16 --text 64
 
 Prints, per recipe, the relative L2 error of the DiT output against the float32 forward of the same
-weights, and the share of the forward's linear FLOPs the recipe runs in FP8. Also one linear alone
+weights, and the share of the forward's linear FLOPs the recipe runs in FP8; first the bf16 model's. Also one linear alone
 (Gaussian 512×dim activations through a dim×dim N(0, 1/dim) kernel) against float64: the per-product
 floor of each format. Reference for the issue-16 quality target (≤ 3e-2 of one forward).
 """
@@ -90,9 +90,9 @@ def main(argv=None) -> int:
     print(f"\n{variant}, {cfg.num_layers} blocks, latent {latent} ({tokens} tokens), {args.text} text tokens: "
           "FP8 forward against float32")
     print(f"  {'recipe (block linears in e4m3)':34s} {'rel. error':>10s} {'share of linear FLOPs':>22s}")
-    # The bf16 model itself (no FP8) against float32: the distance the FP8 rows on the device are
-    # measured from (`scripts/bench_dit.py` compares FP8 with bf16).
-    # The same seed draws the same values, rounded to bf16 (float32 modules stay float32, as loaded).
+    # The bf16 model (no FP8) against float32: where the device's FP8 rows are measured from
+    # (`scripts/bench_dit.py` compares FP8 with bf16). The same seed draws the same weights, rounded
+    # to bf16; float32 modules stay float32, as when loaded.
     gb, sb = nnx.split(random_module(lambda: WanTransformer(cfg, dtype=jnp.bfloat16, rngs=nnx.Rngs(0)), seed=0))
     out = np.asarray(run(gb, sb, x.astype(jnp.bfloat16), t, c.astype(jnp.bfloat16)).astype(jnp.float32))
     print(f"  {'bf16 weights and activations':34s} {rel(out, ref):10.2e} {'':>22s}")
