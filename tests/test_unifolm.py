@@ -7,6 +7,10 @@ bad inputs are one-line user errors (exit status 2) that leave no file behind.
 """
 
 import json
+import os
+import re
+import subprocess
+import sys
 import threading
 import urllib.request
 
@@ -200,3 +204,22 @@ def test_cli_generate_with_a_base_model(tmp_path):
     assert frames.shape == (16, 128, 128, 3) and not list(tmp_path.glob("gen.npz"))
     assert main(["--model", "unifolm-tiny-base", "--mode", "decision", "--observation", obs,
                  "--output", str(tmp_path / "d.mp4"), *STEPS]) == 2
+
+
+def test_a_second_process_loads_the_stage_programs_whole(tmp_path):
+    """Two fresh processes, one cache folder: the first compiles and stores the prepare, sampling and
+    decode programs (`wan_tpu.executable_cache`, keyed by `UnifolmPipeline.program_key`), the second
+    loads all three without tracing them, and its actions are bit-identical (XLA:CPU once failed to
+    run such loaded programs: `SERVES_CPU`)."""
+    np.savez(tmp_path / "obs.npz", **dict(zip(("images", "states"), observation(1))))
+    env = dict(os.environ, WAN_TPU_CACHE_DIR=str(tmp_path / "cache"))
+    loaded = []
+    for run in ("first", "second"):
+        done = subprocess.run([sys.executable, "-m", "wan_tpu.unifolm", "--model", "unifolm-tiny", "--mode", "decision",
+                               *STEPS, "--observation", str(tmp_path / "obs.npz"), "--output", str(tmp_path / f"{run}.mp4")],
+                              env=env, capture_output=True, text=True, timeout=600)
+        assert done.returncode == 0, done.stderr[-2000:]
+        loaded.append(re.search(r"whole programs: (\d+) loaded, (\d+) stored", done.stdout).groups())
+    assert loaded == [("0", "3"), ("3", "0")], loaded
+    first, second = np.load(tmp_path / "first.npz"), np.load(tmp_path / "second.npz")
+    np.testing.assert_array_equal(first["actions"], second["actions"])

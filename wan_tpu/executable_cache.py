@@ -192,28 +192,32 @@ def graphless() -> dict | None:
     return GRAPHLESS if jax.devices()[0].platform == "gpu" else None
 
 
-# XLA:CPU (jax 0.10.2) failed to run some whole programs loaded in a process that had compiled others
-# ("Function copy_bitcast_fusion.3 not found", UnifoLM's stage programs, 2026-11-25): on a CPU
-# `cached_call` takes the jitted path (JAX's own compile cache still serves it).
-SERVES_CPU = False
+# Whether `cached_call` serves programs on a CPU. It was off after XLA:CPU failed to run UnifoLM's stored
+# stage programs ("Function copy_bitcast_fusion.3 not found", 2026-11-25); that was `store` writing
+# programs JAX's persistent cache had served, fixed since (compiled afresh on a CPU). The stage
+# programs now load and give bit-identical actions (tests/test_unifolm.py).
+SERVES_CPU = True
 _CALLED: dict = {}  # full key → compiled program, for `cached_call`, once per process
 _CALLED_LOCK = threading.Lock()
 
 
 def cached_call(name: str, key, jitted, args: tuple, kwargs: dict | None = None, *, static_argnums: tuple = (),
-                static_argnames: tuple = (), compiler_options: dict | None = None):
+                static_argnames: tuple = (), compiler_options: dict | None = None, key_names_statics: bool = False):
     """`jitted(*args, **kwargs)` (a `jax.jit` function and its static arguments' positions and names) run by
     a program loaded whole from this cache, or compiled (with XLA's `compiler_options`) and stored on a
     miss: a later process traces and lowers nothing for it. `key` names what the arguments do not (configs,
     dtypes, settings); the static values' text, every dynamic leaf's shape and dtype and the options complete
     it. With the cache off the program is compiled once per process. Without a key, on a CPU (`SERVES_CPU`)
-    or with arguments spread over several devices (another program): the jitted path."""
+    or with arguments spread over several devices (another program): the jitted path.
+    `key_names_statics`: `key` determines the static arguments, whose text is then left out (a module's
+    graphdef: megabytes of text holding function addresses, which no stored key may contain)."""
     kwargs = kwargs or {}
     if key is None or (jax.default_backend() == "cpu" and not SERVES_CPU):
         return jitted(*args, **kwargs)
     dynamic = tuple(a for i, a in enumerate(args) if i not in static_argnums)
     dynamic_kw = {k: v for k, v in kwargs.items() if k not in static_argnames}
-    statics = [a for i, a in enumerate(args) if i in static_argnums] + [kwargs[k] for k in static_argnames if k in kwargs]
+    statics = [] if key_names_statics else (
+        [a for i, a in enumerate(args) if i in static_argnums] + [kwargs[k] for k in static_argnames if k in kwargs])
     leaves, tree = jax.tree.flatten((dynamic, dynamic_kw))
     signature = []
     for leaf in leaves:

@@ -35,6 +35,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from wan_tpu import executable_cache
 from wan_tpu.errors import WanInputError
 
 PRESETS = ("unifolm-tiny", "unifolm-tiny-base")
@@ -114,6 +115,10 @@ class UnifolmPipeline:
         self.height, self.width = h * vae.config.downscale, w * vae.config.downscale
         self._text_cache: dict[str, jax.Array] = {}
         self.timer = None  # a `wan_tpu.profiling.StageTimer` to time the stages of every sampling
+        # What determines the stage programs short of tracing them (`wan_tpu.executable_cache` adds
+        # versions, devices, settings and this package's sources): set by `from_pretrained` without a
+        # mesh. None (a pipeline built by hand, or sharded): the programs are traced in every process.
+        self.program_key: tuple | None = None
 
     # ---- construction --------------------------------------------------------------------------
     @classmethod
@@ -134,7 +139,9 @@ class UnifolmPipeline:
         if path_or_preset in PRESETS:
             from wan_tpu.unifolm_presets import tiny_pipeline
 
-            return tiny_pipeline(path_or_preset, dtype=dtype, attention_impl=attention_impl, stats=table)
+            pipe = tiny_pipeline(path_or_preset, dtype=dtype, attention_impl=attention_impl, stats=table)
+            pipe.program_key = _program_key(pipe, dtype, attention_impl)
+            return pipe
         path = os.fspath(path_or_preset)
         if not os.path.isdir(path):
             if os.path.isfile(path) and path.endswith((".ckpt", ".pt", ".pth", ".bin")):
@@ -152,7 +159,10 @@ class UnifolmPipeline:
                                                            dtype=encoder_dtype, mesh=mesh)
         if table is None and os.path.isfile(os.path.join(path, STATS_FILE)):
             table = MinMaxTable.from_file(os.path.join(path, STATS_FILE))
-        return cls(model, vae, image_encoder, text_encoder, table, name=model.config.name)
+        pipe = cls(model, vae, image_encoder, text_encoder, table, name=model.config.name)
+        if mesh is None:  # sharded, the attention hooks and kernel layout change the programs too
+            pipe.program_key = _program_key(pipe, dtype, attention_impl)
+        return pipe
 
     @property
     def has_heads(self) -> bool:
@@ -223,7 +233,7 @@ class UnifolmPipeline:
             noise = jax.random.normal(key, (last.shape[0], self.vae.config.latent_channels, h, w))
         fs = jnp.asarray(self.config.unet.default_fs if fs is None else fs, jnp.int32)
         return _prepare_split(self.model, self.vae, self.encode_text(prompt), self.image_encoder.encode(last), last, noise,
-                             images, states, actions, fs, keep_action_tokens=keep_action_tokens)
+                              images, states, actions, fs, keep_action_tokens=keep_action_tokens, key=self.program_key)
 
     def sample(self, cond, num_steps: int = 50, eta: float = 1.0, key=None, noise=None):
         """Stage 2: latents (1, 4, T, h, w), actions and states (1, 16, 16), normalised."""
@@ -231,11 +241,11 @@ class UnifolmPipeline:
 
         if num_steps < 1 or num_steps > self.config.num_train_timesteps:
             raise WanInputError(f"num_steps {num_steps} must be in 1..{self.config.num_train_timesteps}")
-        return sample(self.model, cond, num_steps=num_steps, eta=eta, key=key, noise=noise)
+        return sample(self.model, cond, num_steps=num_steps, eta=eta, key=key, noise=noise, program_key=self.program_key)
 
     def decode(self, latents) -> jax.Array:
         """Stage 3: latents (B, 4, T, h, w) × scale_factor → video (B, 3, T, H, W), unclamped."""
-        return _decode_split(self.vae, latents)
+        return _decode_split(self.vae, latents, self.program_key)
 
     def _stage(self, name: str):
         return self.timer.stage(name) if self.timer is not None else contextlib.nullcontext()
@@ -346,13 +356,23 @@ def _decode_program(vae_graph, vae_state, z):
     return nnx.merge(vae_graph, vae_state).decode_video(z)
 
 
-def _prepare_split(model, vae, *args, keep_action_tokens: bool):
+def _prepare_split(model, vae, *args, keep_action_tokens: bool, key: tuple | None):
     (model_graph, model_state), (vae_graph, vae_state) = nnx.split(model), nnx.split(vae)
-    return _prepare_program(model_graph, vae_graph, model_state, vae_state, *args, keep_action_tokens=keep_action_tokens)
+    return executable_cache.cached_call(
+        "unifolm-prepare", None if key is None else (*key, keep_action_tokens), _prepare_program,
+        (model_graph, vae_graph, model_state, vae_state, *args), {"keep_action_tokens": keep_action_tokens},
+        static_argnums=(0, 1), static_argnames=("keep_action_tokens",), key_names_statics=True)
 
 
-def _decode_split(vae, z):
-    return _decode_program(*nnx.split(vae), z)
+def _decode_split(vae, z, key: tuple | None):
+    return executable_cache.cached_call("unifolm-decode", key, _decode_program, (*nnx.split(vae), z),
+                                        static_argnums=(0,), key_names_statics=True)
+
+
+def _program_key(pipe: UnifolmPipeline, dtype, attention_impl) -> tuple:
+    """The model's and VAE's configs, the model dtype and the attention setting: with the arguments'
+    shapes and dtypes (which `cached_call` adds) they determine every stage program."""
+    return (pipe.config, pipe.vae.config, jnp.dtype(dtype).name, attention_impl)
 
 
 if __name__ == "__main__":

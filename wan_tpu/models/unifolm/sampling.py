@@ -26,6 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from wan_tpu import executable_cache
 from wan_tpu.configs.unifolm import UnifolmConfig
 from wan_tpu.errors import WanInputError
 from wan_tpu.models.unifolm.model import Conditions
@@ -158,11 +159,13 @@ def _sample_loop(graphdef, state, cond, uncond, tables, x, action, st, step_nois
 
 def sample(model, cond: Conditions, *, num_steps: int = 50, eta: float = 1.0, key=None, noise: dict | None = None,
            guidance_scale: float = 1.0, guidance_rescale: float = 0.0, uncond: Conditions | None = None,
-           timestep_spacing: str = "uniform_trailing"):
+           timestep_spacing: str = "uniform_trailing", program_key: tuple | None = None):
     """DDIM sampling of video latents (B, 4, T, h, w), actions and states (B, T, 16), all float32.
 
     `model`: a `UnifolmWMA`; `cond` (and `uncond` for guidance) from `model.prepare`. Guidance runs only
-    when `guidance_scale != 1` and `uncond` is given (the authors' scripts pass neither).
+    when `guidance_scale != 1` and `uncond` is given (the authors' scripts pass neither). `program_key`
+    (`UnifolmPipeline.program_key`): what determines the model's program; with it the compiled loop is
+    kept whole on disk and a later process loads it without tracing (`wan_tpu.executable_cache`).
     """
     cfg = model.config
     b, c, t, h, w = cond.concat.shape
@@ -191,5 +194,8 @@ def sample(model, cond: Conditions, *, num_steps: int = 50, eta: float = 1.0, ke
         step_noise = jax.random.normal(keys[3], (num_steps,) + shape)
     guided = uncond is not None and guidance_scale != 1.0
     graphdef, state = nnx.split(model.diffusion_model)
-    return _sample_loop(graphdef, state, cond, uncond if guided else None, tables, x, action, st, step_noise,
-                        jnp.float32(guidance_scale), jnp.float32(guidance_rescale), cfg.head_clip_sample)
+    args = (graphdef, state, cond, uncond if guided else None, tables, x, action, st, step_noise,
+            jnp.float32(guidance_scale), jnp.float32(guidance_rescale), cfg.head_clip_sample)
+    key = None if program_key is None else (*program_key, cfg.head_clip_sample)
+    return executable_cache.cached_call("unifolm-sample", key, _sample_loop, args, static_argnums=(0, 11),
+                                        key_names_statics=True)
