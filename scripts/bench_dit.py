@@ -21,8 +21,8 @@ Options:
   with the bf16 and then the FP8 DiT from the same noise, both decoded by a Wan 2.1 VAE, and the
   PSNR of the FP8 video against the bf16 one. Random weights (DiT and VAE): the figure measures how
   far FP8 moves the pipeline's output, not picture quality. Costly: 1.3B with `fused,fp8-ffn,fp8`
-  and `--psnr` ran past 300 s on an H100 (two variants: about 140 s). Each variant's time and error
-  print as they come, so a run cut short keeps what it measured.
+  and `--psnr` ran past 300 s on an H100 (`fused,fp8-ffn` fit in a 208 s call with an attention
+  sweep). Each variant's time and error print as they come, so a run cut short keeps what it measured.
 - `--xla-variants "lt=--xla_gpu_enable_cublaslt=true;..." --xla-configs 1.3b`: ours fused again in a
   fresh process per XLA_FLAGS setting (cuBLASLt epilogues fuse bias+GELU into the GEMM), same table.
 - `--check 1.3b`: ours also on diffusers' own weights (save_pretrained → load_transformer), with

@@ -3,6 +3,7 @@ a named config (full width and depth), one small latent, on a device with FP8 un
 emulates them: the arithmetic is `wan_tpu.layers.quantized`'s exactly).
 
     python scripts/fp8_error.py --config 1.3b --latent 3,16,16 --text 64
+    python scripts/fp8_error.py --config 1.3b --latent 5,30,52 --text 512 --dtype bfloat16   # as the device compares
 
 Prints, per recipe, the relative L2 error of the DiT output against the float32 forward of the same
 weights, and the share of the forward's linear FLOPs the recipe runs in FP8; first the bf16 model's. Also one linear alone
@@ -63,11 +64,17 @@ def linear_flops(cfg, tokens: int, text: int) -> dict:
     return macs
 
 
+_forward = jax.jit(forward, static_argnums=0)
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--config", default="1.3b", choices=("1.3b", "14b", "5b", "tiny"))
     p.add_argument("--latent", default="3,16,16", help="F,H,W of the latent")
     p.add_argument("--text", type=int, default=64, help="text tokens")
+    p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"),
+                   help="the model's and activations' dtype; the reference is that model unquantised "
+                        "(bfloat16: what scripts/bench_dit.py compares on the device)")
     args = p.parse_args(argv)
     variant = {"1.3b": "wan2.1-t2v-1.3b", "14b": "wan2.1-t2v-14b", "5b": "wan2.2-ti2v-5b", "tiny": "tiny"}[args.config]
     cfg = VARIANTS[variant].transformer
@@ -77,30 +84,31 @@ def main(argv=None) -> int:
     for name, err in linear_floor(d).items():
         print(f"  {name:48s} {err:.2e}")
 
-    dit = random_module(lambda: WanTransformer(cfg, dtype=jnp.float32, rngs=nnx.Rngs(0)), seed=0)
-    graphdef, state = nnx.split(dit)
+    # The same seed draws the same weights in either dtype (rounded to bf16; float32 modules stay float32).
+    build = lambda dtype: random_module(lambda: WanTransformer(cfg, dtype=dtype, rngs=nnx.Rngs(0)), seed=0)  # noqa: E731
+    dtype = jnp.dtype(args.dtype)
+    graphdef, state = nnx.split(build(dtype))
     rng = np.random.default_rng(0)
-    x = jnp.asarray(rng.standard_normal((1, cfg.in_channels, *latent)), jnp.float32)
+    x = jnp.asarray(rng.standard_normal((1, cfg.in_channels, *latent)), dtype)
     t = jnp.asarray([900.0], jnp.float32)
-    c = jnp.asarray(rng.standard_normal((1, args.text, cfg.text_dim)), jnp.float32)
-    run = jax.jit(forward, static_argnums=0)
-    ref = np.asarray(run(graphdef, state, x, t, c))
+    c = jnp.asarray(rng.standard_normal((1, args.text, cfg.text_dim)), dtype)
+    run = lambda g, s, x, c: np.asarray(_forward(g, s, x, t, c).astype(jnp.float32))  # noqa: E731
+    ref = run(graphdef, state, x, c)
     tokens = (latent[0] // cfg.patch_size[0]) * (latent[1] // cfg.patch_size[1]) * (latent[2] // cfg.patch_size[2])
     flops = linear_flops(cfg, tokens, args.text)
     print(f"\n{variant}, {cfg.num_layers} blocks, latent {latent} ({tokens} tokens), {args.text} text tokens: "
-          "FP8 forward against float32")
+          f"FP8 forward against {args.dtype}")
     print(f"  {'recipe (block linears in e4m3)':34s} {'rel. error':>10s} {'share of linear FLOPs':>22s}")
-    # The bf16 model (no FP8) against float32: where the device's FP8 rows are measured from
-    # (`scripts/bench_dit.py` compares FP8 with bf16). The same seed draws the same weights, rounded
-    # to bf16; float32 modules stay float32, as when loaded.
-    gb, sb = nnx.split(random_module(lambda: WanTransformer(cfg, dtype=jnp.bfloat16, rngs=nnx.Rngs(0)), seed=0))
-    out = np.asarray(run(gb, sb, x.astype(jnp.bfloat16), t, c.astype(jnp.bfloat16)).astype(jnp.float32))
-    print(f"  {'bf16 weights and activations':34s} {rel(out, ref):10.2e} {'':>22s}")
+    if args.dtype == "float32":
+        # The bf16 model against float32: where bench_dit.py's FP8 rows (against bf16) start from.
+        gb, sb = nnx.split(build(jnp.bfloat16))
+        out = run(gb, sb, x.astype(jnp.bfloat16), c.astype(jnp.bfloat16))
+        print(f"  {'bf16 weights and activations':34s} {rel(out, ref):10.2e} {'':>22s}")
     for name, linears in RECIPES.items():
-        model = nnx.merge(graphdef, state)  # shares the float32 arrays; quantising replaces its linears only
+        model = nnx.merge(graphdef, state)  # shares the unquantised arrays; quantising replaces its linears only
         quantize.quantize_transformer(model, "fp8", linears=linears)
         g, s = nnx.split(model)
-        out = np.asarray(run(g, s, x, t, c))
+        out = run(g, s, x, c)
         share = sum(flops.get(p, 0) for p in linears) / sum(flops.values())
         print(f"  {name:34s} {rel(out, ref):10.2e} {share:22.0%}")
     return 0
