@@ -171,7 +171,6 @@ def _scaled(x, scale):
 
 
 def test_cached_call_serves_a_stored_program_and_its_options_are_part_of_the_key(cache, monkeypatch):
-    monkeypatch.setattr(executable_cache, "SERVES_CPU", True)  # the GPU/TPU path, taken on this CPU
     monkeypatch.setattr(executable_cache, "_CALLED", {})
     x = jnp.arange(4.0)
 

@@ -70,7 +70,6 @@ def test_a_warm_start_loads_the_layout_programs_instead_of_lowering_them(source,
 
     src, tensors = source
     monkeypatch.setattr(param_loading, "DEVICE_LAYOUT_BYTES", 0)
-    monkeypatch.setattr(executable_cache, "SERVES_CPU", True)  # these small programs load fine on a CPU
     before = compile_cache.cache_dir()
     compile_cache.enable(str(tmp_path / "cache"))
     try:

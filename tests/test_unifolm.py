@@ -210,7 +210,7 @@ def test_a_second_process_loads_the_stage_programs_whole(tmp_path):
     """Two fresh processes, one cache folder: the first compiles and stores the prepare, sampling and
     decode programs (`wan_tpu.executable_cache`, keyed by `UnifolmPipeline.program_key`), the second
     loads all three without tracing them, and its actions are bit-identical (XLA:CPU once failed to
-    run such loaded programs: `SERVES_CPU`)."""
+    run such loaded programs; `executable_cache.store` compiles afresh what JAX's cache served)."""
     np.savez(tmp_path / "obs.npz", **dict(zip(("images", "states"), observation(1))))
     env = dict(os.environ, WAN_TPU_CACHE_DIR=str(tmp_path / "cache"))
     loaded = []

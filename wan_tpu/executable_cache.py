@@ -192,11 +192,6 @@ def graphless() -> dict | None:
     return GRAPHLESS if jax.devices()[0].platform == "gpu" else None
 
 
-# Whether `cached_call` serves programs on a CPU. It was off after XLA:CPU failed to run UnifoLM's stored
-# stage programs ("Function copy_bitcast_fusion.3 not found", 2026-11-25); that was `store` writing
-# programs JAX's persistent cache had served, fixed since (compiled afresh on a CPU). The stage
-# programs now load and give bit-identical actions (tests/test_unifolm.py).
-SERVES_CPU = True
 _CALLED: dict = {}  # full key → compiled program, for `cached_call`, once per process
 _CALLED_LOCK = threading.Lock()
 
@@ -207,12 +202,12 @@ def cached_call(name: str, key, jitted, args: tuple, kwargs: dict | None = None,
     a program loaded whole from this cache, or compiled (with XLA's `compiler_options`) and stored on a
     miss: a later process traces and lowers nothing for it. `key` names what the arguments do not (configs,
     dtypes, settings); the static values' text, every dynamic leaf's shape and dtype and the options complete
-    it. With the cache off the program is compiled once per process. Without a key, on a CPU (`SERVES_CPU`)
-    or with arguments spread over several devices (another program): the jitted path.
+    it. With the cache off the program is compiled once per process. Without a key, or with arguments
+    spread over several devices (another program): the jitted path.
     `key_names_statics`: `key` determines the static arguments, whose text is then left out (a module's
     graphdef: megabytes of text holding function addresses, which no stored key may contain)."""
     kwargs = kwargs or {}
-    if key is None or (jax.default_backend() == "cpu" and not SERVES_CPU):
+    if key is None:
         return jitted(*args, **kwargs)
     dynamic = tuple(a for i, a in enumerate(args) if i not in static_argnums)
     dynamic_kw = {k: v for k, v in kwargs.items() if k not in static_argnames}

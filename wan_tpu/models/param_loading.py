@@ -118,7 +118,7 @@ def _to_ours(layers, layout: Layout, stacked: bool, dtype):
 
 def _layout_program(layers: tuple, layout: Layout, stacked: bool, dtype):
     """`_to_ours(layers, ...)` through a program loaded whole from the executable cache when the compile
-    cache holds it (`executable_cache.cached_call`; not on a CPU): a warm start then traces and lowers
+    cache holds it (`executable_cache.cached_call`): a warm start then traces and lowers
     nothing. Lowering the Matrix-Game DiT's 10 layout programs took 1.3 s of its 1.7 s warm load on an
     H100 (its transfers 0.25 s). Without CUDA graphs (`executable_cache.GRAPHLESS`): the loads of several
     components run theirs at once, each in its thread, beside the others' transfers."""
