@@ -26,7 +26,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
 from wan_tpu.errors import WanInputError
-from wan_tpu.kernels.tuning import GPU_BLOCKS, check_block_keys, gpu_shape_class
+from wan_tpu.kernels.tuning import GPU_BLOCKS, GPU_FP8_BLOCKS, check_block_keys, gpu_shape_class
 
 LOG2E = math.log2(math.e)
 # Triton: block_q rows of q per program, block_kv keys per step (both powers of two).
@@ -110,3 +110,18 @@ def flash_attention(q, k, v, block_sizes=None, interpret=False):
     if blocks.get("persistent") == "sms":  # one persistent CTA per streaming multiprocessor
         blocks["persistent"] = getattr(jax.devices()[0], "core_count", 0) or 132
     return mgpu_attention(q, k, v, **blocks)
+
+
+def flash_attention_fp8(q, k, v, block_sizes=None):
+    """(B, S, H, D) bf16/fp16 → (B, Sq, H, D) bf16 on the FP8 Hopper kernel
+    (`flash_mgpu.mgpu_attention_fp8`), with the tiles and the int8 Q·Kᵀ choice of
+    `tuning.GPU_FP8_BLOCKS` (block_q and block_kv overridable). A clear error on other hardware:
+    there is no slower FP8 fallback to hide behind."""
+    if q.dtype not in (jnp.bfloat16, jnp.float16) or q.shape[-1] % 128 or not is_hopper():
+        raise WanInputError(f"attention 'pallas_gpu_fp8' needs a Hopper GPU (H100/H200), bf16 or fp16 inputs and a head "
+                            f"dim that is a multiple of 128 (got {q.dtype}, D={q.shape[-1]} on {jax.devices()[0].device_kind}); "
+                            "use 'pallas_gpu' or leave --attention unset")
+    from wan_tpu.kernels.flash_mgpu import mgpu_attention_fp8
+
+    overrides = {key: val for key, val in check_block_keys(block_sizes).items() if key in ("block_q", "block_kv")}
+    return mgpu_attention_fp8(q, k, v, **{**GPU_FP8_BLOCKS, **overrides})

@@ -11,6 +11,15 @@ and the last kv tile's past-the-end keys are masked to probability 0 in the one 
 holds them. Shared memory holds the input dtype (bf16 or fp16), and the softmax scale·log2(e)
 folds into the FMA before exp2 (see flash_gpu.py).
 
+The same kernel has an 8-bit path (`mgpu_attention_fp8`, `attention(impl="pallas_gpu_fp8")`): Q·Kᵀ
+in int8 (or e4m3) and P·V in e4m3 on the tensor cores' 8-bit rate, f32 accumulators. Its scales are
+applied where they cost nothing: Q's per row and K's per head inside the exp2 argument's factor,
+V's in the output's 1/l. What differs from the bf16 path: e4m3 WGMMA reads both operands K-major,
+so V comes in transposed; P is stored to shared memory for its product (Mosaic GPU has no register
+relayout to the 8-bit A operand), which frees the registers P held and lets a step take 256 keys
+(64×256 in bf16 would need 256 registers a thread): 64×256×2 runs at 785-828 TFLOP/s on an H200,
+64×128×4 at 678-732.
+
 Scheduling variants (`scripts/bench_attention.py` sweeps them; `kernels/tuning.py` holds the pick):
 - one CTA per (head, q tile, batch), heads fastest in the grid (default), or q tiles fastest
   (`q_major`): the CTAs resident together then share one head's K/V in L2 instead of streaming
@@ -50,8 +59,11 @@ COMPUTE_WGS = 2
 SMEM_BYTES = 227 * 1024
 
 
-def _smem_bytes(block_q, block_kv, stages, d, itemsize):
-    return (COMPUTE_WGS * block_q + 2 * stages * block_kv) * d * itemsize
+def _smem_bytes(block_q, block_kv, stages, d, itemsize, fp8=False):
+    tiles = (COMPUTE_WGS * block_q + 2 * stages * block_kv) * d * itemsize
+    if fp8:  # + the bf16 output tiles, the f8 P tiles and the two per-row scale vectors
+        tiles += COMPUTE_WGS * block_q * (2 * d + block_kv + 2 * 4)
+    return tiles
 
 
 def _pad_to_8(x):
@@ -71,14 +83,83 @@ def mgpu_attention(q, k, v, block_q=64, block_kv=192, stages=2, persistent=0, q_
     call = functools.partial(_kernel_call, skv=skv, block_q=block_q, block_kv=block_kv, stages=stages,
                              persistent=persistent, q_major=q_major)
     if sq % 8 or skv % 8:
-        return call(_pad_to_8(q), _pad_to_8(k), _pad_to_8(v))[:, :sq]
-    return call(q, k, v)
+        return call(_pad_to_8(q), _pad_to_8(k), _pad_to_8(v), None)[:, :sq]
+    return call(q, k, v, None)
 
 
-def _kernel_call(q, k, v, skv, block_q, block_kv, stages, persistent, q_major):
+F8 = jnp.float8_e4m3fn
+F8_MAX = 448.0
+# P is cast to e4m3 as 2^P_SHIFT · p (folded into the exp2's subtrahend, so free): p ∈ (0, 1] would
+# lose every weight under 2^-9 to e4m3's subnormal floor; 256·p reaches 256 < 448 and keeps weights
+# down to 2^-17. The row sum l carries the same factor, so acc / l is unchanged.
+P_SHIFT = 8.0
+
+
+def _amax_scale(x, axes, top=F8_MAX):
+    """The scale that maps the amax over `axes` to `top` (the format's largest value)."""
+    return jnp.maximum(jnp.max(jnp.abs(x.astype(jnp.float32)), axis=axes, keepdims=True), 1e-12) / top
+
+
+def _to_f8(x, scale):
+    return jnp.clip(x.astype(jnp.float32) / scale, -F8_MAX, F8_MAX).astype(F8)
+
+
+def _to_i8(x, scale):
+    return jnp.clip(jnp.round(x.astype(jnp.float32) / scale), -127, 127).astype(jnp.int8)
+
+
+def fp8_operands(q, k, v, qk_int8=False):
+    """bf16 (B, S, H, D) q, k, v → the FP8 kernel's operands: q8, k8 e4m3 (B, S8, H, D) (lengths
+    padded to 8), vt8 e4m3 (B, H, D, Skv128) (V transposed, its length padded to 128) and `scales`
+    (B, H, 2, Sq8) f32: per query row, the exp2 argument's factor log2(e)/√D · s_q · s_k and the
+    output's factor s_v. Scales: Q one per token and head, K and V one per (batch, head); each maps
+    its amax to the format's largest value (e4m3 448, int8 127).
+    `qk_int8`: Q and K in int8 instead (SageAttention's recipe: 7 bits where e4m3 has 3, for the
+    logits the softmax amplifies), K first smoothed by its mean over the keys: q·(k_j − k̄) differs
+    from q·k_j by a constant per query row, which the softmax cancels, and K's range shrinks."""
+    sq, skv = q.shape[1], k.shape[1]
+    if qk_int8:
+        k = k.astype(jnp.float32) - jnp.mean(k.astype(jnp.float32), axis=1, keepdims=True)
+    top = 127.0 if qk_int8 else F8_MAX
+    q_scale = _amax_scale(q, (3,), top)                                      # (B, Sq, H, 1)
+    k_scale, v_scale = _amax_scale(k, (1, 3), top), _amax_scale(v, (1, 3))  # (B, 1, H, 1)
+    quant = _to_i8 if qk_int8 else _to_f8
+    q8 = _pad_to_8(quant(q, q_scale))
+    k8 = _pad_to_8(quant(k, k_scale))
+    vt8 = jnp.pad(_to_f8(v, v_scale).transpose(0, 2, 3, 1), ((0, 0), (0, 0), (0, 0), (0, -skv % 128)))
+    rows = lambda x: jnp.pad(x[..., 0].transpose(0, 2, 1), ((0, 0), (0, 0), (0, -sq % 8)))  # noqa: E731  (B, H, Sq8)
+    logit = rows(LOG2E / math.sqrt(q.shape[-1]) * q_scale * k_scale)
+    out = rows(jnp.broadcast_to(v_scale, q_scale.shape))
+    return q8, k8, vt8, jnp.stack([logit, out], axis=2)
+
+
+@functools.partial(jax.jit, static_argnames=("block_q", "block_kv", "stages", "persistent", "q_major", "qk_int8"))
+def mgpu_attention_fp8(q, k, v, block_q=64, block_kv=256, stages=2, persistent=0, q_major=False, qk_int8=False):
+    """(B, S, H, D) bf16 → (B, Sq, H, D) bf16, both matrix products on the FP8 tensor cores (FA3's
+    FP8 path), operands from `fp8_operands` (one XLA pass per tensor). The per-row factors fold into
+    the softmax's exp2 argument and the output's 1/l, so the kernel adds no multiply per score. e4m3
+    WGMMA reads both operands K-major, hence V transposed; P goes through shared memory (Mosaic GPU
+    has no register layout change to the 8-bit A operand) as 2^P_SHIFT · p."""
+    q8, k8, vt8, scales = fp8_operands(q, k, v, qk_int8)
+    out = _kernel_call(q8, k8, vt8, scales, skv=k.shape[1], block_q=block_q, block_kv=block_kv, stages=stages,
+                       persistent=persistent, q_major=q_major)
+    return out[:, :q.shape[1]]
+
+
+def _kernel_call(q, k, v, scales, skv, block_q, block_kv, stages, persistent, q_major):
+    """`scales` None: q, k, v in bf16 / fp16, (B, S, H, D). Else FP8 (`mgpu_attention_fp8`): q, k
+    e4m3 (B, S, H, D), v e4m3 transposed (B, H, D, S), and `scales` (B, H, 2, Sq) f32 holding per
+    query row the exp2 argument's factor and the output's factor."""
     b, sq, h, d = q.shape
-    dtype = q.dtype
-    if dtype not in (jnp.bfloat16, jnp.float16) or k.dtype != dtype or v.dtype != dtype:
+    fp8 = scales is not None
+    qk_int8 = q.dtype == jnp.int8
+    dtype = jnp.bfloat16 if fp8 else q.dtype  # the output's
+    if fp8:
+        if q.dtype not in (F8, jnp.int8) or k.dtype != q.dtype or v.dtype != F8:
+            raise WanInputError(f"the FP8 Hopper attention kernel needs e4m3 (or int8) q and k, e4m3 v; got {q.dtype}, {k.dtype}, {v.dtype}")
+        if block_kv % 128:
+            raise WanInputError(f"the FP8 kernel's block_kv ({block_kv}) must be a multiple of 128 (one 128-byte swizzle of P)")
+    elif dtype not in (jnp.bfloat16, jnp.float16) or k.dtype != dtype or v.dtype != dtype:
         raise WanInputError(f"the Hopper attention kernel needs bf16 or fp16 q, k, v; got {q.dtype}, {k.dtype}, {v.dtype}")
     if d % 64 or block_q % 64 or block_kv % 64:
         raise WanInputError(f"head dim ({d}), block_q ({block_q}) and block_kv ({block_kv}) must be multiples of 64")
@@ -90,14 +171,16 @@ def _kernel_call(q, k, v, skv, block_q, block_kv, stages, persistent, q_major):
     ctas = min(persistent, num_tiles)
     # One CTA walks its tiles with one K/V ring: the ring may be deeper than one tile's kv steps.
     stages = min(stages, kv_steps * (pl.cdiv(num_tiles, ctas) if ctas else 1))
-    if _smem_bytes(block_q, block_kv, stages, d, 2) > SMEM_BYTES:
+    if _smem_bytes(block_q, block_kv, stages, d, q.dtype.itemsize, fp8) > SMEM_BYTES:
         raise WanInputError(f"block_q {block_q}, block_kv {block_kv}, {stages} stages exceed {SMEM_BYTES} bytes of shared memory")
     last_valid = skv - (kv_steps - 1) * block_kv
     c = LOG2E / math.sqrt(d)
 
-    def kernel(q_ref, k_ref, v_ref, o_ref, smem, loaded, consumed, turn):
-        qo_tiles, k_ring, v_ring = smem
-        q_loaded, k_loaded, v_loaded = loaded
+    def kernel(q_ref, k_ref, v_ref, s_ref, o_ref, smem, loaded, consumed, turn):
+        qo_tiles, k_ring, v_ring, *fp8_smem = smem  # FP8: + output, P and row-scale tiles
+        o_tiles, p_tiles, sc_tiles = fp8_smem or (None,) * 3
+        q_loaded, k_loaded, v_loaded, *fp8_loaded = loaded
+        sc_loaded = fp8_loaded[0] if fp8 else None
         k_consumed, v_consumed = consumed
         wg = lax.axis_index("wg")
 
@@ -130,9 +213,10 @@ def _kernel_call(q, k, v, skv, block_q, block_kv, stages, persistent, q_major):
             qo = qo_tiles.at[wg]
             row_layout = plgpu.Layout.WGMMA.reduce(1)
 
-            def step(j, carry, base, valid=block_kv):
+            def step(j, carry, base, valid=block_kv, cs=None):
                 """kv step j of the tile whose first global ring step is `base`: Q·Kᵀ, online
-                softmax, P·V. `valid` (static) < block_kv masks the past-the-end keys of the last step."""
+                softmax, P·V. `valid` (static) < block_kv masks the past-the-end keys of the last step.
+                `cs` (FP8): the rows' exp2-argument factors."""
                 acc, m, l = carry
                 slot = slot_of(base + j)
 
@@ -141,26 +225,43 @@ def _kernel_call(q, k, v, skv, block_q, block_kv, stages, persistent, q_major):
                     take_turn()
                     return s_ref[...]
 
-                s = pl.run_scoped(scores, plgpu.ACC((block_q, block_kv), jnp.float32))
+                s = pl.run_scoped(scores, plgpu.ACC((block_q, block_kv), jnp.int32 if qk_int8 else jnp.float32))
+                if qk_int8:
+                    s = s.astype(jnp.float32)
                 plgpu.barrier_arrive(k_consumed.at[slot])
                 if valid < block_kv:
                     cols = plgpu.broadcasted_iota(jnp.int32, s.shape, 1, layout=plgpu.Layout.WGMMA)
                     s = jnp.where(cols < valid, s, -jnp.inf)
-                m_new = jnp.maximum(m, s.max(axis=1) * c)
-                alpha = jnp.exp2(m - m_new)
-                p = jnp.exp2(s * c - lax.broadcast_in_dim(m_new, s.shape, [0]))
+                if fp8:  # the per-row factor (scales > 0, so the row max commutes with it)
+                    m_new = jnp.maximum(m, s.max(axis=1) * cs)
+                    alpha = jnp.exp2(m - m_new)
+                    p = jnp.exp2(s * lax.broadcast_in_dim(cs, s.shape, [0])
+                                 - lax.broadcast_in_dim(m_new - P_SHIFT, s.shape, [0]))
+                else:
+                    m_new = jnp.maximum(m, s.max(axis=1) * c)
+                    alpha = jnp.exp2(m - m_new)
+                    p = jnp.exp2(s * c - lax.broadcast_in_dim(m_new, s.shape, [0]))
                 l = l * alpha + p.sum(axis=1)
                 acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
-                p = p.astype(dtype)
+                if fp8:
+                    p_tiles.at[wg][...] = p.astype(F8)
+                    plgpu.commit_smem()
+                    p = p_tiles.at[wg]
+                else:
+                    p = p.astype(dtype)
                 # Keep the softmax ahead of the hand-over: the compiler must not sink it past the
                 # barriers into the other warpgroup's tensor-core turn.
-                acc, l, m_new, p = lax.optimization_barrier((acc, l, m_new, p))
+                if fp8:
+                    acc, l, m_new = lax.optimization_barrier((acc, l, m_new))
+                else:
+                    acc, l, m_new, p = lax.optimization_barrier((acc, l, m_new, p))
                 plgpu.barrier_arrive(turn)
                 plgpu.barrier_wait(v_loaded.at[slot])
                 plgpu.barrier_wait(turn)
 
                 def update(acc_ref):
-                    plgpu.wgmma(acc_ref, p, v_ring.at[slot])
+                    # FP8: V is stored transposed (e4m3 WGMMA reads B K-major only).
+                    plgpu.wgmma(acc_ref, p, plgpu.transpose_ref(v_ring.at[slot], (1, 0)) if fp8 else v_ring.at[slot])
 
                     @pl.when(j + 1 < kv_steps)
                     def _():
@@ -177,6 +278,11 @@ def _kernel_call(q, k, v, skv, block_q, block_kv, stages, persistent, q_major):
                     # The previous tile's output store must have read `qo` before Q overwrites it.
                     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
                 plgpu.copy_gmem_to_smem(q_ref.at[bi, rows, hi], qo, q_loaded.at[wg])
+                if fp8:
+                    plgpu.copy_gmem_to_smem(s_ref.at[bi, hi, :, rows], sc_tiles.at[wg], sc_loaded.at[wg])
+                    plgpu.barrier_wait(sc_loaded.at[wg])
+                    cs = plgpu.load(sc_tiles.at[wg, 0], (), layout=row_layout)
+                    os_ = plgpu.load(sc_tiles.at[wg, 1], (), layout=row_layout)
                 plgpu.barrier_wait(q_loaded.at[wg])
                 m = plgpu.layout_cast(jnp.full((block_q,), -jnp.inf, jnp.float32), row_layout)
                 l = plgpu.layout_cast(jnp.full((block_q,), 0, jnp.float32), row_layout)
@@ -185,15 +291,16 @@ def _kernel_call(q, k, v, skv, block_q, block_kv, stages, persistent, q_major):
                 plgpu.barrier_wait(k_loaded.at[slot_of(base)])
                 # The ragged step runs as a one-trip loop so that its index stays a loop variable:
                 # Mosaic GPU wants barrier and ring indices as values, not folded constants.
-                body = functools.partial(step, base=base)
+                body = functools.partial(step, base=base, cs=cs if fp8 else None)
                 carry = lax.fori_loop(0, kv_steps - (last_valid < block_kv), body, (acc, m, l))
                 if last_valid < block_kv:
                     carry = lax.fori_loop(kv_steps - 1, kv_steps, functools.partial(body, valid=last_valid), carry)
                 acc, _, l = carry
-                acc = acc * lax.broadcast_in_dim(1.0 / l, acc.shape, [0])
-                qo[...] = acc.astype(dtype)
+                acc = acc * lax.broadcast_in_dim((os_ / l) if fp8 else (1.0 / l), acc.shape, [0])
+                out = o_tiles.at[wg] if fp8 else qo
+                out[...] = acc.astype(dtype)
                 plgpu.commit_smem()
-                plgpu.copy_smem_to_gmem(qo, o_ref.at[bi, rows, hi])
+                plgpu.copy_smem_to_gmem(out, o_ref.at[bi, rows, hi])
 
             pl.when(wg == 1)(take_turn)
             if ctas:
@@ -218,7 +325,8 @@ def _kernel_call(q, k, v, skv, block_q, block_kv, stages, persistent, q_major):
 
             def fetch_v(where, slot):
                 bi, hi, rows = where
-                plgpu.copy_gmem_to_smem(v_ref.at[bi, rows, hi], v_ring.at[slot], v_loaded.at[slot])
+                src = v_ref.at[bi, hi, :, rows] if fp8 else v_ref.at[bi, rows, hi]
+                plgpu.copy_gmem_to_smem(src, v_ring.at[slot], v_loaded.at[slot])
 
             for slot in range(stages):
                 if ctas:
@@ -239,22 +347,32 @@ def _kernel_call(q, k, v, skv, block_q, block_kv, stages, persistent, q_major):
                 plgpu.barrier_wait(v_consumed.at[slot])
                 fetch_v(where, slot)
 
-    def entry(q_ref, k_ref, v_ref, o_ref):
+    def entry(q_ref, k_ref, v_ref, *refs):
+        s_ref, o_ref = refs if fp8 else (None, *refs)
+        # 128-byte swizzled rows: 64 bf16 or 128 e4m3 elements per tile column.
         transforms = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
+        in_transforms = (plgpu.TilingTransform((8, 128)), plgpu.SwizzleTransform(128)) if fp8 else transforms
         smem = (
-            plgpu.SMEM((COMPUTE_WGS, block_q, d), dtype, transforms=transforms),
-            plgpu.SMEM((stages, block_kv, d), dtype, transforms=transforms),
-            plgpu.SMEM((stages, block_kv, d), dtype, transforms=transforms),
+            plgpu.SMEM((COMPUTE_WGS, block_q, d), q.dtype, transforms=in_transforms),
+            plgpu.SMEM((stages, block_kv, d), q.dtype, transforms=in_transforms),
+            plgpu.SMEM((stages, d, block_kv) if fp8 else (stages, block_kv, d), v.dtype, transforms=in_transforms),
         )
         loaded = (
             plgpu.Barrier(num_barriers=COMPUTE_WGS),
             plgpu.Barrier(num_barriers=stages),
             plgpu.Barrier(num_barriers=stages),
         )
+        if fp8:  # the bf16 output tiles, the f8 P tiles, the per-row scales
+            smem += (
+                plgpu.SMEM((COMPUTE_WGS, block_q, d), dtype, transforms=transforms),
+                plgpu.SMEM((COMPUTE_WGS, block_q, block_kv), F8, transforms=in_transforms),
+                plgpu.SMEM((COMPUTE_WGS, 2, block_q), jnp.float32),
+            )
+            loaded += (plgpu.Barrier(num_barriers=COMPUTE_WGS),)
         consumed = (plgpu.Barrier(num_arrivals=COMPUTE_WGS, num_barriers=stages),) * 2
         turn = plgpu.Barrier(num_arrivals=COMPUTE_WGS)
         pl.run_scoped(
-            lambda *scratch: kernel(q_ref, k_ref, v_ref, o_ref, *scratch),
+            lambda *scratch: kernel(q_ref, k_ref, v_ref, s_ref, o_ref, *scratch),
             smem, loaded, consumed, turn,
             collective_axes="wg",
         )
@@ -273,4 +391,4 @@ def _kernel_call(q, k, v, skv, block_q, block_kv, stages, persistent, q_major):
         num_threads=COMPUTE_WGS + 1,
         thread_name="wg",
         compiler_params=plgpu.CompilerParams(approx_math=True),
-    )(q, k, v)
+    )(q, k, v, *(() if scales is None else (scales,)))

@@ -7,8 +7,9 @@ bf16 and FP8) against diffusers' `WanTransformer3DModel` (eager and torch.compil
 Per config, ours runs as the jitted pure `forward(graphdef, state, ...)` a sampling loop runs, in
 each of `--variants`: `fused` (the default model: `WanTransformerBlock.fused_elementwise`),
 `unfused` (the same weights with diffusers' op order around the matmuls), `fp8` (the same weights,
-every block linear quantised, `wan_tpu.quantize`), `fp8-ffn` (only the FFN's linears quantised: the
-recipe under the issue-16 error target, `scripts/fp8_error.py`). Attention is the library's choice
+every block linear quantised, `wan_tpu.quantize`), `fp8-ffn` (only the FFN's linears quantised),
+`fp8-attn` (bf16 linears, self-attention on the FP8 kernel, `attention(impl="pallas_gpu_fp8")`),
+`fp8+attn` (both: every block linear and self-attention in FP8). Attention is the library's choice
 (`--attention IMPL` to force one). Prints ms per forward (median of `--iters` after a warm-up),
 each entry's time relative to ours fused (bf16), and MFU = model FLOPs ÷ time ÷ the bf16 8192³
 matmul rate measured first in this run. FP8 rows give their relative error (Frobenius) against
@@ -65,7 +66,10 @@ CONFIGS = {  # name: (variant, latent (F, H, W))
 }
 TEXT_LEN = 512
 OURS = "ours fused"  # the reference row of each config
-FP8_RECIPES = {"fp8-ffn": tuple(p for p in BLOCK_LINEARS if p[0] == "ffn"), "fp8": BLOCK_LINEARS}  # linears in FP8
+# linears in FP8; "+attn" variants also run self-attention on the FP8 kernel (impl "pallas_gpu_fp8")
+START = time.perf_counter()  # progress lines say when they came: a 14B variant takes minutes
+FP8_RECIPES = {"fp8-ffn": tuple(p for p in BLOCK_LINEARS if p[0] == "ffn"), "fp8": BLOCK_LINEARS,
+               "fp8-attn": (), "fp8+attn": BLOCK_LINEARS}
 
 
 def model_flops(cfg, latent) -> float:
@@ -204,14 +208,18 @@ def run_jax(cfg, latent, args, name, folder, results, notes):
         model = dit
         if variant in FP8_RECIPES:  # the last variant quantises `dit` in place (memory), another a copy
             target = dit if variant == args.variants[-1] else nnx.merge(*nnx.split(dit))  # sharing the bf16 arrays
-            model = quantize_transformer(target, "fp8", linears=FP8_RECIPES[variant])
+            model = quantize_transformer(target, "fp8", linears=FP8_RECIPES[variant]) if FP8_RECIPES[variant] else target
+            if variant.endswith("attn"):
+                model.self_attention = functools.partial(attention, impl="pallas_gpu_fp8")
         graphdef, state = nnx.split(model)
         compiled = jax.jit(forward, static_argnums=0).lower(graphdef, state, x, t, c).compile()
+        if not args.json:
+            print(f"{name}: ours {variant} compiled (at {time.perf_counter() - START:.0f} s)", flush=True)
         call = lambda: compiled(state, x, t, c)  # noqa: E731
         label = f"ours {variant}"
         results[label] = median_ms(call, jax.block_until_ready, args.iters, 1)
         if not args.json:  # as it comes: a run killed at a time limit still leaves its rows
-            print(f"{name}: {label} {results[label]:.1f} ms", flush=True)
+            print(f"{name}: {label} {results[label]:.1f} ms (at {time.perf_counter() - START:.0f} s)", flush=True)
         outs[variant] = np.asarray(call().astype(jnp.float32))
         if variant in FP8_RECIPES and "fused" in outs:
             notes.append(f"{name}: {variant} forward vs bf16 (ours fused), relative error "
@@ -223,8 +231,10 @@ def run_jax(cfg, latent, args, name, folder, results, notes):
             hlo = compiled.as_text()
             f8_dots = sum(1 for line in hlo.splitlines() if " dot(" in line and "f8e4m3fn" in line)
             lt_f8 = hlo.count("__cublas$lt$matmul$f8")
+            # Precision HIGHEST in the GEMM's backend config: float32 accumulation, no fast accumulation.
+            highest = sum(1 for line in hlo.splitlines() if "__cublas$lt$matmul$f8" in line and "HIGHEST" in line)
             other = hlo.count('"__cublas$gemm"') + hlo.count('"__cublas$lt$matmul"')
-            notes.append(f"{name}: compiled {variant} forward: {lt_f8} cuBLASLt FP8 GEMM calls, {other} other cuBLAS GEMMs, "
+            notes.append(f"{name}: compiled {variant} forward: {lt_f8} cuBLASLt FP8 GEMM calls ({highest} at HIGHEST), {other} other cuBLAS GEMMs, "
                          f"{f8_dots} dots on f8 operands left to XLA's own emitters (fused or not)")
         if name in args.profile_configs and args.profile:
             log_dir = os.path.join(args.profile, f"{name}_{variant}")
@@ -272,7 +282,7 @@ def run_xla_variants(args, rows):
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--configs", default="1.3b,5b,14b")
-    p.add_argument("--variants", default="fused,unfused,fp8", help="ours: fused, unfused, fp8, fp8-ffn")
+    p.add_argument("--variants", default="fused,unfused,fp8", help="ours: fused, unfused, fp8, fp8-ffn, fp8-attn, fp8+attn")
     p.add_argument("--attention", default="None", help="wan_tpu.attention impl for ours (None = the library's choice)")
     p.add_argument("--iters", type=int, default=3)
     p.add_argument("--compile", default="1.3b", help="configs that also time diffusers + torch.compile")
@@ -287,7 +297,11 @@ def main():
     p.add_argument("--xla-timeout", type=int, default=240)
     p.add_argument("--json", action="store_true", help="print one RESULT line of JSON (for --xla-variants)")
     args = p.parse_args()
-    args.variants = [v for v in ("fused", "unfused", "fp8-ffn", "fp8") if v in args.variants.split(",")]
+    known = ("fused", "unfused", *FP8_RECIPES)  # in this order: the last one may quantise the DiT in place
+    unknown = set(args.variants.split(",")) - set(known)
+    if unknown:
+        raise SystemExit(f"unknown --variants {sorted(unknown)}; choose from {', '.join(known)}")
+    args.variants = [v for v in known if v in args.variants.split(",")]
     for key in ("compile", "check", "profile_configs", "psnr", "xla_configs"):
         setattr(args, key, [c for c in getattr(args, key).split(",") if c])
     if args.psnr and not ("fused" in args.variants and set(FP8_RECIPES) & set(args.variants)):

@@ -119,3 +119,108 @@ def test_hopper_variants_on_device(kw, sq, skv, h):
     from wan_tpu.kernels.flash_mgpu import mgpu_attention
 
     check(lambda q, k, v: mgpu_attention(q, k, v, **kw), 1, sq, skv, h, 128, jnp.bfloat16)
+
+
+# The FP8 kernel (`attention(impl="pallas_gpu_fp8")`): e4m3 Q, K, V and P. Its yardstick is the same
+# scaled arithmetic in float64 (`fp8_reference64`: the kernel's own operands, P rounded to e4m3 against
+# the row's final max where the kernel uses the running one); against exact attention it carries
+# e4m3's three mantissa bits (~5e-2 on these random inputs).
+FP8_TOL = 3e-2   # the kernel against fp8_reference64 (the H200 measured 2.3e-2 against exact-P emulation)
+FP8_EXACT_TOL = 8e-2  # either against exact float64 attention
+
+
+def fp8_reference64(q, k, v, qk_int8=False):
+    from wan_tpu.kernels.flash_mgpu import P_SHIFT, fp8_operands
+
+    q8, k8, vt8, scales = fp8_operands(q, k, v, qk_int8)
+    sq, skv = q.shape[1], k.shape[1]
+    f64 = lambda x: np.asarray(x.astype(jnp.float32), np.float64)  # noqa: E731
+    qd, kd, vtd = f64(q8[:, :sq]), f64(k8[:, :skv]), f64(vt8[..., :skv])
+    logit, out = np.asarray(scales[:, :, 0, :sq], np.float64), np.asarray(scales[:, :, 1, :sq], np.float64)
+    s = np.einsum("bqhd,bkhd->bhqk", qd, kd) * logit[..., None]  # log2 units
+    p = np.exp2(s - s.max(-1, keepdims=True) + P_SHIFT)
+    l = p.sum(-1, keepdims=True)
+    p8 = f64(jnp.asarray(p, jnp.float32).astype(jnp.float8_e4m3fn))
+    o = np.einsum("bhqk,bhdk->bhqd", p8, vtd) / l * out[..., None]
+    return o.transpose(0, 2, 1, 3)
+
+
+def test_fp8_operands_and_reference():
+    """Without a GPU: the FP8 kernel's operands (scales, padding, V transposed) and its float64 yardstick."""
+    from wan_tpu.kernels.flash_mgpu import F8_MAX, fp8_operands
+
+    seed, (q, k, v) = random_qkv(2, 300, 129, 3, 128, jnp.bfloat16)
+    q8, k8, vt8, scales = fp8_operands(q, k, v)
+    assert q8.shape == (2, 304, 3, 128) and k8.shape == (2, 136, 3, 128) and q8.dtype == jnp.float8_e4m3fn
+    assert vt8.shape == (2, 3, 128, 256) and scales.shape == (2, 3, 2, 304)
+    q_amax = np.abs(np.asarray(q8[:, :300].astype(jnp.float32))).max(-1)
+    np.testing.assert_array_equal(q_amax, F8_MAX)  # each (token, head) row's amax lands on 448
+    assert not np.asarray(q8[:, 300:].astype(jnp.float32)).any() and not np.asarray(vt8[..., 129:].astype(jnp.float32)).any()
+    # logit factor / (log2e/√D) = s_q · s_k: dequantised Q·K from it against the true logits
+    s_q = np.abs(np.asarray(q, np.float64)).max(-1) / F8_MAX                      # (B, Sq, H)
+    s_k = np.abs(np.asarray(k, np.float64)).max((1, 3)) / F8_MAX                  # (B, H)
+    np.testing.assert_allclose(np.asarray(scales[:, :, 0, :300]) / (np.log2(np.e) / np.sqrt(128)),
+                               s_q.transpose(0, 2, 1) * s_k[..., None], rtol=1e-6)
+    s_v = np.abs(np.asarray(v, np.float64)).max((1, 3)) / F8_MAX
+    np.testing.assert_allclose(np.asarray(scales[:, :, 1, :300]), np.broadcast_to(s_v[..., None], (2, 3, 300)), rtol=1e-6)
+    v_back = np.asarray(vt8[..., :129].astype(jnp.float32), np.float64).transpose(0, 3, 1, 2) * s_v[:, None, :, None]
+    err = np.linalg.norm(v_back - np.asarray(v, np.float64)) / np.linalg.norm(np.asarray(v, np.float64))
+    assert err < 3e-2, f"V dequantised rel. error {err:.2e} (seed {seed})"
+    ref = reference64(q, k, v)
+    err = np.linalg.norm(fp8_reference64(q, k, v) - ref) / np.linalg.norm(ref)
+    assert 1e-2 < err <= FP8_EXACT_TOL, f"FP8 arithmetic rel. error {err:.2e} (seed {seed})"
+    # int8 Q·Kᵀ (7 bits where e4m3 has 3): the logits' share of the error mostly goes
+    err_i8 = np.linalg.norm(fp8_reference64(q, k, v, qk_int8=True) - ref) / np.linalg.norm(ref)
+    assert err_i8 < 0.85 * err, f"int8 Q·Kᵀ rel. error {err_i8:.2e} vs e4m3 {err:.2e} (seed {seed})"
+
+
+@pytest.mark.parametrize("kw", [dict(), dict(block_kv=128, stages=4), dict(persistent=132), dict(q_major=True),
+                                dict(qk_int8=True)])
+@pytest.mark.parametrize("b, sq, skv, h", [(1, 32760, 32760, 12), (2, 1000, 769, 3)])
+def test_fp8_kernel_lowers_for_cuda(kw, b, sq, skv, h):
+    from wan_tpu.kernels.flash_mgpu import mgpu_attention_fp8
+
+    q = jax.ShapeDtypeStruct((b, sq, h, 128), jnp.bfloat16)
+    kv = jax.ShapeDtypeStruct((b, skv, h, 128), jnp.bfloat16)
+    text = jax.jit(lambda q, k, v: mgpu_attention_fp8(q, k, v, **kw)).trace(q, kv, kv).lower(
+        lowering_platforms=("cuda",)).as_text()
+    assert text.count("mosaic_gpu") >= 1
+
+
+def test_fp8_impl_refuses_without_hopper():
+    from wan_tpu.errors import WanInputError
+    from wan_tpu.kernels.flash_gpu import flash_attention_fp8, is_hopper
+
+    if is_hopper():
+        pytest.skip("a Hopper GPU runs the FP8 kernel")
+    q = jnp.zeros((1, 8, 1, 128), jnp.bfloat16)
+    with pytest.raises(WanInputError, match="needs a Hopper GPU"):
+        jax.jit(flash_attention_fp8).trace(q, q, q)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kw", [dict(), dict(block_kv=128, stages=4), dict(persistent=132), dict(qk_int8=True)])
+@pytest.mark.parametrize("b, sq, skv, h", [(1, 7, 7, 2), (1, 4100, 4100, 2), (2, 1000, 769, 3)])
+def test_fp8_kernel_on_device(kw, b, sq, skv, h):
+    from wan_tpu.kernels.flash_mgpu import mgpu_attention_fp8
+
+    seed, (q, k, v) = random_qkv(b, sq, skv, h, 128, jnp.bfloat16)
+    out = np.asarray(mgpu_attention_fp8(q, k, v, **kw).astype(jnp.float32), np.float64)
+    assert out.shape == (b, sq, h, 128) and np.isfinite(out).all(), f"seed {seed}"
+    reference = fp8_reference64(q, k, v, kw.get("qk_int8", False))
+    for ref, tol in ((reference, FP8_TOL), (reference64(q, k, v), FP8_EXACT_TOL)):
+        err = np.linalg.norm(out - ref) / np.linalg.norm(ref)
+        assert err <= tol, f"rel. error {err:.2e} > {tol} (seed {seed})"
+
+
+@pytest.mark.gpu
+def test_fp8_impl_through_dispatch():
+    """Self-attention on the FP8 kernel; cross-attention keeps the bf16 choice (bf16 tolerance)."""
+    from wan_tpu.kernels.tuning import GPU_FP8_BLOCKS
+
+    check_fp8 = lambda q, k, v: attention(q, k, v, impl="pallas_gpu_fp8")  # noqa: E731
+    seed, (q, k, v) = random_qkv(1, 4100, 4100, 2, 128, jnp.bfloat16)
+    ref = fp8_reference64(q, k, v, GPU_FP8_BLOCKS["qk_int8"])
+    err = np.linalg.norm(np.asarray(check_fp8(q, k, v).astype(jnp.float32), np.float64) - ref) / np.linalg.norm(ref)
+    assert err <= FP8_TOL, f"rel. error {err:.2e} (seed {seed})"
+    check(check_fp8, 1, 2000, 512, 2, 128, jnp.bfloat16)

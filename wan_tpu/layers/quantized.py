@@ -12,8 +12,7 @@ largest value (448 for e4m3fn, 127 for int8):
     y[t, o] = (Σ_i x_q[t, i] · w_q[i, o]) · s_x[t] · s_w[o] + b[o]
 where q() casts to f8 (round to nearest) or rounds to an integer. Both scales factor out of the sum,
 so the product itself is a plain low-precision matrix product with no scaling inside:
-`lax.dot_general` on two f8 (or int8) operands (on NVIDIA GPUs at precision HIGHEST: float32
-accumulation, not cuBLASLt's FP8 fast accumulation), 2-D (tokens flattened) with one contracting
+`lax.dot_general` on two f8 (or int8) operands, 2-D (tokens flattened) with one contracting
 dimension — the shape XLA's GPU gemm rewriter turns into a cuBLASLt FP8 GEMM (it takes only scalar
 scales, hence scales applied outside, where they fuse into the elementwise consumer), and that TPUs
 run on their int8 / FP8 matrix units. FP8 products come back in the activation dtype (bf16 for bf16
@@ -24,7 +23,6 @@ and a cast past 464 gives NaN, hence the clip.
 from __future__ import annotations
 
 import dataclasses
-import functools
 
 import jax
 import jax.numpy as jnp
@@ -69,17 +67,13 @@ def quantize_rows(x, fmt: str):
     return _quantize(xf, scale, f), scale
 
 
-def _dot(xq, wq, acc_dtype, precision=None):
-    return jax.lax.dot_general(xq, wq, (((1,), (0,)), ((), ())), precision=precision, preferred_element_type=acc_dtype)
-
-
-def _dot_accumulating_in_f32(xq, wq, acc_dtype):
-    """On NVIDIA GPUs, precision HIGHEST: at DEFAULT, XLA turns on cuBLASLt's FP8 fast accumulation.
-    On Hopper that never promotes partial sums to float32, and the FFN's proj_out sums 8,960
-    products. With it, the FFN-only 1.3B forward was 5.7e-2 from bf16 on an H100, where exact float32
-    sums (a CPU, scripts/fp8_error.py --dtype bfloat16) give 2.1e-2. TPUs and CPUs accumulate in
-    float32 (int8: int32) anyway, and there HIGHEST could ask for more than one pass."""
-    return _dot(xq, wq, acc_dtype, jax.lax.Precision.HIGHEST)
+def _dot(xq, wq, acc_dtype):
+    # Default precision. On NVIDIA GPUs that lets cuBLASLt use FP8 fast accumulation; precision
+    # HIGHEST (float32 accumulation) was tried and measured no different: the FFN-only 1.3B forward
+    # was 5.73e-2 from bf16 with it off and 5.71e-2 with it on (the CPU's exact sums give 5.80e-2 on
+    # the same random weights), and with it the 14B FP8 forward did not finish compiling and running
+    # in 350 s on an H200 (docs/PERFORMANCE.md, ninth session).
+    return jax.lax.dot_general(xq, wq, (((1,), (0,)), ((), ())), preferred_element_type=acc_dtype)
 
 
 def quantized_matmul(x, wq, w_scale, bias=None, fmt: str = "fp8", out_dtype=jnp.bfloat16):
@@ -94,8 +88,7 @@ def quantized_matmul(x, wq, w_scale, bias=None, fmt: str = "fp8", out_dtype=jnp.
     acc_dtype = jnp.int32 if FORMATS[fmt].integer else out_dtype
     # 2-D operands, contracting x's minor dimension with w's major one: the shape the FP8 GEMM
     # rewrite accepts (it transposes w to the column-major layout cuBLASLt wants itself).
-    y = jax.lax.platform_dependent(xq, wq, cuda=functools.partial(_dot_accumulating_in_f32, acc_dtype=acc_dtype),
-                                   default=functools.partial(_dot, acc_dtype=acc_dtype))[:tokens]
+    y = _dot(xq, wq, acc_dtype)[:tokens]
     y = y.astype(jnp.float32) * x_scale * w_scale.astype(jnp.float32)
     if bias is not None:
         y = y + bias.astype(jnp.float32)
