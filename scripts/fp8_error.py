@@ -5,6 +5,8 @@ emulates them: the arithmetic is `wan_tpu.layers.quantized`'s exactly).
     python scripts/fp8_error.py --config 1.3b --latent 3,16,16 --text 64
     python scripts/fp8_error.py --config 1.3b --latent 5,30,52 --text 512 --dtype bfloat16   # as the device compares
     python scripts/fp8_error.py --config 1.3b --text 512 --dtype bfloat16 --init nnx --seed 1  # bench_dit.py's weights
+    python scripts/fp8_error.py --config 1.3b --text 512 --dtype bfloat16 --init nnx --attention  # + 8-bit attention
+    ... --attention --acc-bits 13,0   # + the kernel's loop step by step, P·V sums cut to 13 bits / float32
 
 Prints, per recipe, the relative L2 error of the DiT output against the float32 forward of the same
 weights, and the share of the forward's linear FLOPs the recipe runs in FP8; first the bf16 model's. Also one linear alone
@@ -21,6 +23,7 @@ weights (docs/PERFORMANCE.md, ninth session), so neither figure says how trained
 from __future__ import annotations
 
 import argparse
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -42,6 +45,86 @@ RECIPES = {
     "FFN in only (proj_in)": (("ffn", "proj_in"),),
     "all but FFN out": tuple(p for p in quantize.BLOCK_LINEARS if p != ("ffn", "proj_out")),
 }
+
+
+# Self-attention in 8 bits, emulated (the FP8 kernel's scaled arithmetic, `flash_mgpu.fp8_operands`;
+# P rounded against the row's final max): name → (Q·Kᵀ format or None for bf16, P·V in e4m3?).
+ATTENTION_RECIPES = {
+    "attn int8 QK + e4m3 PV (shipped)": ("int8", True),
+    "attn e4m3 QK + e4m3 PV": ("e4m3", True),
+    "attn int8 QK, bf16 PV": ("int8", False),
+    "attn bf16 QK, e4m3 PV": (None, True),
+}
+
+
+def emulated_8bit_attention(q, k, v, qk, pv):
+    """(B, S, H, D) → (B, Sq, H, D): `pallas_gpu_fp8`'s arithmetic in float32 on any backend, with Q·Kᵀ in
+    `qk` ("int8", "e4m3" or None: the inputs as given) and P·V in e4m3 (`pv`) or float32."""
+    from wan_tpu.kernels.flash_mgpu import LOG2E, P_SHIFT, fp8_operands
+
+    sq, skv = q.shape[1], k.shape[1]
+    q8, k8, vt8, scales = fp8_operands(q, k, v, qk_int8=qk == "int8")
+    f32 = lambda x: x.astype(jnp.float32)  # noqa: E731
+    if qk:
+        s = jnp.einsum("bqhd,bkhd->bhqk", f32(q8[:, :sq]), f32(k8[:, :skv])) * scales[:, :, 0, :sq, None]
+    else:
+        s = jnp.einsum("bqhd,bkhd->bhqk", f32(q), f32(k)) * (LOG2E / np.sqrt(q.shape[-1]))
+    p = jnp.exp2(s - s.max(-1, keepdims=True) + P_SHIFT)
+    l = p.sum(-1, keepdims=True)
+    if pv:
+        o = jnp.einsum("bhqk,bhdk->bhqd", f32(p.astype(jnp.float8_e4m3fn)), f32(vt8[..., :skv])) / l
+        o = o * scales[:, :, 1, :sq, None]
+    else:
+        o = jnp.einsum("bhqk,bkhd->bhqd", p, f32(v)) / l
+    return o.transpose(0, 2, 1, 3).astype(q.dtype)
+
+
+def _truncate_mantissa(x, bits):
+    """float32 → float32 with only `bits` mantissa bits kept (rounded toward zero)."""
+    drop = 23 - bits
+    u = jax.lax.bitcast_convert_type(x, jnp.uint32)
+    return jax.lax.bitcast_convert_type(u & jnp.uint32((0xFFFFFFFF >> drop) << drop), jnp.float32)
+
+
+def emulated_kernel_attention(q, k, v, acc_bits, block_kv=256, chunk=32):
+    """The shipped kernel's loop (int8 Q·Kᵀ, e4m3 P·V), emulated step by step: online softmax over
+    `block_kv`-key steps, P rounded against the running max, and each `chunk` keys' e4m3 products added
+    into the running accumulator that is then cut to `acc_bits` mantissa bits: a model of Hopper's FP8
+    MMA, whose accumulation keeps about 14 bits (DeepSeek-V3's report; SageAttention2 calls it FP22)."""
+    from wan_tpu.kernels.flash_mgpu import P_SHIFT, fp8_operands
+
+    sq, skv = q.shape[1], k.shape[1]
+    q8, k8, vt8, scales = fp8_operands(q, k, v, qk_int8=True)
+    f32 = lambda x: x.astype(jnp.float32)  # noqa: E731
+    steps = -(-skv // block_kv)
+    pad = steps * block_kv - skv
+    kk = jnp.pad(f32(k8[:, :skv]), ((0, 0), (0, pad), (0, 0), (0, 0)))
+    vt = jnp.pad(f32(vt8[..., :skv]), ((0, 0), (0, 0), (0, 0), (0, pad)))
+    qq, cs = f32(q8[:, :sq]), scales[:, :, 0, :sq, None]
+    b, h, d = q.shape[0], q.shape[2], q.shape[3]
+
+    def step(j, carry):
+        acc, m, l = carry
+        kj = jax.lax.dynamic_slice_in_dim(kk, j * block_kv, block_kv, axis=1)
+        vj = jax.lax.dynamic_slice_in_dim(vt, j * block_kv, block_kv, axis=3)
+        sj = jnp.einsum("bqhd,bkhd->bhqk", qq, kj) * cs
+        valid = (j * block_kv + jnp.arange(block_kv)) < skv
+        sj = jnp.where(valid, sj, -jnp.inf)
+        m_new = jnp.maximum(m, sj.max(-1, keepdims=True))
+        alpha = jnp.exp2(m - m_new)
+        p = jnp.exp2(sj - m_new + P_SHIFT)
+        l = l * alpha + p.sum(-1, keepdims=True)
+        p8 = f32(p.astype(jnp.float8_e4m3fn))
+        acc = acc * alpha
+        for c in range(0, block_kv, chunk):
+            part = jnp.einsum("bhqk,bhdk->bhqd", p8[..., c:c + chunk], vj[..., c:c + chunk])
+            acc = acc + part if acc_bits is None else _truncate_mantissa(acc + part, acc_bits)
+        return acc, m_new, l
+
+    init = (jnp.zeros((b, h, sq, d), jnp.float32), jnp.full((b, h, sq, 1), -jnp.inf), jnp.zeros((b, h, sq, 1)))
+    acc, _, l = jax.lax.fori_loop(0, steps, step, init)
+    o = acc / l * scales[:, :, 1, :sq, None]
+    return o.transpose(0, 2, 1, 3).astype(q.dtype)
 
 
 def rel(a, b) -> float:
@@ -86,6 +169,11 @@ def main(argv=None) -> int:
                    help="random weights: presets.random_module's (the usual fan-in scales), or the modules' "
                         "own initialisers (what scripts/bench_dit.py draws on the device)")
     p.add_argument("--seed", type=int, default=0, help="the weights' seed (inputs keep seed 0)")
+    p.add_argument("--attention", action="store_true",
+                   help="also self-attention in 8 bits (emulated `pallas_gpu_fp8` recipes), linears unquantised")
+    p.add_argument("--acc-bits", default="", type=lambda t: [int(b) or None for b in t.split(",") if b],
+                   help="with --attention: also the kernel's loop with P·V sums cut to these mantissa bits "
+                        "(e.g. 13,0; 0 = float32's 23)")
     args = p.parse_args(argv)
     variant = {"1.3b": "wan2.1-t2v-1.3b", "14b": "wan2.1-t2v-14b", "5b": "wan2.2-ti2v-5b", "tiny": "tiny"}[args.config]
     cfg = VARIANTS[variant].transformer
@@ -124,6 +212,16 @@ def main(argv=None) -> int:
         out = run(g, s, x, c)
         share = sum(flops.get(p, 0) for p in linears) / sum(flops.values())
         print(f"  {name:34s} {rel(out, ref):10.2e} {share:22.0%}")
+    if args.attention:
+        print("  block linears unquantised, self-attention emulated in 8 bits:")
+        kernel_loop = {f"kernel loop, {bits or 23}-bit accumulation": functools.partial(emulated_kernel_attention, acc_bits=bits)
+                       for bits in args.acc_bits}
+        for name, fn in {**{n: functools.partial(emulated_8bit_attention, qk=qk, pv=pv)
+                            for n, (qk, pv) in ATTENTION_RECIPES.items()}, **kernel_loop}.items():
+            model = nnx.merge(graphdef, state)
+            model.self_attention = fn
+            g, s = nnx.split(model)
+            print(f"  {name:34s} {rel(run(g, s, x, c), ref):10.2e}", flush=True)
     return 0
 
 

@@ -224,3 +224,37 @@ def test_fp8_impl_through_dispatch():
     err = np.linalg.norm(np.asarray(check_fp8(q, k, v).astype(jnp.float32), np.float64) - ref) / np.linalg.norm(ref)
     assert err <= FP8_TOL, f"rel. error {err:.2e} (seed {seed})"
     check(check_fp8, 1, 2000, 512, 2, 128, jnp.bfloat16)
+
+
+def _fp8_error_script():
+    import importlib.util
+    import os
+
+    path = os.path.join(os.path.dirname(__file__), "..", "scripts", "fp8_error.py")
+    spec = importlib.util.spec_from_file_location("fp8_error", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_fp8_error_emulations_agree():
+    """`scripts/fp8_error.py`'s emulations of the 8-bit kernel: unquantised it is exact attention; the
+    step-by-step loop (running max, 256-key steps, float32 sums) matches the one-shot emulation, whose
+    arithmetic `fp8_reference64` (the kernel's yardstick) also has; cutting the sums to 13 bits moves it."""
+    script = _fp8_error_script()
+    seed, (q, k, v) = random_qkv(1, 300, 600, 2, 128, jnp.bfloat16)
+    f64 = lambda x: np.asarray(x.astype(jnp.float32), np.float64)  # noqa: E731
+    rel = lambda a, b: np.linalg.norm(a - b) / np.linalg.norm(b)  # noqa: E731
+    exact = f64(script.emulated_8bit_attention(q.astype(jnp.float32), k.astype(jnp.float32), v.astype(jnp.float32),
+                                               qk=None, pv=False))
+    assert rel(exact, reference64(q, k, v)) < 1e-5, f"seed {seed}"
+    one_shot = f64(script.emulated_8bit_attention(q.astype(jnp.float32), k.astype(jnp.float32), v.astype(jnp.float32),
+                                                  qk="int8", pv=True))
+    # float32 against float64: a few P values land on the other side of an e4m3 rounding boundary
+    assert rel(one_shot, fp8_reference64(q, k, v, qk_int8=True)) < 1e-3, f"seed {seed}"
+    loop = f64(script.emulated_kernel_attention(q.astype(jnp.float32), k.astype(jnp.float32), v.astype(jnp.float32),
+                                                acc_bits=None))
+    assert rel(loop, one_shot) < FP8_TOL, f"seed {seed}"  # P rounded against the running max
+    cut = f64(script.emulated_kernel_attention(q.astype(jnp.float32), k.astype(jnp.float32), v.astype(jnp.float32),
+                                               acc_bits=13))
+    assert 0 < rel(cut, loop) < 1e-2, f"seed {seed}"
