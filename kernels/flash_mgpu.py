@@ -133,27 +133,40 @@ def fp8_operands(q, k, v, qk_int8=False):
     return q8, k8, vt8, jnp.stack([logit, out], axis=2)
 
 
-@functools.partial(jax.jit, static_argnames=("block_q", "block_kv", "stages", "persistent", "q_major", "qk_int8"))
-def mgpu_attention_fp8(q, k, v, block_q=64, block_kv=256, stages=2, persistent=0, q_major=False, qk_int8=False):
+@functools.partial(jax.jit, static_argnames=("block_q", "block_kv", "stages", "persistent", "q_major", "qk_int8",
+                                             "pv_two_level"))
+def mgpu_attention_fp8(q, k, v, block_q=64, block_kv=256, stages=2, persistent=0, q_major=False, qk_int8=False,
+                       pv_two_level=False):
     """(B, S, H, D) bf16 → (B, Sq, H, D) bf16, both matrix products on the FP8 tensor cores (FA3's
     FP8 path), operands from `fp8_operands` (one XLA pass per tensor). The per-row factors fold into
     the softmax's exp2 argument and the output's 1/l, so the kernel adds no multiply per score. e4m3
     WGMMA reads both operands K-major, hence V transposed; P goes through shared memory (Mosaic GPU
-    has no register layout change to the 8-bit A operand) as 2^P_SHIFT · p."""
+    has no register layout change to the 8-bit A operand) as 2^P_SHIFT · p.
+
+    `pv_two_level` (SageAttention2's two-level accumulation; NOT YET RUN ON A GPU, off by default):
+    Hopper's FP8 MMA keeps about 14 bits when it adds products into its accumulator (DeepSeek-V3's
+    report). Accumulating every step into the running output, a product under 2^-14 of that sum is
+    cut away; with V's rows sharing a mean (as in a DiT, not in random tests) the sum grows with the
+    keys and the loss with it (`scripts/fp8_error.py --accumulation` emulates that rule: 32,768 keys
+    give 0.39 relative error, against 1.9e-3 with a fresh accumulator per step). The likely cause of
+    the device's 1.1e-1 forward error (docs/PERFORMANCE.md, ninth session); to be measured."""
     q8, k8, vt8, scales = fp8_operands(q, k, v, qk_int8)
     out = _kernel_call(q8, k8, vt8, scales, skv=k.shape[1], block_q=block_q, block_kv=block_kv, stages=stages,
-                       persistent=persistent, q_major=q_major)
+                       persistent=persistent, q_major=q_major, pv_two_level=pv_two_level)
     return out[:, :q.shape[1]]
 
 
-def _kernel_call(q, k, v, scales, skv, block_q, block_kv, stages, persistent, q_major):
+def _kernel_call(q, k, v, scales, skv, block_q, block_kv, stages, persistent, q_major, pv_two_level=False):
     """`scales` None: q, k, v in bf16 / fp16, (B, S, H, D). Else FP8 (`mgpu_attention_fp8`): q, k
     e4m3 (B, S, H, D), v e4m3 transposed (B, H, D, S), and `scales` (B, H, 2, Sq) f32 holding per
-    query row the exp2 argument's factor and the output's factor."""
+    query row the exp2 argument's factor and the output's factor. `pv_two_level` (FP8 only; see
+    `mgpu_attention_fp8`): each step's P·V summed in a fresh accumulator, then added in float32."""
     b, sq, h, d = q.shape
     fp8 = scales is not None
     qk_int8 = q.dtype == jnp.int8
     dtype = jnp.bfloat16 if fp8 else q.dtype  # the output's
+    if pv_two_level and not fp8:
+        raise WanInputError("pv_two_level is for the FP8 kernel only (bf16 products accumulate in float32)")
     if fp8:
         if q.dtype not in (F8, jnp.int8) or k.dtype != q.dtype or v.dtype != F8:
             raise WanInputError(f"the FP8 Hopper attention kernel needs e4m3 (or int8) q and k, e4m3 v; got {q.dtype}, {k.dtype}, {v.dtype}")
@@ -242,7 +255,8 @@ def _kernel_call(q, k, v, scales, skv, block_q, block_kv, stages, persistent, q_
                     alpha = jnp.exp2(m - m_new)
                     p = jnp.exp2(s * c - lax.broadcast_in_dim(m_new, s.shape, [0]))
                 l = l * alpha + p.sum(axis=1)
-                acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+                if not pv_two_level:  # else rescaled when this step's P·V is added (below)
+                    acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
                 if fp8:
                     p_tiles.at[wg][...] = p.astype(F8)
                     plgpu.commit_smem()
@@ -251,7 +265,9 @@ def _kernel_call(q, k, v, scales, skv, block_q, block_kv, stages, persistent, q_
                     p = p.astype(dtype)
                 # Keep the softmax ahead of the hand-over: the compiler must not sink it past the
                 # barriers into the other warpgroup's tensor-core turn.
-                if fp8:
+                if pv_two_level:
+                    acc, l, m_new, alpha = lax.optimization_barrier((acc, l, m_new, alpha))
+                elif fp8:
                     acc, l, m_new = lax.optimization_barrier((acc, l, m_new))
                 else:
                     acc, l, m_new, p = lax.optimization_barrier((acc, l, m_new, p))
@@ -267,7 +283,17 @@ def _kernel_call(q, k, v, scales, skv, block_q, block_kv, stages, persistent, q_
                     def _():
                         plgpu.barrier_wait(k_loaded.at[slot_of(base + j + 1)])
 
-                acc = pl.run_state(update)(plgpu.ACC.init(acc))
+                if pv_two_level:
+                    # This step's P·V in a fresh accumulator, added to the running one in float32
+                    # registers (the rescale becomes that FMA's multiply).
+                    def fresh(pv_ref):
+                        update(pv_ref)
+                        return pv_ref[...]
+
+                    pv = pl.run_scoped(fresh, plgpu.ACC((block_q, d), jnp.float32))
+                    acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0]) + pv
+                else:
+                    acc = pl.run_state(update)(plgpu.ACC.init(acc))
                 plgpu.barrier_arrive(v_consumed.at[slot])
                 return acc, m_new, l
 

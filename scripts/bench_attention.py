@@ -11,7 +11,8 @@ Variants of `kernels/flash_mgpu.py`, written `BQxBKVxSTAGES[xp[N]][xq]`: block_q
 warpgroup × block_kv keys per step × K/V ring depth; `p` = persistent (one CTA per SM, or N CTAs,
 each walking (head, q tile) tiles with one continuous K/V ring), `q` = q tiles fastest in the grid
 (CTAs running together share a head's K/V in L2), `f` = the FP8 kernel (`mgpu_attention_fp8`: checked
-at ≤ 6e-2 instead of 1e-2), `i` = the same with int8 Q·Kᵀ (`qk_int8=True`). `--variants` replaces the default list of every
+at ≤ 6e-2 instead of 1e-2), `i` = the same with int8 Q·Kᵀ (`qk_int8=True`), `t` = with each step's P·V summed
+from zero, then added in float32 (`pv_two_level=True`; combine: `64x256x2xixt`). `--variants` replaces the default list of every
 shape class (`SELF_VARIANTS`, `CROSS_VARIANTS`).
 
 Every entry runs in its own try/except (a variant that fails to compile prints its error and the
@@ -57,7 +58,7 @@ D = 128
 SLICE_Q = 256
 TOL = 1e-2
 TOL_FP8 = 6e-2  # e4m3 Q, K, V and P: three mantissa bits (per-element rounding up to 6%)
-VARIANT = re.compile(r"^(\d+)x(\d+)x(\d+)((?:x(?:p\d*|q|f|i))*)$")
+VARIANT = re.compile(r"^(\d+)x(\d+)x(\d+)((?:x(?:p\d*|q|f|i|t))*)$")
 
 
 def parse_variant(spec: str, sms: int) -> dict:
@@ -70,9 +71,10 @@ def parse_variant(spec: str, sms: int) -> dict:
     for flag in filter(None, m[4].split("x")):
         if flag == "q":
             kw["q_major"] = True
-        elif flag in ("f", "i"):  # i: the FP8 kernel with int8 Q·Kᵀ
+        elif flag in ("f", "i", "t"):  # i: the FP8 kernel with int8 Q·Kᵀ; t: with two-level P·V sums
             kw["fp8"] = True
             kw["qk_int8"] = kw.get("qk_int8", False) or flag == "i"
+            kw["pv_two_level"] = kw.get("pv_two_level", False) or flag == "t"
         else:
             kw["persistent"] = int(flag[1:] or sms)
     return kw
@@ -164,7 +166,7 @@ def bench_shape(name, shape, variants, peers, sms, interpret):
     def run(label, fn, out_slice, sync):
         try:
             err = rel_error(out_slice(), ref)  # correctness first: a wrong variant is never timed
-            if not err <= (TOL_FP8 if {"f", "i"} & set(label.split()[-1].split("x")) else TOL):
+            if not err <= (TOL_FP8 if {"f", "i", "t"} & set(label.split()[-1].split("x")) else TOL):
                 results.append((label, None, f"FAIL rel. err {err:.1e}"))
             else:
                 results.append((label, time_calls(fn, sync, hint), err))

@@ -127,6 +127,40 @@ def emulated_kernel_attention(q, k, v, acc_bits, block_kv=256, chunk=32):
     return o.transpose(0, 2, 1, 3).astype(q.dtype)
 
 
+def aligned_sum(acc, prods, bits):
+    """acc + Σ prods (over axis 1), each product first cut (toward zero) to the grid of `bits` bits below
+    acc's leading bit: the rule by which Hopper's FP8 MMA adds products into its accumulator, as far as
+    DeepSeek-V3's report describes it (about 14 bits kept). acc (n, d), prods (n, m, d)."""
+    grid = jnp.exp2(jnp.floor(jnp.log2(jnp.maximum(jnp.abs(acc), 1e-30))) - bits)[:, None, :]
+    cut = jnp.where(acc[:, None, :] == 0, prods, jnp.trunc(prods / grid) * grid)
+    return acc + cut.sum(1)
+
+
+def accumulation_study(keys: int, v_mean: float, bits: int, two_level: bool, queries=64, d=128, step=256, chunk=32):
+    """One head's e4m3 P·V over `keys` keys (q, k ~ N(0, 1); v ~ v_mean + N(0, 0.3²)), P against the
+    final max: relative error of the `aligned_sum` rule against exact float32 sums. `two_level`: each
+    `step` keys summed from zero, then added in float32 (what `mgpu_attention_fp8(pv_two_level=True)` does)."""
+    ks = jax.random.split(jax.random.key(0), 3)
+    q, k = jax.random.normal(ks[0], (queries, d)), jax.random.normal(ks[1], (keys, d))
+    v = v_mean + 0.3 * jax.random.normal(ks[2], (keys, d))
+    s = q @ k.T / np.sqrt(d) * np.log2(np.e)
+    p = jnp.exp2(s - s.max(-1, keepdims=True) + 8).astype(jnp.float8_e4m3fn).astype(jnp.float32)
+    scale = jnp.abs(v).max() / 448
+    v8 = (v / scale).astype(jnp.float8_e4m3fn).astype(jnp.float32)
+    exact = p @ v8
+
+    def one_step(i, acc):
+        pi = jax.lax.dynamic_slice_in_dim(p, i * step, step, 1)
+        vi = jax.lax.dynamic_slice_in_dim(v8, i * step, step, 0)
+        part = jnp.zeros_like(acc) if two_level else acc
+        for c in range(0, step, chunk):
+            part = aligned_sum(part, pi[:, c:c + chunk, None] * vi[None, c:c + chunk], bits)
+        return acc + part if two_level else part
+
+    out = jax.lax.fori_loop(0, keys // step, one_step, jnp.zeros((queries, d)))
+    return rel(out, exact)
+
+
 def rel(a, b) -> float:
     a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
     return float(np.linalg.norm(a - b) / np.linalg.norm(b))
@@ -174,7 +208,17 @@ def main(argv=None) -> int:
     p.add_argument("--acc-bits", default="", type=lambda t: [int(b) or None for b in t.split(",") if b],
                    help="with --attention: also the kernel's loop with P·V sums cut to these mantissa bits "
                         "(e.g. 13,0; 0 = float32's 23)")
+    p.add_argument("--accumulation", action="store_true",
+                   help="only the per-call study of FP8 MMA accumulation (`accumulation_study`), then exit")
     args = p.parse_args(argv)
+    if args.accumulation:
+        print("e4m3 P·V, one head, 64 queries; relative error of 14-bit-aligned accumulation vs exact sums")
+        print(f"  {'keys':>6s} {'V mean':>6s} {'running accumulator':>20s} {'fresh per 256 keys':>19s}")
+        for keys in (2048, 8192, 32768):
+            for v_mean in (0.0, 1.0):
+                print(f"  {keys:6d} {v_mean:6.1f} {accumulation_study(keys, v_mean, 13, False):20.2e} "
+                      f"{accumulation_study(keys, v_mean, 13, True):19.2e}", flush=True)
+        return 0
     variant = {"1.3b": "wan2.1-t2v-1.3b", "14b": "wan2.1-t2v-14b", "5b": "wan2.2-ti2v-5b", "tiny": "tiny"}[args.config]
     cfg = VARIANTS[variant].transformer
     latent = tuple(int(v) for v in args.latent.split(","))

@@ -175,7 +175,7 @@ def test_fp8_operands_and_reference():
 
 
 @pytest.mark.parametrize("kw", [dict(), dict(block_kv=128, stages=4), dict(persistent=132), dict(q_major=True),
-                                dict(qk_int8=True)])
+                                dict(qk_int8=True), dict(qk_int8=True, pv_two_level=True)])
 @pytest.mark.parametrize("b, sq, skv, h", [(1, 32760, 32760, 12), (2, 1000, 769, 3)])
 def test_fp8_kernel_lowers_for_cuda(kw, b, sq, skv, h):
     from wan_tpu.kernels.flash_mgpu import mgpu_attention_fp8
@@ -199,7 +199,8 @@ def test_fp8_impl_refuses_without_hopper():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("kw", [dict(), dict(block_kv=128, stages=4), dict(persistent=132), dict(qk_int8=True)])
+@pytest.mark.parametrize("kw", [dict(), dict(block_kv=128, stages=4), dict(persistent=132), dict(qk_int8=True),
+                                dict(qk_int8=True, pv_two_level=True), dict(persistent=132, pv_two_level=True)])
 @pytest.mark.parametrize("b, sq, skv, h", [(1, 7, 7, 2), (1, 4100, 4100, 2), (2, 1000, 769, 3)])
 def test_fp8_kernel_on_device(kw, b, sq, skv, h):
     from wan_tpu.kernels.flash_mgpu import mgpu_attention_fp8
@@ -258,3 +259,32 @@ def test_fp8_error_emulations_agree():
     cut = f64(script.emulated_kernel_attention(q.astype(jnp.float32), k.astype(jnp.float32), v.astype(jnp.float32),
                                                acc_bits=13))
     assert 0 < rel(cut, loop) < 1e-2, f"seed {seed}"
+
+
+def test_fp8_accumulation_study():
+    """`scripts/fp8_error.py --accumulation`: under Hopper's FP8 MMA accumulation rule (about 14 bits
+    kept as products are added), a running accumulator loses a growing share of P·V when V's rows share
+    a mean; a fresh accumulator per 256-key step (`pv_two_level`) does not."""
+    script = _fp8_error_script()
+    running, fresh = (script.accumulation_study(2048, 1.0, 13, two_level) for two_level in (False, True))
+    assert fresh < 5e-3 and running > 10 * fresh, (running, fresh)
+    assert script.accumulation_study(2048, 0.0, 13, False) < 5e-3  # zero-mean V (random tests) hides it
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("pv_two_level", [True])
+def test_fp8_kernel_keeps_long_sums(pv_two_level):
+    """32,768 keys whose values share a mean (as a DiT's do; random tests' do not): the FP8 kernel
+    against the float64 emulation of its arithmetic. The single-level accumulator is expected to fail
+    this (`test_fp8_accumulation_study`); not yet run on a GPU."""
+    from wan_tpu.kernels.flash_mgpu import mgpu_attention_fp8
+
+    rng = np.random.default_rng(0)
+    q = jnp.asarray(rng.standard_normal((1, 256, 1, 128)), jnp.bfloat16)
+    k = jnp.asarray(rng.standard_normal((1, 32768, 1, 128)), jnp.bfloat16)
+    v = jnp.asarray(1.0 + 0.3 * rng.standard_normal((1, 32768, 1, 128)), jnp.bfloat16)
+    out = np.asarray(mgpu_attention_fp8(q, k, v, qk_int8=True, pv_two_level=pv_two_level).astype(jnp.float32), np.float64)
+    ref = fp8_reference64(q, k, v, qk_int8=True)
+    err = np.linalg.norm(out - ref) / np.linalg.norm(ref)
+    assert err <= FP8_TOL, f"rel. error {err:.2e}"
+
