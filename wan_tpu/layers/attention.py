@@ -8,7 +8,7 @@ Softmax scale is 1/sqrt(D), non-causal, any Sq, Skv ≥ 1. Kernels:
 - `"pallas_gpu"`: our GPU Pallas kernel (`kernels/flash_gpu.py`): the Hopper kernel for bf16/fp16
   with D % 64 == 0, the Triton fallback otherwise; `interpret=True` runs the latter on CPU.
 - `"pallas_gpu_fp8"`: the Hopper kernel on the 8-bit tensor cores (`flash_mgpu.mgpu_attention_fp8`:
-  int8 Q·Kᵀ, e4m3 P·V, scaled). On an H200: 1.24-1.30× the bf16 kernel's speed, at 4.0e-2 relative
+  int8 Q·Kᵀ, e4m3 P·V, scaled). On an H200: 1.24-1.28× the bf16 kernel's speed, at 4.0e-2 relative
   error per call on random inputs where bf16 has 2.3e-3; the 1.3B forward is 0.86× as long and moved
   by 1.1e-1 on the device (random weights; a CPU emulation gives 7e-3: likely Hopper's FP8
   accumulation, see `mgpu_attention_fp8(pv_two_level=...)`).
