@@ -62,11 +62,11 @@ VARIANT = re.compile(r"^(\d+)x(\d+)x(\d+)((?:x(?:p\d*|q|f|i|t))*)$")
 
 
 def parse_variant(spec: str, sms: int) -> dict:
-    """`64x192x2xp` → mgpu_attention kwargs (p without a number: one CTA per SM; f: the FP8 kernel,
-    `fp8=True` here, popped by the caller)."""
+    """`64x192x2xp` → mgpu_attention kwargs (p without a number: one CTA per SM; f, i, t: the FP8
+    kernel, `fp8=True` here, popped by the caller)."""
     m = VARIANT.match(spec)
     if not m:
-        raise SystemExit(f"bad variant {spec!r}: write BQxBKVxSTAGES[xp[N]][xq][xf], e.g. 64x192x2xp")
+        raise SystemExit(f"bad variant {spec!r}: write BQxBKVxSTAGES[xp[N]][xq][xf|xi][xt], e.g. 64x192x2xp")
     kw = dict(block_q=int(m[1]), block_kv=int(m[2]), stages=int(m[3]))
     for flag in filter(None, m[4].split("x")):
         if flag == "q":

@@ -89,8 +89,9 @@ def _truncate_mantissa(x, bits):
 def emulated_kernel_attention(q, k, v, acc_bits, block_kv=256, chunk=32):
     """The shipped kernel's loop (int8 Q·Kᵀ, e4m3 P·V), emulated step by step: online softmax over
     `block_kv`-key steps, P rounded against the running max, and each `chunk` keys' e4m3 products added
-    into the running accumulator that is then cut to `acc_bits` mantissa bits: a model of Hopper's FP8
-    MMA, whose accumulation keeps about 14 bits (DeepSeek-V3's report; SageAttention2 calls it FP22)."""
+    into the running accumulator that is then cut to `acc_bits` mantissa bits. A mild model of Hopper's
+    FP8 accumulation: the hardware reportedly cuts each product before it adds it (`aligned_sum`, per
+    call in `accumulation_study`), which loses far more once the sum is large."""
     from wan_tpu.kernels.flash_mgpu import P_SHIFT, fp8_operands
 
     sq, skv = q.shape[1], k.shape[1]
@@ -140,13 +141,14 @@ def accumulation_study(keys: int, v_mean: float, bits: int, two_level: bool, que
     """One head's e4m3 P·V over `keys` keys (q, k ~ N(0, 1); v ~ v_mean + N(0, 0.3²)), P against the
     final max: relative error of the `aligned_sum` rule against exact float32 sums. `two_level`: each
     `step` keys summed from zero, then added in float32 (what `mgpu_attention_fp8(pv_two_level=True)` does)."""
+    from wan_tpu.kernels.flash_mgpu import F8_MAX, LOG2E, P_SHIFT
+
     ks = jax.random.split(jax.random.key(0), 3)
     q, k = jax.random.normal(ks[0], (queries, d)), jax.random.normal(ks[1], (keys, d))
     v = v_mean + 0.3 * jax.random.normal(ks[2], (keys, d))
-    s = q @ k.T / np.sqrt(d) * np.log2(np.e)
-    p = jnp.exp2(s - s.max(-1, keepdims=True) + 8).astype(jnp.float8_e4m3fn).astype(jnp.float32)
-    scale = jnp.abs(v).max() / 448
-    v8 = (v / scale).astype(jnp.float8_e4m3fn).astype(jnp.float32)
+    s = q @ k.T * (LOG2E / np.sqrt(d))
+    p = jnp.exp2(s - s.max(-1, keepdims=True) + P_SHIFT).astype(jnp.float8_e4m3fn).astype(jnp.float32)
+    v8 = (v * (F8_MAX / jnp.abs(v).max())).astype(jnp.float8_e4m3fn).astype(jnp.float32)  # one scale: it cancels
     exact = p @ v8
 
     def one_step(i, acc):

@@ -67,15 +67,6 @@ def quantize_rows(x, fmt: str):
     return _quantize(xf, scale, f), scale
 
 
-def _dot(xq, wq, acc_dtype):
-    # Default precision. On NVIDIA GPUs that lets cuBLASLt use FP8 fast accumulation; precision
-    # HIGHEST (float32 accumulation) was tried and measured no different: the FFN-only 1.3B forward
-    # was 5.73e-2 from bf16 with it off and 5.71e-2 with it on (the CPU's exact sums give 5.80e-2 on
-    # the same random weights), and with it the 14B FP8 forward did not finish compiling and running
-    # in 350 s on an H200 (docs/PERFORMANCE.md, ninth session).
-    return jax.lax.dot_general(xq, wq, (((1,), (0,)), ((), ())), preferred_element_type=acc_dtype)
-
-
 def quantized_matmul(x, wq, w_scale, bias=None, fmt: str = "fp8", out_dtype=jnp.bfloat16):
     """x (…, in) against a quantised kernel: the arithmetic of the module docstring, in `out_dtype`."""
     lead = x.shape[:-1]
@@ -87,8 +78,12 @@ def quantized_matmul(x, wq, w_scale, bias=None, fmt: str = "fp8", out_dtype=jnp.
     xq = jnp.pad(xq, ((0, -tokens % 16), (0, 0)))
     acc_dtype = jnp.int32 if FORMATS[fmt].integer else out_dtype
     # 2-D operands, contracting x's minor dimension with w's major one: the shape the FP8 GEMM
-    # rewrite accepts (it transposes w to the column-major layout cuBLASLt wants itself).
-    y = _dot(xq, wq, acc_dtype)[:tokens]
+    # rewrite accepts (it transposes w to the column-major layout cuBLASLt wants itself). Default
+    # precision, so cuBLASLt may use FP8 fast accumulation: HIGHEST (float32 sums) measured no
+    # different (FFN-only 1.3B forward 5.71e-2 from bf16 against 5.73e-2; the CPU's exact sums give
+    # 5.80e-2 on those weights) and kept the 14B FP8 forward from finishing within 350 s on an H200
+    # (docs/PERFORMANCE.md, ninth session).
+    y = jax.lax.dot_general(xq, wq, (((1,), (0,)), ((), ())), preferred_element_type=acc_dtype)[:tokens]
     y = y.astype(jnp.float32) * x_scale * w_scale.astype(jnp.float32)
     if bias is not None:
         y = y + bias.astype(jnp.float32)
