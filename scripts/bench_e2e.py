@@ -11,6 +11,8 @@
     python scripts/bench_e2e.py --config 1.3b --peer diffusers --cache magcache --workdir outputs/bench_e2e
     # the 4-step recipe with a random rank-64 kohya LoRA merged on both sides (diffusers: fuse_lora)
     python scripts/bench_e2e.py --config 14b --peer diffusers --few-step --lora-rank 64 --workdir outputs/bench_e2e
+    # ours with its FP8 options (FP8 linears, 8-bit self-attention; Hopper), the peer in bf16
+    python scripts/bench_e2e.py --config 1.3b --peer diffusers --quantize fp8 --attention pallas_gpu_fp8 --workdir outputs/bench_e2e
 
 Wan 2.1 T2V (`--config 14b`: 720×1280, 81 frames, 50 steps, guidance 5 by default; `1.3b`: 480×832;
 `tiny`: the test-sized model) with RANDOM weights, written once in the diffusers layout
@@ -353,7 +355,8 @@ def run_mesh(ckpt: str, mesh_spec: str, args) -> dict:
         basis = f"{side}^3 bf16 matmul measured here"
     else:
         peak, basis = peak_flops(devices[0])
-    pipe = WanPipeline.from_pretrained(ckpt, mesh=mesh, dtype=jnp.bfloat16, attention_impl=args.attention)
+    pipe = WanPipeline.from_pretrained(ckpt, mesh=mesh, dtype=jnp.bfloat16, attention_impl=args.attention,
+                                       quantize=args.quantize)
     width, height = parse_size(args.size)
     s = pipe.settings(height=height, width=width, num_frames=args.frames, num_inference_steps=args.steps)
     timer, steps = StageTimer(), []
@@ -519,6 +522,7 @@ def entry_ours(name: str, ckpt: str, args, s, cache: str) -> dict:
     argv = [sys.executable, "-m", "wan_tpu.generate", "--model", ckpt, "--prompt", PROMPT, "--seed", str(SEED),
             "--size", f"{s.width}*{s.height}", "--frames", str(s.num_frames), "--steps", str(s.num_inference_steps),
             "--output", out, "--overwrite", "--quiet"] + (["--attention", args.attention] if args.attention else [])
+    argv += ["--quantize", args.quantize] if args.quantize else []
     if args.few_step:
         argv += ["--scheduler", "euler", "--sigmas", ",".join(map(str, FEW_STEP_SIGMAS)), "--shift", str(FEW_STEP_SHIFT),
                  "--guidance", "1"]
@@ -702,6 +706,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--workdir", default=os.path.join(tempfile.gettempdir(), "wan_tpu_bench_e2e"),
                    help="where the random checkpoint (reused when present) and the mp4s go")
     p.add_argument("--attention", default=None, help="DiT attention kernel (default: the backend's fastest)")
+    p.add_argument("--quantize", choices=("fp8", "int8"), default=None,
+                   help="ours' DiT linears quantised (`generate --quantize`); the diffusers peer stays bf16")
     p.add_argument("--peak-matmul", type=int, default=None, metavar="N",
                    help="measure the MFU peak with an N³ bf16 matmul (default 8192; 0 or CPU default: table figure)")
     p.add_argument("--prepare-only", action="store_true", help="write the random checkpoint and stop")
@@ -732,7 +738,8 @@ def _child(args, mesh: str, result: str) -> list[str]:
     argv = [sys.executable, os.path.abspath(__file__), "--config", args.config, "--workdir", args.workdir,
             "--mesh", mesh, "--result-json", result]
     for flag, value in (("--size", args.size), ("--frames", args.frames), ("--steps", args.steps),
-                        ("--attention", args.attention), ("--peak-matmul", args.peak_matmul)):
+                        ("--attention", args.attention), ("--quantize", args.quantize),
+                        ("--peak-matmul", args.peak_matmul)):
         if value is not None:
             argv += [flag, str(value)]
     return argv
@@ -792,6 +799,8 @@ def main(argv=None) -> int:
                    if args.few_step else f"{s.num_inference_steps} steps, CFG {s.guidance_scale:g}")
             lora = f", a random rank-{args.lora_rank} kohya LoRA merged" if args.lora_rank else ""
             lora += f", step cache {args.cache} at its default threshold" if args.cache else ""
+            lora += f", ours with --quantize {args.quantize} (diffusers bf16)" if args.quantize else ""
+            lora += f", ours with --attention {args.attention}" if args.attention else ""
             print(f"\nWan 2.1 T2V {args.config}, random weights (bf16 DiT/UMT5, float32 VAE), {s.width}*{s.height}, "
                   f"{s.num_frames} frames, {how}{lora}, whole commands:")
             print(format_peer_table(rows, s, default))

@@ -23,6 +23,10 @@ import statistics
 import time
 
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+# ours as a command line runs it (wan_tpu.xla_defaults); a flag set in XLA_FLAGS wins
+from wan_tpu.xla_defaults import apply_xla_defaults  # noqa: E402
+
+apply_xla_defaults()
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402

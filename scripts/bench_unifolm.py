@@ -303,6 +303,10 @@ def main(argv=None):
                          "and with only ours-* variants their model is not even built")
     args = ap.parse_args(argv)
     os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # torch and JAX share the GPU
+    # ours as a command line runs it (wan_tpu.xla_defaults); a flag set in XLA_FLAGS wins
+    from wan_tpu.xla_defaults import apply_xla_defaults
+
+    apply_xla_defaults()
     # A compile cache of this run's own: the first ours-* compiles (cold), ours-bf16-fresh loads (warm).
     os.environ.setdefault("WAN_TPU_CACHE_DIR", tempfile.mkdtemp(prefix="unifolm-bench-cache-"))
     steps_list = [int(s) for s in args.steps.split(",")]

@@ -110,6 +110,16 @@ def test_bad_input_is_one_line_and_exit_2(flags, match, capsys, tmp_path):
     bad(argv, capsys, tmp_path, match)
 
 
+def test_missing_video_encoder_is_caught_before_the_run(capsys, tmp_path, monkeypatch):
+    """An environment without imageio-ffmpeg (a --no-deps install) once ran a whole 1.3B job and then
+    failed at the mp4 write; now it stops at the start."""
+    import importlib.util
+
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "imageio_ffmpeg" else find_spec(name, *a))
+    bad(["--prompt", "a cat", *FAST, "--output", str(tmp_path / "out.mp4")], capsys, tmp_path, "pip install imageio-ffmpeg")
+
+
 def test_existing_output_is_kept(capsys, tmp_path):
     out = tmp_path / "out.mp4"
     out.write_bytes(b"precious")

@@ -74,6 +74,18 @@ def test_reference_attention_adds_the_logits():
     assert reference - flash == int(2.5 * 2 * cfg.num_attention_heads * 32760**2 * 4)
 
 
+def test_every_flash_kernel_is_budgeted_as_one():
+    """Each attention impl but the reference is a flash kernel: a 1.3B 480p run with `--attention
+    pallas_gpu_fp8` was once refused on an H200 for 247 GiB of logits it never holds."""
+    from wan_tpu.layers.attention import _IMPLS, MATERIALISES_LOGITS
+
+    cfg = VARIANTS["tiny"].transformer
+    flash = memory.dit_step_bytes(cfg, 32760, 2, "pallas_gpu", memory.Layout())
+    for impl in _IMPLS:
+        bytes_ = memory.dit_step_bytes(cfg, 32760, 2, impl, memory.Layout())
+        assert (bytes_ > flash) == (impl in MATERIALISES_LOGITS), impl
+
+
 @pytest.fixture
 def sixteen_gib(monkeypatch):
     monkeypatch.setattr(memory, "host_available_bytes", lambda: 16 * GiB)

@@ -20,8 +20,8 @@ counts (the safetensors headers, `wan_tpu.validate.check_checkpoint`) and the ac
   chunks: 66 kB per token ≈ (8960 + 4.7·1536)·4, rounded up to 6·dim). With the `reference`
   attention (the CPU default; GPU float32) add `2.5 · batch · heads · S² · 4` bytes, the float32
   logits and softmax of one layer: measured 2.73 GB of resident-set growth for the 1.07 GB of
-  logits of the tiny DiT at 832×480×21 (S = 8,190). Flash kernels (`splash_exp2`, `pallas_gpu`,
-  `cudnn`) keep attention O(S).
+  logits of the tiny DiT at 832×480×21 (S = 8,190). Every other kernel is a flash kernel and keeps
+  attention O(S) (`wan_tpu.layers.attention.MATERIALISES_LOGITS` names the ones that do not).
 - decode: VAE weights + the VAE's own decode estimate (`WanVAE.decode_bytes`), which matches the
   peaks in docs/PERFORMANCE.md (bf16, default 2 strips): 2.26 vs 2.21 GiB at 480p, 4.85 vs 4.79 GiB at
   720p; for the fewest strips that fit, else the tiled decode (one tile + twice the video: 2.43 vs
@@ -44,7 +44,6 @@ from wan_tpu.errors import WanInputError
 from wan_tpu.models import stacking
 
 GiB = 2**30
-_FLASH = ("splash_exp2", "pallas_gpu", "cudnn")
 
 
 def host_available_bytes() -> int | None:
@@ -136,7 +135,9 @@ def dit_step_bytes(cfg, tokens: int, batch: int, attention: str, layout: Layout)
     dp = layout.dp if batch % layout.dp == 0 else 1
     split = dp * layout.sp * layout.tp
     act = batch * tokens * (cfg.ffn_dim + 6 * cfg.inner_dim) * 4 / split
-    if attention not in _FLASH:
+    from wan_tpu.layers import attention as attention_lib
+
+    if attention in attention_lib.MATERIALISES_LOGITS:
         # Heads over tp, queries over sp (keys are gathered), batch over dp.
         act += 2.5 * batch * cfg.num_attention_heads * tokens * tokens * 4 / split
     return int(act)
@@ -177,6 +178,8 @@ def stage_bytes(pipe, s, stages=("text", "image", "denoise", "decode"), attentio
     import jax
     import jax.numpy as jnp
 
+    from wan_tpu.layers import attention as attention_lib
+
     layout = Layout.of(pipe.mesh)
     n = layout.devices
     size = jnp.dtype(pipe.dtype).itemsize
@@ -201,7 +204,8 @@ def stage_bytes(pipe, s, stages=("text", "image", "denoise", "decode"), attentio
         tokens = (latent[2] // pt) * (latent[3] // ph) * (latent[4] // pw)
         impl = attention_impl(attention_impl_name, layout.platform, cfg, tokens, pipe.dtype)
         step = dit_step_bytes(cfg, tokens, 2 if s.do_cfg else 1, impl, layout)
-        what = f"DiT activations over {tokens:,} tokens" + ("" if impl in _FLASH else f", {impl} attention")
+        logits = impl in attention_lib.MATERIALISES_LOGITS
+        what = f"DiT activations over {tokens:,} tokens" + (f", {impl} attention's logits" if logits else "")
         out["denoise"] = (dit_weights + step + 8 * math.prod(latent) * 4, what)
     if "decode" in stages:
         model, vae_weights = _vae(pipe)

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import importlib.util
 import json
 import os
 import re
@@ -126,7 +127,8 @@ def config_hash(config) -> str:
 
 def check_output_path(path: str, overwrite: bool, suffix: str) -> None:
     """Fail before any work when an output (stage file or mp4) cannot be written: wrong suffix, an
-    existing file without `overwrite`, or a missing folder. Nothing the user made is replaced silently."""
+    existing file without `overwrite`, a missing folder, or (mp4) no video encoder. Nothing the user made
+    is replaced silently."""
     if not path.lower().endswith(suffix):
         raise WanInputError(f"output {path!r} must end in {suffix}; pass e.g. --output out{suffix}")
     if os.path.lexists(path) and not overwrite:
@@ -134,6 +136,10 @@ def check_output_path(path: str, overwrite: bool, suffix: str) -> None:
     parent = os.path.dirname(os.path.abspath(path))
     if not os.path.isdir(parent):
         raise WanInputError(f"folder {parent} of output {path} does not exist; create it or choose another --output")
+    # Checked here, not when the frames are ready: without it the encoder fails after the whole run.
+    if suffix == ".mp4" and importlib.util.find_spec("imageio_ffmpeg") is None:
+        raise WanInputError("writing mp4 needs the imageio-ffmpeg package (a wan_tpu dependency; it brings its own "
+                            "ffmpeg): pip install imageio-ffmpeg")
 
 
 def save_stage(path: str, tensors: Mapping, meta: StageMeta | Mapping, overwrite: bool = False) -> None:

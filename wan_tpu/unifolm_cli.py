@@ -170,8 +170,10 @@ def main(argv=None) -> int:
         args = build_parser().parse_args(argv)
         if argv is None:  # a command line: the process is ours
             from wan_tpu.memory import claim_device_memory
+            from wan_tpu.xla_defaults import apply_xla_defaults
 
             claim_device_memory()
+            apply_xla_defaults()
         if args.serve is not None:
             from wan_tpu.unifolm_server import serve
 

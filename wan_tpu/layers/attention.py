@@ -8,11 +8,10 @@ Softmax scale is 1/sqrt(D), non-causal, any Sq, Skv ≥ 1. Kernels:
 - `"pallas_gpu"`: our GPU Pallas kernel (`kernels/flash_gpu.py`): the Hopper kernel for bf16/fp16
   with D % 64 == 0, the Triton fallback otherwise; `interpret=True` runs the latter on CPU.
 - `"pallas_gpu_fp8"`: the Hopper kernel on the 8-bit tensor cores (`flash_mgpu.mgpu_attention_fp8`:
-  int8 Q·Kᵀ, e4m3 P·V, scaled). On an H200: 1.24-1.28× the bf16 kernel's speed, at 4.0e-2 relative
-  error per call on random inputs where bf16 has 2.3e-3; the 1.3B forward is 0.86× as long and moved
-  by 1.1e-1 on the device (random weights; a CPU emulation gives 7e-3: likely Hopper's FP8
-  accumulation, see `mgpu_attention_fp8(pv_two_level=...)`).
-  Experimental and opt-in, never picked by `impl=None`: it trades accuracy for speed.
+  int8 Q·Kᵀ, e4m3 P·V, scaled, each step's P·V summed in float32). On an H200: 1.29-1.33× the bf16
+  kernel's speed (1.45-1.47× jax cuDNN), at 4.0e-2 relative error per call on random inputs where
+  bf16 has 2.3e-3; the 1.3B forward is 0.86× as long and moves by 8.5e-3 (14B: 0.84×, 1.3e-2; random
+  weights). Opt-in, never picked by `impl=None`: it trades accuracy for speed.
   Self-attention only: cross-attention calls (short key sets) take `impl=None`'s bf16 choice.
   Needs a Hopper GPU and D % 128 == 0.
 - `"cudnn"`: `jax.nn.dot_product_attention(implementation="cudnn")`: bf16/fp16 only (float32 is
@@ -116,6 +115,9 @@ _IMPLS = {
     "pallas_gpu_fp8": (_pallas_gpu_fp8, ("gpu",)),
     "cudnn": (lambda q, k, v, bs, interpret: cudnn_attention(q, k, v), ("gpu",)),
 }
+# The impls that hold a (Sq, Skv) logits array in memory (`wan_tpu.memory` budgets it); every other
+# one is a flash kernel, so a new kernel is budgeted right without being listed anywhere else.
+MATERIALISES_LOGITS = ("reference",)
 # Pallas interpret mode runs these on any backend.
 _INTERPRETABLE = ("splash_exp2", "pallas_gpu")
 # The impls that take `kv_len`, each called as fn(q, k, v, kv_len).
