@@ -355,6 +355,9 @@ def ours(args, first_frame_only=False) -> dict:
     t0 = float(os.environ.get("MG_BENCH_T0", time.time()))
     sampler = StackSampler(t0) if first_frame_only and args.sample_stacks else None
     _enable_compile_cache(args.cache_dir)
+    from wan_tpu.xla_defaults import apply_xla_defaults
+
+    apply_xla_defaults()  # as the CLI's process does; a flag set in XLA_FLAGS wins
     import jax
     import jax.numpy as jnp
 

@@ -4,11 +4,12 @@
     apply_xla_defaults()   # first thing in a notebook or script, before any JAX array exists
 
 `--xla_gpu_enable_triton_gemm=false`: XLA's GPU compiler otherwise autotunes Triton tilings for every
-matrix product against cuBLAS. For Wan's DiT cuBLAS wins anyway, so the search buys nothing and
-costs compile time; the FP8 linears' search alone took 56 s of a cold 1.3B run. Measured on one H200
-(jax 0.11.2, `scripts/bench_dit.py --configs 1.3b --variants fused,fp8`, 2026-11-26): bf16 forward
-477.5 → 466.8 ms, FP8 456.1 → 450.5 ms, FP8 compile 56 → 4 s. It names GPU options only: CPU and TPU
-runs parse it and do not change. A flag the user already put in `XLA_FLAGS` is left as they set it,
+matrix product against cuBLAS, and keeps Triton where it looked faster in isolation. In our models
+that search costs compile time and the whole programs come out slower. Measured on one H200 (jax
+0.11.2, 2026-11-26, docs/PERFORMANCE.md): the 1.3B DiT forward 477.5 → 466.8 ms, FP8 456.1 → 450.5 ms
+and the FP8 compile 56 → 4 s (`scripts/bench_dit.py`); UnifoLM-WMA 0.084 → 0.061 s/step, its first
+sampling 68.2 → 42.2 s (`scripts/bench_unifolm.py`); the 14B DiT and Matrix-Game-2 unchanged. It names
+GPU options only: CPU and TPU runs parse it and do not change. A flag the user already put in `XLA_FLAGS` is left as they set it,
 and a caller from Python keeps its environment unless it calls this (after the backends started, the
 flags would have no effect).
 """
