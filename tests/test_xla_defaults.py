@@ -15,6 +15,8 @@ def test_defaults_join_the_users_flags_and_never_override_them(monkeypatch):
     monkeypatch.setenv("XLA_FLAGS", "--xla_dump_to=/tmp/d --xla_gpu_enable_triton_gemm=true")
     assert apply_xla_defaults() == []
     assert os.environ["XLA_FLAGS"] == "--xla_dump_to=/tmp/d --xla_gpu_enable_triton_gemm=true"
+    monkeypatch.setenv("XLA_FLAGS", "--xla_gpu_enable_triton_gemm_any=true")  # another flag sharing the prefix
+    assert apply_xla_defaults() == ["--xla_gpu_enable_triton_gemm=false"]
     monkeypatch.setenv("XLA_FLAGS", "--xla_dump_to=/tmp/d")
     apply_xla_defaults()
     assert os.environ["XLA_FLAGS"].split() == ["--xla_dump_to=/tmp/d", *(f"--{k}={v}" for k, v in XLA_DEFAULTS.items())]
