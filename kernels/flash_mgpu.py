@@ -70,18 +70,20 @@ def _pad_to_8(x):
     return jnp.pad(x, ((0, 0), (0, -x.shape[1] % 8), (0, 0), (0, 0)))
 
 
-@functools.partial(jax.jit, static_argnames=("block_q", "block_kv", "stages", "persistent", "q_major"))
-def mgpu_attention(q, k, v, block_q=64, block_kv=192, stages=2, persistent=0, q_major=False):
+@functools.partial(jax.jit, static_argnames=("block_q", "block_kv", "stages", "persistent", "q_major", "pv_two_level"))
+def mgpu_attention(q, k, v, block_q=64, block_kv=192, stages=2, persistent=0, q_major=False, pv_two_level=False):
     """(B, S, H, D) → (B, Sq, H, D). TMA tiles global memory in rows of 8, so a length that is
     not a multiple of 8 (e.g. 257 + 512 cross-attention keys) is zero-padded to one first; the
     padded keys fall in the masked tail.
 
     Scheduling (see the module docstring): `persistent=0` launches one CTA per (head, q tile,
     batch), heads fastest (`q_major=True`: q tiles fastest); `persistent=N` launches N CTAs that
-    each walk the tiles c, c + N, c + 2N, … (q tiles fastest) with one continuous K/V ring."""
+    each walk the tiles c, c + N, c + 2N, … (q tiles fastest) with one continuous K/V ring.
+    `pv_two_level` (an experiment in bf16): each step's P·V into a fresh accumulator, rescaled and
+    added after the product instead of before it (see `mgpu_attention_fp8`)."""
     sq, skv = q.shape[1], k.shape[1]
     call = functools.partial(_kernel_call, skv=skv, block_q=block_q, block_kv=block_kv, stages=stages,
-                             persistent=persistent, q_major=q_major)
+                             persistent=persistent, q_major=q_major, pv_two_level=pv_two_level)
     if sq % 8 or skv % 8:
         return call(_pad_to_8(q), _pad_to_8(k), _pad_to_8(v), None)[:, :sq]
     return call(q, k, v, None)
@@ -159,14 +161,12 @@ def mgpu_attention_fp8(q, k, v, block_q=64, block_kv=256, stages=2, persistent=0
 def _kernel_call(q, k, v, scales, skv, block_q, block_kv, stages, persistent, q_major, pv_two_level=False):
     """`scales` None: q, k, v in bf16 / fp16, (B, S, H, D). Else FP8 (`mgpu_attention_fp8`): q, k
     e4m3 (B, S, H, D), v e4m3 transposed (B, H, D, S), and `scales` (B, H, 2, Sq) f32 holding per
-    query row the exp2 argument's factor and the output's factor. `pv_two_level` (FP8 only; see
+    query row the exp2 argument's factor and the output's factor. `pv_two_level` (see
     `mgpu_attention_fp8`): each step's P·V summed in a fresh accumulator, then added in float32."""
     b, sq, h, d = q.shape
     fp8 = scales is not None
     qk_int8 = q.dtype == jnp.int8
     dtype = jnp.bfloat16 if fp8 else q.dtype  # the output's
-    if pv_two_level and not fp8:
-        raise WanInputError("pv_two_level is for the FP8 kernel only (bf16 products accumulate in float32)")
     if fp8:
         if q.dtype not in (F8, jnp.int8) or k.dtype != q.dtype or v.dtype != F8:
             raise WanInputError(f"the FP8 Hopper attention kernel needs e4m3 (or int8) q and k, e4m3 v; got {q.dtype}, {k.dtype}, {v.dtype}")
@@ -265,8 +265,10 @@ def _kernel_call(q, k, v, scales, skv, block_q, block_kv, stages, persistent, q_
                     p = p.astype(dtype)
                 # Keep the softmax ahead of the hand-over: the compiler must not sink it past the
                 # barriers into the other warpgroup's tensor-core turn.
-                if pv_two_level:
+                if pv_two_level and fp8:
                     acc, l, m_new, alpha = lax.optimization_barrier((acc, l, m_new, alpha))
+                elif pv_two_level:
+                    acc, l, m_new, alpha, p = lax.optimization_barrier((acc, l, m_new, alpha, p))
                 elif fp8:
                     acc, l, m_new = lax.optimization_barrier((acc, l, m_new))
                 else:

@@ -123,6 +123,9 @@ def tpu_block_sizes(overrides=None) -> BlockSizes:
 # 665 / 626 / 577. Cross-attention 32,760 × 512 keys: ours 444, cuDNN 476, so cuDNN keeps it.
 # H100 (2026-11-25, three runs): self 64×192×2 1.12-1.13× cuDNN; cross: the persistent 64×128×3
 # walk 0.944-0.969× (64×128×2 0.91-0.94×), still under cuDNN.
+# pv_two_level (each step's P·V into a fresh accumulator, rescaled and added after the product; H200,
+# 2026-11-26): 12 × 32,760 627 / 636 → 646 TFLOP/s, 40 × 75,600 637 / 639 → 645 in one call, but the
+# 1.3B forward 467.5 / 467.6 → 468.8 / 466.4 ms (alternating fresh processes): within the noise, so off.
 GPU_BLOCKS = {
     "self": {"block_q": 64, "block_kv": 192, "stages": 2},
     "cross": {"block_q": 64, "block_kv": 128, "stages": 2},

@@ -89,12 +89,14 @@ def test_pallas_gpu_float32_takes_the_triton_path():
 
 
 # Scheduling variants of the Hopper kernel (scripts/bench_attention.py sweeps them): persistent CTAs
-# walking several (head, q tile) tiles with one K/V ring, and the q-major grid.
+# walking several (head, q tile) tiles with one K/V ring, the q-major grid, two-level P·V sums.
 VARIANTS = [
     dict(block_q=64, block_kv=192, stages=2, q_major=True),
     dict(block_q=64, block_kv=128, stages=3, persistent=3),
     dict(block_q=64, block_kv=64, stages=4, persistent=5),
     dict(block_q=64, block_kv=128, stages=2, persistent=132),
+    dict(block_q=64, block_kv=192, stages=2, pv_two_level=True),  # the tuned self-attention tiles, two-level
+    dict(block_q=64, block_kv=128, stages=2, persistent=132, pv_two_level=True),
 ]
 
 
