@@ -2,8 +2,11 @@
 
 Three warpgroups per CTA: two compute warpgroups, each owning `block_q` query rows, and one memory
 warpgroup that streams K and V tiles into a `stages`-deep shared-memory ring with TMA. The compute
-warpgroups take turns on the tensor cores through a shared "schedule" barrier, so one's softmax
-runs while the other's matrix products do (the FA3 ping-pong).
+warpgroups take turns on the tensor cores, so one's softmax runs while the other's matrix products
+do (the FA3 ping-pong). Two ways to take turns: by default both warpgroups meet at one barrier
+twice a step (after issuing Q·Kᵀ and after the softmax), so their softmaxes strictly alternate;
+`fa3_turns` uses FA3's scheduler barriers instead, one per warpgroup: a warpgroup waits only before
+issuing its products, for the other to have issued its own, and then passes the turn on.
 
 Lengths that are multiples of 8 (all of Wan's video token counts) need no padding: TMA fills reads
 past the end of an array with zeros and drops writes past it, so ragged query tiles cost nothing,
@@ -29,10 +32,16 @@ Scheduling variants (`scripts/bench_attention.py` sweeps them; `kernels/tuning.p
   load while the current tile finishes, and a compute warpgroup's output store and next Q load
   overlap the other warpgroup's tensor-core turn: no pipeline fill or drain per tile. That matters
   most for cross-attention, whose tiles have only 4-7 kv steps.
-Not done, and why: FA3's intra-warpgroup overlap (Q·Kᵀ of step j+1 in flight during the softmax of
-step j) keeps two score tiles live, 2 × 96 registers per thread at 64 × 192, which with the 64 of
-the output accumulator and the P operand exceeds the 232 the compute warpgroups get; the ping-pong
-between the two warpgroups overlaps the same work across them instead.
+- `overlap` (bf16; implies `fa3_turns`): FA3's intra-warpgroup overlap. One turn issues Q·Kᵀ of
+  step j+1 and P·V of step j together; the softmax of step j+1 starts as soon as its scores are
+  in and runs while that P·V does. Live registers: the scores, P of step j and the accumulator,
+  64 + 32 + 64 a thread at 64 × 128; at 64 × 192 (96 + 48 + 64) ptxas spills and serialises the
+  wgmmas at 232 registers, and at 240 it gains 1%.
+Measured on an H200 (eleventh session, docs/PERFORMANCE.md): the overlap took cross-attention
+(4-7 kv steps a tile) past cuDNN as a persistent 64×128×3 walk (the tuned cross choice), and
+`fa3_turns` made the 8-bit path 2-5% faster (its P goes through shared memory, so it has no
+overlap); bf16 self-attention gained nothing from either (64×128×2 with the overlap equals
+64×192×2 without): its two softmaxes alternating was not what held it back.
 Tried on an H100 and not kept (docs/PERFORMANCE.md, eighth session): a third of the exp2 as an
 FMA-unit polynomial (-6%), packed `ex2.approx.bf16x2` (-2%, and 1.6× the error), FA3's 240/240/24
 register split (-1%; 240/240/32 hangs in `setmaxnreg`), and lazy rescaling in a per-thread
@@ -70,8 +79,10 @@ def _pad_to_8(x):
     return jnp.pad(x, ((0, 0), (0, -x.shape[1] % 8), (0, 0), (0, 0)))
 
 
-@functools.partial(jax.jit, static_argnames=("block_q", "block_kv", "stages", "persistent", "q_major", "pv_two_level"))
-def mgpu_attention(q, k, v, block_q=64, block_kv=192, stages=2, persistent=0, q_major=False, pv_two_level=False):
+@functools.partial(jax.jit, static_argnames=("block_q", "block_kv", "stages", "persistent", "q_major", "pv_two_level",
+                                             "overlap", "fa3_turns"))
+def mgpu_attention(q, k, v, block_q=64, block_kv=192, stages=2, persistent=0, q_major=False, pv_two_level=False,
+                   overlap=False, fa3_turns=False):
     """(B, S, H, D) → (B, Sq, H, D). TMA tiles global memory in rows of 8, so a length that is
     not a multiple of 8 (e.g. 257 + 512 cross-attention keys) is zero-padded to one first; the
     padded keys fall in the masked tail.
@@ -80,10 +91,13 @@ def mgpu_attention(q, k, v, block_q=64, block_kv=192, stages=2, persistent=0, q_
     batch), heads fastest (`q_major=True`: q tiles fastest); `persistent=N` launches N CTAs that
     each walk the tiles c, c + N, c + 2N, … (q tiles fastest) with one continuous K/V ring.
     `pv_two_level` (an experiment in bf16): each step's P·V into a fresh accumulator, rescaled and
-    added after the product instead of before it (see `mgpu_attention_fp8`)."""
+    added after the product instead of before it (see `mgpu_attention_fp8`). `overlap`: FA3's
+    intra-warpgroup overlap (step j+1's Q·Kᵀ issued with step j's P·V); `fa3_turns`: FA3's turn
+    hand-over between the compute warpgroups (see the module docstring)."""
     sq, skv = q.shape[1], k.shape[1]
     call = functools.partial(_kernel_call, skv=skv, block_q=block_q, block_kv=block_kv, stages=stages,
-                             persistent=persistent, q_major=q_major, pv_two_level=pv_two_level)
+                             persistent=persistent, q_major=q_major, pv_two_level=pv_two_level, overlap=overlap,
+                             fa3_turns=fa3_turns)
     if sq % 8 or skv % 8:
         return call(_pad_to_8(q), _pad_to_8(k), _pad_to_8(v), None)[:, :sq]
     return call(q, k, v, None)
@@ -136,9 +150,9 @@ def fp8_operands(q, k, v, qk_int8=False):
 
 
 @functools.partial(jax.jit, static_argnames=("block_q", "block_kv", "stages", "persistent", "q_major", "qk_int8",
-                                             "pv_two_level"))
+                                             "pv_two_level", "fa3_turns"))
 def mgpu_attention_fp8(q, k, v, block_q=64, block_kv=256, stages=2, persistent=0, q_major=False, qk_int8=False,
-                       pv_two_level=True):
+                       pv_two_level=True, fa3_turns=False):
     """(B, S, H, D) bf16 → (B, Sq, H, D) bf16, both matrix products on the FP8 tensor cores (FA3's
     FP8 path), operands from `fp8_operands` (one XLA pass per tensor). The per-row factors fold into
     the softmax's exp2 argument and the output's 1/l, so the kernel adds no multiply per score. e4m3
@@ -151,14 +165,16 @@ def mgpu_attention_fp8(q, k, v, block_q=64, block_kv=256, stages=2, persistent=0
     with V's rows sharing a mean (as in a DiT, not in random tests) the sum grows with the keys and
     the loss with it (`scripts/fp8_error.py --accumulation` emulates that rule). Each step's P·V in a
     fresh accumulator, added in float32, took the 1.3B forward's error against bf16 from 1.12e-1 to
-    8.5e-3 on an H200, and the kernel 3% faster (the rescale became the add's multiply)."""
+    8.5e-3 on an H200, and the kernel 3% faster (the rescale became the add's multiply).
+    `fa3_turns` (on in `tuning.GPU_FP8_BLOCKS`): FA3's turn hand-over (module docstring), 2-5% faster."""
     q8, k8, vt8, scales = fp8_operands(q, k, v, qk_int8)
     out = _kernel_call(q8, k8, vt8, scales, skv=k.shape[1], block_q=block_q, block_kv=block_kv, stages=stages,
-                       persistent=persistent, q_major=q_major, pv_two_level=pv_two_level)
+                       persistent=persistent, q_major=q_major, pv_two_level=pv_two_level, fa3_turns=fa3_turns)
     return out[:, :q.shape[1]]
 
 
-def _kernel_call(q, k, v, scales, skv, block_q, block_kv, stages, persistent, q_major, pv_two_level=False):
+def _kernel_call(q, k, v, scales, skv, block_q, block_kv, stages, persistent, q_major, pv_two_level=False,
+                 overlap=False, fa3_turns=False):
     """`scales` None: q, k, v in bf16 / fp16, (B, S, H, D). Else FP8 (`mgpu_attention_fp8`): q, k
     e4m3 (B, S, H, D), v e4m3 transposed (B, H, D, S), and `scales` (B, H, 2, Sq) f32 holding per
     query row the exp2 argument's factor and the output's factor. `pv_two_level` (see
@@ -176,6 +192,8 @@ def _kernel_call(q, k, v, scales, skv, block_q, block_kv, stages, persistent, q_
         raise WanInputError(f"the Hopper attention kernel needs bf16 or fp16 q, k, v; got {q.dtype}, {k.dtype}, {v.dtype}")
     if d % 64 or block_q % 64 or block_kv % 64:
         raise WanInputError(f"head dim ({d}), block_q ({block_q}) and block_kv ({block_kv}) must be multiples of 64")
+    if overlap and (fp8 or pv_two_level):
+        raise WanInputError("overlap (FA3's intra-warpgroup overlap) is a bf16 / fp16 option without pv_two_level")
     if persistent < 0:
         raise WanInputError(f"persistent must be 0 (one CTA per tile) or a CTA count, got {persistent}")
     kv_steps = pl.cdiv(skv, block_kv)
@@ -187,6 +205,7 @@ def _kernel_call(q, k, v, scales, skv, block_q, block_kv, stages, persistent, q_
     if _smem_bytes(block_q, block_kv, stages, d, q.dtype.itemsize, fp8) > SMEM_BYTES:
         raise WanInputError(f"block_q {block_q}, block_kv {block_kv}, {stages} stages exceed {SMEM_BYTES} bytes of shared memory")
     last_valid = skv - (kv_steps - 1) * block_kv
+    fa3_turns = fa3_turns or overlap
     c = LOG2E / math.sqrt(d)
 
     def kernel(q_ref, k_ref, v_ref, s_ref, o_ref, smem, loaded, consumed, turn):
@@ -226,22 +245,9 @@ def _kernel_call(q, k, v, scales, skv, block_q, block_kv, stages, persistent, q_
             qo = qo_tiles.at[wg]
             row_layout = plgpu.Layout.WGMMA.reduce(1)
 
-            def step(j, carry, base, valid=block_kv, cs=None):
-                """kv step j of the tile whose first global ring step is `base`: Q·Kᵀ, online
-                softmax, P·V. `valid` (static) < block_kv masks the past-the-end keys of the last step.
-                `cs` (FP8): the rows' exp2-argument factors."""
-                acc, m, l = carry
-                slot = slot_of(base + j)
-
-                def scores(s_ref):
-                    plgpu.wgmma(s_ref, qo, plgpu.transpose_ref(k_ring.at[slot], (1, 0)))
-                    take_turn()
-                    return s_ref[...]
-
-                s = pl.run_scoped(scores, plgpu.ACC((block_q, block_kv), jnp.int32 if qk_int8 else jnp.float32))
-                if qk_int8:
-                    s = s.astype(jnp.float32)
-                plgpu.barrier_arrive(k_consumed.at[slot])
+            def online_softmax(s, m, l, valid, cs=None):
+                """One step's scores → (new row max, the old sums' rescale, exp2 weights, new row sums),
+                in log2 units. `valid` (static) < block_kv masks the past-the-end keys."""
                 if valid < block_kv:
                     cols = plgpu.broadcasted_iota(jnp.int32, s.shape, 1, layout=plgpu.Layout.WGMMA)
                     s = jnp.where(cols < valid, s, -jnp.inf)
@@ -254,7 +260,25 @@ def _kernel_call(q, k, v, scales, skv, block_q, block_kv, stages, persistent, q_
                     m_new = jnp.maximum(m, s.max(axis=1) * c)
                     alpha = jnp.exp2(m - m_new)
                     p = jnp.exp2(s * c - lax.broadcast_in_dim(m_new, s.shape, [0]))
-                l = l * alpha + p.sum(axis=1)
+                return m_new, alpha, p, l * alpha + p.sum(axis=1)
+
+            def step(j, carry, base, valid=block_kv, cs=None):
+                """kv step j of the tile whose first global ring step is `base`: Q·Kᵀ, online
+                softmax, P·V. `valid` (static) < block_kv masks the past-the-end keys of the last step.
+                `cs` (FP8): the rows' exp2-argument factors."""
+                acc, m, l = carry
+                slot = slot_of(base + j)
+
+                def scores(s_ref):
+                    plgpu.wgmma(s_ref, qo, plgpu.transpose_ref(k_ring.at[slot], (1, 0)))
+                    pass_turn() if fa3_turns else take_turn()
+                    return s_ref[...]
+
+                s = pl.run_scoped(scores, plgpu.ACC((block_q, block_kv), jnp.int32 if qk_int8 else jnp.float32))
+                if qk_int8:
+                    s = s.astype(jnp.float32)
+                plgpu.barrier_arrive(k_consumed.at[slot])
+                m_new, alpha, p, l = online_softmax(s, m, l, valid, cs)
                 if not pv_two_level:  # else rescaled when this step's P·V is added (below)
                     acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
                 if fp8:
@@ -273,9 +297,13 @@ def _kernel_call(q, k, v, scales, skv, block_q, block_kv, stages, persistent, q_
                     acc, l, m_new = lax.optimization_barrier((acc, l, m_new))
                 else:
                     acc, l, m_new, p = lax.optimization_barrier((acc, l, m_new, p))
-                plgpu.barrier_arrive(turn)
-                plgpu.barrier_wait(v_loaded.at[slot])
-                plgpu.barrier_wait(turn)
+                if fa3_turns:
+                    plgpu.barrier_wait(v_loaded.at[slot])
+                    my_turn()
+                else:
+                    plgpu.barrier_arrive(turn)
+                    plgpu.barrier_wait(v_loaded.at[slot])
+                    plgpu.barrier_wait(turn)
 
                 def update(acc_ref):
                     # FP8: V is stored transposed (e4m3 WGMMA reads B K-major only).
@@ -299,6 +327,76 @@ def _kernel_call(q, k, v, scales, skv, block_q, block_kv, stages, persistent, q_
                 plgpu.barrier_arrive(v_consumed.at[slot])
                 return acc, m_new, l
 
+            def my_turn():  # fa3_turns: wait until the other warpgroup has issued its products
+                plgpu.barrier_wait(turn.at[wg])
+
+            def pass_turn():  # fa3_turns: let the other warpgroup issue its products
+                plgpu.barrier_arrive(turn.at[1 - wg])
+
+            def overlapped_steps(base, m, l):
+                """The kv steps of one tile with FA3's intra-warpgroup overlap (bf16): in each turn on
+                the tensor cores a warpgroup issues Q·Kᵀ of step j+1 and P·V of step j together, hands
+                the turn over, waits for the scores only and runs step j+1's softmax while its P·V (and
+                the other warpgroup's products) run; the output accumulator is rescaled once that P·V
+                is done. Turns (FA3's scheduler barriers): a warpgroup waits only before issuing, for
+                the other to have issued, so the two softmaxes are not forced to alternate. Live
+                registers: the scores, P of step j and the accumulator (at 64 × 128: 64 + 32 + 64 a
+                thread). Returns the unnormalised output and the row sums."""
+                def ragged(j):  # the step whose softmax sees the past-the-end keys
+                    return last_valid if j == kv_steps - 1 else block_kv
+
+                def with_output(o_ref):
+                    def first_scores(s_ref):
+                        my_turn()
+                        plgpu.wgmma(s_ref, qo, plgpu.transpose_ref(k_ring.at[slot_of(base)], (1, 0)))
+                        pass_turn()
+                        return s_ref[...]
+
+                    s = pl.run_scoped(first_scores, plgpu.ACC((block_q, block_kv), jnp.float32))
+                    plgpu.barrier_arrive(k_consumed.at[slot_of(base)])
+                    m0, _, p, l0 = online_softmax(s, m, l, ragged(0))
+                    carry = lax.optimization_barrier((p.astype(dtype), m0, l0))
+
+                    def body(j, carry, valid=block_kv):
+                        p, m, l = carry
+                        slot, nxt = slot_of(base + j), slot_of(base + j + 1)
+                        plgpu.barrier_wait(k_loaded.at[nxt])
+                        plgpu.barrier_wait(v_loaded.at[slot])
+
+                        def scores_and_update(s_ref):
+                            my_turn()
+                            plgpu.wgmma(s_ref, qo, plgpu.transpose_ref(k_ring.at[nxt], (1, 0)))
+                            plgpu.wgmma(o_ref, p, v_ring.at[slot])
+                            pass_turn()
+                            return plgpu.wgmma_accumulator_load(s_ref, wait_n=1)  # P·V may still run
+
+                        s = pl.run_scoped(scores_and_update, plgpu.ACC((block_q, block_kv), jnp.float32))
+                        plgpu.barrier_arrive(k_consumed.at[nxt])
+                        m_new, alpha, p, l = online_softmax(s, m, l, valid)
+                        acc = plgpu.wgmma_accumulator_load(o_ref, wait_n=0)
+                        plgpu.barrier_arrive(v_consumed.at[slot])
+                        o_ref[...] = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+                        # As in `step`: the softmax stays ahead of the next turn.
+                        return lax.optimization_barrier((p.astype(dtype), m_new, l))
+
+                    # Step j's loop trip issues the products of steps j+1 (Q·Kᵀ) and j (P·V).
+                    full = kv_steps - 1 - (kv_steps > 1 and last_valid < block_kv)
+                    carry = lax.fori_loop(0, full, body, carry)
+                    if full < kv_steps - 1:
+                        carry = lax.fori_loop(kv_steps - 2, kv_steps - 1,
+                                              functools.partial(body, valid=ragged(kv_steps - 1)), carry)
+                    p, _, l_out = carry
+                    last = slot_of(base + kv_steps - 1)
+                    plgpu.barrier_wait(v_loaded.at[last])
+                    my_turn()
+                    plgpu.wgmma(o_ref, p, v_ring.at[last])
+                    pass_turn()
+                    acc = o_ref[...]
+                    plgpu.barrier_arrive(v_consumed.at[last])
+                    return acc, l_out
+
+                return pl.run_scoped(with_output, plgpu.ACC((block_q, d), jnp.float32))
+
             def tile(i):
                 bi, hi, qt = tile_coords(i)
                 rows = pl.ds(qt * (COMPUTE_WGS * block_q) + wg * block_q, block_q)
@@ -319,25 +417,36 @@ def _kernel_call(q, k, v, scales, skv, block_q, block_kv, stages, persistent, q_
                 plgpu.barrier_wait(k_loaded.at[slot_of(base)])
                 # The ragged step runs as a one-trip loop so that its index stays a loop variable:
                 # Mosaic GPU wants barrier and ring indices as values, not folded constants.
-                body = functools.partial(step, base=base, cs=cs if fp8 else None)
-                carry = lax.fori_loop(0, kv_steps - (last_valid < block_kv), body, (acc, m, l))
-                if last_valid < block_kv:
-                    carry = lax.fori_loop(kv_steps - 1, kv_steps, functools.partial(body, valid=last_valid), carry)
-                acc, _, l = carry
+                if overlap:
+                    acc, l = overlapped_steps(base, m, l)
+                else:
+                    if fa3_turns:  # the turn spans P·V of step j and Q·Kᵀ of step j + 1
+                        my_turn()
+                    body = functools.partial(step, base=base, cs=cs if fp8 else None)
+                    carry = lax.fori_loop(0, kv_steps - (last_valid < block_kv), body, (acc, m, l))
+                    if last_valid < block_kv:
+                        carry = lax.fori_loop(kv_steps - 1, kv_steps, functools.partial(body, valid=last_valid), carry)
+                    if fa3_turns:
+                        pass_turn()
+                    acc, _, l = carry
                 acc = acc * lax.broadcast_in_dim((os_ / l) if fp8 else (1.0 / l), acc.shape, [0])
                 out = o_tiles.at[wg] if fp8 else qo
                 out[...] = acc.astype(dtype)
                 plgpu.commit_smem()
                 plgpu.copy_smem_to_gmem(out, o_ref.at[bi, rows, hi])
 
-            pl.when(wg == 1)(take_turn)
+            if fa3_turns:  # warpgroup 0 issues first
+                pl.when(wg == 1)(lambda: plgpu.barrier_arrive(turn.at[0]))
+            else:
+                pl.when(wg == 1)(take_turn)
             if ctas:
                 @pl.loop(0, my_tiles)
                 def _(i):
                     tile(i)
             else:
                 tile(jnp.int32(0))
-            pl.when(wg == 0)(take_turn)
+            if not fa3_turns:
+                pl.when(wg == 0)(take_turn)
             plgpu.wait_smem_to_gmem(0)
 
         @pl.when(wg == COMPUTE_WGS)
@@ -398,7 +507,9 @@ def _kernel_call(q, k, v, scales, skv, block_q, block_kv, stages, persistent, q_
             )
             loaded += (plgpu.Barrier(num_barriers=COMPUTE_WGS),)
         consumed = (plgpu.Barrier(num_arrivals=COMPUTE_WGS, num_barriers=stages),) * 2
-        turn = plgpu.Barrier(num_arrivals=COMPUTE_WGS)
+        # The tensor-core turn: one barrier both warpgroups meet at, or (overlap) one per warpgroup
+        # that the other arrives at once it has issued its products.
+        turn = plgpu.Barrier(num_barriers=COMPUTE_WGS) if fa3_turns else plgpu.Barrier(num_arrivals=COMPUTE_WGS)
         pl.run_scoped(
             lambda *scratch: kernel(q_ref, k_ref, v_ref, s_ref, o_ref, *scratch),
             smem, loaded, consumed, turn,

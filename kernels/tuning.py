@@ -117,28 +117,33 @@ def tpu_block_sizes(overrides=None) -> BlockSizes:
 
 
 # Keys of a row: `flash_mgpu.mgpu_attention`'s block_q, block_kv, stages, and optionally
-# persistent (a CTA count, or "sms": one per streaming multiprocessor) and q_major.
+# persistent (a CTA count, or "sms": one per streaming multiprocessor), q_major, overlap and fa3_turns.
 # Measured on one H200 (scripts/bench_attention.py, 2026-11-21, jax 0.11.2, bf16, D=128, B=1):
 # self-attention 12 × 32,760: block_kv 192 654 TFLOP/s, block_kv 128 627, cuDNN 574; 40 × 75,600:
-# 665 / 626 / 577. Cross-attention 32,760 × 512 keys: ours 444, cuDNN 476, so cuDNN keeps it.
-# H100 (2026-11-25, three runs): self 64×192×2 1.12-1.13× cuDNN; cross: the persistent 64×128×3
-# walk 0.944-0.969× (64×128×2 0.91-0.94×), still under cuDNN.
+# 665 / 626 / 577. H100 (2026-11-25, three runs): self 64×192×2 1.12-1.13× cuDNN.
 # pv_two_level (each step's P·V into a fresh accumulator, rescaled and added after the product; H200,
 # 2026-11-26): 12 × 32,760 627 / 636 → 646 TFLOP/s, 40 × 75,600 637 / 639 → 645 in one call, but the
 # 1.3B forward 467.5 / 467.6 → 468.8 / 466.4 ms (alternating fresh processes): within the noise, so off.
+# FA3's intra-warpgroup overlap and turn hand-over (eleventh session, H200, three calls): self-attention
+# gains nothing (64×128×2 with overlap 618-626 TFLOP/s against 64×192×2's 622-643; at 64×192 the
+# overlap spills); cross-attention 32,760 × 512 goes from 0.90-0.93× cuDNN (64×128×2) to 1.016-1.029×
+# as a persistent 64×128×3 walk with the overlap, and × 769 keys from 1.015× to 1.060×: ours takes it.
 GPU_BLOCKS = {
     "self": {"block_q": 64, "block_kv": 192, "stages": 2},
-    "cross": {"block_q": 64, "block_kv": 128, "stages": 2},
+    "cross": {"block_q": 64, "block_kv": 128, "stages": 3, "persistent": "sms", "overlap": True},
 }
-GPU_FASTEST = {"self": "pallas_gpu", "cross": "cudnn"}
+GPU_FASTEST = {"self": "pallas_gpu", "cross": "pallas_gpu"}
 # The FP8 kernel (`attention(impl="pallas_gpu_fp8")`, self-attention only), measured on an H200 at
 # 12 h × 32,760 / 40 h × 75,600 (the bf16 kernel: 631 / 629 TFLOP/s in the same run). block_kv must
 # be a multiple of 128 (P's 128-byte swizzle), and 256 beats 128 by 16%: 64×256×2 e4m3 Q·Kᵀ
 # 803 / 828 TFLOP/s at 5.3e-2 relative error (random inputs), int8 Q·Kᵀ 785 / 816 at 4.0e-2,
 # 64×128×4 int8 678 / 722. int8 Q·Kᵀ: a quarter less error for 2% of the speed. pv_two_level
 # (2026-11-26, H200, same call): 780 → 806 / 811 → 829 TFLOP/s, and the 1.3B forward's error against
-# bf16 1.12e-1 → 8.5e-3 (the running FP8 accumulator's ~14 bits were the cause).
-GPU_FP8_BLOCKS = {"block_q": 64, "block_kv": 256, "stages": 2, "qk_int8": True, "pv_two_level": True}
+# bf16 1.12e-1 → 8.5e-3 (the running FP8 accumulator's ~14 bits were the cause). fa3_turns (FA3's
+# hand-over: a warpgroup waits only before issuing its products, so the two softmaxes may overlap;
+# eleventh session, same call): 807 → 847 / 848 → 881 TFLOP/s.
+GPU_FP8_BLOCKS = {"block_q": 64, "block_kv": 256, "stages": 2, "qk_int8": True, "pv_two_level": True,
+                  "fa3_turns": True}
 
 
 def gpu_shape_class(skv: int) -> str:

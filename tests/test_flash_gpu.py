@@ -97,6 +97,11 @@ VARIANTS = [
     dict(block_q=64, block_kv=128, stages=2, persistent=132),
     dict(block_q=64, block_kv=192, stages=2, pv_two_level=True),  # the tuned self-attention tiles, two-level
     dict(block_q=64, block_kv=128, stages=2, persistent=132, pv_two_level=True),
+    dict(block_q=64, block_kv=128, stages=2, overlap=True),  # FA3's intra-warpgroup overlap
+    dict(block_q=64, block_kv=192, stages=2, overlap=True),
+    dict(block_q=64, block_kv=128, stages=3, persistent=132, overlap=True),
+    dict(block_q=64, block_kv=192, stages=2, fa3_turns=True),  # FA3's turn hand-over alone
+    dict(block_q=64, block_kv=128, stages=3, persistent=5, fa3_turns=True),
 ]
 
 
@@ -116,7 +121,7 @@ def test_hopper_variants_lower_for_cuda(kw, b, sq, skv, h):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("kw", VARIANTS)
-@pytest.mark.parametrize("sq, skv, h", [(4100, 4100, 2), (1537, 769, 3), (1000, 512, 5)])
+@pytest.mark.parametrize("sq, skv, h", [(4100, 4100, 2), (1537, 769, 3), (1000, 512, 5), (520, 120, 2)])
 def test_hopper_variants_on_device(kw, sq, skv, h):
     from wan_tpu.kernels.flash_mgpu import mgpu_attention
 
@@ -177,7 +182,8 @@ def test_fp8_operands_and_reference():
 
 
 @pytest.mark.parametrize("kw", [dict(), dict(block_kv=128, stages=4), dict(persistent=132), dict(q_major=True),
-                                dict(qk_int8=True), dict(qk_int8=True, pv_two_level=False)])
+                                dict(qk_int8=True), dict(qk_int8=True, pv_two_level=False),
+                                dict(qk_int8=True, fa3_turns=True)])
 @pytest.mark.parametrize("b, sq, skv, h", [(1, 32760, 32760, 12), (2, 1000, 769, 3)])
 def test_fp8_kernel_lowers_for_cuda(kw, b, sq, skv, h):
     from wan_tpu.kernels.flash_mgpu import mgpu_attention_fp8
@@ -202,7 +208,8 @@ def test_fp8_impl_refuses_without_hopper():
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("kw", [dict(), dict(block_kv=128, stages=4), dict(persistent=132), dict(qk_int8=True),
-                                dict(qk_int8=True, pv_two_level=False), dict(persistent=132, qk_int8=True)])
+                                dict(qk_int8=True, pv_two_level=False), dict(persistent=132, qk_int8=True),
+                                dict(qk_int8=True, fa3_turns=True)])
 @pytest.mark.parametrize("b, sq, skv, h", [(1, 7, 7, 2), (1, 4100, 4100, 2), (2, 1000, 769, 3)])
 def test_fp8_kernel_on_device(kw, b, sq, skv, h):
     from wan_tpu.kernels.flash_mgpu import mgpu_attention_fp8
@@ -295,3 +302,15 @@ def test_fp8_kernel_keeps_long_sums():
     err = np.linalg.norm(out - ref) / np.linalg.norm(ref)
     assert err <= FP8_TOL, f"rel. error {err:.2e}"
 
+
+
+def test_overlap_is_refused_where_it_does_not_apply():
+    """FA3's intra-warpgroup overlap is a bf16/fp16 option: the 8-bit path keeps P in shared memory,
+    and two-level sums would need a third accumulator's registers."""
+    from wan_tpu.errors import WanInputError
+    from wan_tpu.kernels.flash_mgpu import mgpu_attention
+
+    q = jax.ShapeDtypeStruct((1, 256, 2, 128), jnp.bfloat16)
+    with pytest.raises(WanInputError, match="overlap"):
+        jax.jit(lambda q, k, v: mgpu_attention(q, k, v, overlap=True, pv_two_level=True)).trace(q, q, q).lower(
+            lowering_platforms=("cuda",))
