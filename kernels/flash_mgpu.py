@@ -507,7 +507,7 @@ def _kernel_call(q, k, v, scales, skv, block_q, block_kv, stages, persistent, q_
             )
             loaded += (plgpu.Barrier(num_barriers=COMPUTE_WGS),)
         consumed = (plgpu.Barrier(num_arrivals=COMPUTE_WGS, num_barriers=stages),) * 2
-        # The tensor-core turn: one barrier both warpgroups meet at, or (overlap) one per warpgroup
+        # The tensor-core turn: one barrier both warpgroups meet at, or (fa3_turns) one per warpgroup
         # that the other arrives at once it has issued its products.
         turn = plgpu.Barrier(num_barriers=COMPUTE_WGS) if fa3_turns else plgpu.Barrier(num_arrivals=COMPUTE_WGS)
         pl.run_scoped(
