@@ -106,7 +106,7 @@ def flash_attention(q, k, v, block_sizes=None, interpret=False):
         return triton_attention(q, k, v, **{**TRITON_BLOCKS, **overrides}, interpret=interpret)
     from wan_tpu.kernels.flash_mgpu import mgpu_attention
 
-    blocks = {**GPU_BLOCKS[gpu_shape_class(k.shape[1])], **overrides}
+    blocks = {**GPU_BLOCKS[gpu_shape_class(q.shape[1], k.shape[1])], **overrides}
     if blocks.get("persistent") == "sms":  # one persistent CTA per streaming multiprocessor
         blocks["persistent"] = getattr(jax.devices()[0], "core_count", 0) or 132
     return mgpu_attention(q, k, v, **blocks)

@@ -128,11 +128,18 @@ def tpu_block_sizes(overrides=None) -> BlockSizes:
 # gains nothing (64×128×2 with overlap 618-626 TFLOP/s against 64×192×2's 622-643; at 64×192 the
 # overlap spills); cross-attention 32,760 × 512 goes from 0.90-0.93× cuDNN (64×128×2) to 1.016-1.029×
 # as a persistent 64×128×3 walk with the overlap, and × 769 keys from 1.015× to 1.060×: ours takes it.
+# "short" (both sides under 4,096 tokens; H200, one call, `bench_attention.py --shapes
+# mg2640,wma_spatial,wma_temporal`): no kernel wins them all, so cuDNN keeps them. Ours at D=128,
+# Matrix-Game-2's first chunk (12 h × 2,640²): 1.18× cuDNN at 64×128×2 (1.22× with the overlap).
+# At D=64, UnifoLM-WMA's spatial attention (16 × 5 h × 2,560²): 0.94×. Its temporal attention
+# (2,560 × 5 h × 16²): 0.83×, or 1.08× as the persistent walk with the overlap. An explicit
+# impl="pallas_gpu" gets the plain 64×128×2 tiles there.
 GPU_BLOCKS = {
     "self": {"block_q": 64, "block_kv": 192, "stages": 2},
     "cross": {"block_q": 64, "block_kv": 128, "stages": 3, "persistent": "sms", "overlap": True},
+    "short": {"block_q": 64, "block_kv": 128, "stages": 2},
 }
-GPU_FASTEST = {"self": "pallas_gpu", "cross": "pallas_gpu"}
+GPU_FASTEST = {"self": "pallas_gpu", "cross": "pallas_gpu", "short": "cudnn"}
 # The FP8 kernel (`attention(impl="pallas_gpu_fp8")`, self-attention only), measured on an H200 at
 # 12 h × 32,760 / 40 h × 75,600 (the bf16 kernel: 631 / 629 TFLOP/s in the same run). block_kv must
 # be a multiple of 128 (P's 128-byte swizzle), and 256 beats 128 by 16%: 64×256×2 e4m3 Q·Kᵀ
@@ -146,6 +153,10 @@ GPU_FP8_BLOCKS = {"block_q": 64, "block_kv": 256, "stages": 2, "qk_int8": True, 
                   "fa3_turns": True}
 
 
-def gpu_shape_class(skv: int) -> str:
-    """Self-attention over video tokens, or cross-attention to a short text/image context."""
-    return "self" if skv >= 4096 else "cross"
+def gpu_shape_class(sq: int, skv: int) -> str:
+    """Self-attention over video tokens ("self": ≥ 4,096 keys), a video's cross-attention to a short
+    text/image context ("cross": ≥ 4,096 queries, fewer keys), or short sequences on both sides
+    ("short": e.g. UnifoLM-WMA's spatial and temporal attention, Matrix-Game-2's first chunks)."""
+    if skv >= 4096:
+        return "self"
+    return "cross" if sq >= 4096 else "short"

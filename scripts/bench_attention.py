@@ -6,7 +6,10 @@ and torch SDPA, each variant checked against a float32 reference before it is ti
     python scripts/bench_attention.py --tiny               # the script's own CPU dry run (interpret mode)
 
 Shapes (B=1, D=128, bf16): self480 12 h × 32,760 (Wan 1.3B 480p), self720 40 h × 75,600 (14B 720p),
-cross512 12 h × 32,760 q × 512 text keys, cross769 × 769 keys (257 image + 512 text).
+cross512 12 h × 32,760 q × 512 text keys, cross769 × 769 keys (257 image + 512 text). Short on both
+sides (`tuning.gpu_shape_class` "short", not in the default run): mg2640 12 h × 2,640 (Matrix-Game-2's
+first chunk over its own frames), wma_spatial B=16 × 5 h × 2,560, D=64 (UnifoLM-WMA at 320×512),
+wma_temporal B=2,560 × 5 h × 16 frames, D=64.
 Variants of `kernels/flash_mgpu.py`, written `BQxBKVxSTAGES[xp[N]][xq]`: block_q rows per compute
 warpgroup × block_kv keys per step × K/V ring depth; `p` = persistent (one CTA per SM, or N CTAs,
 each walking (head, q tile) tiles with one continuous K/V ring), `q` = q tiles fastest in the grid
@@ -47,7 +50,12 @@ SHAPES = {  # name: (heads, Sq, Skv)
     "self720": (40, 75600, 75600),
     "cross512": (12, 32760, 512),
     "cross769": (12, 32760, 769),
+    # (heads, Sq, Skv, batch, head dim) where they differ from B=1, D=128
+    "mg2640": (12, 2640, 2640),
+    "wma_spatial": (5, 2560, 2560, 16, 64),
+    "wma_temporal": (5, 16, 16, 2560, 64),
 }
+DEFAULT_SHAPES = ("self480", "self720", "cross512", "cross769")
 TINY_SHAPES = {"self480": (2, 300, 300), "cross512": (2, 300, 40)}
 # What one sweep tries; the shared-memory limit (227 KiB) allows block_kv 192 only with 2 stages
 # and 128 with 3. Cross-attention has 4-7 kv steps per tile, so the persistent walk (no pipeline
@@ -155,12 +163,12 @@ def torch_entries():
 
 
 def bench_shape(name, shape, variants, peers, sms, interpret):
-    heads, sq, skv = shape
-    flops = 4 * sq * skv * D * heads
+    heads, sq, skv, batch, d = (*shape, 1, D)[:5] if len(shape) == 3 else shape
+    flops = 4 * batch * sq * skv * d * heads
     kq, kk, kv = jax.random.split(jax.random.key(int(time.time())), 3)
     # Drawn in float32, then rounded: jax's bf16 sampler has only 128 distinct values and a biased
     # mean, whose e4m3 rounding errors add up instead of averaging out (FP8 entries: 0.19 vs 0.05).
-    q, k, v = (jax.random.normal(key, (1, n, heads, D), jnp.float32).astype(jnp.bfloat16)
+    q, k, v = (jax.random.normal(key, (batch, n, heads, d), jnp.float32).astype(jnp.bfloat16)
                for key, n in ((kq, sq), (kk, skv), (kv, skv)))
     # The checked slice: 256 query rows spread over the whole sequence (every q tile region, so
     # every CTA schedule is exercised), the first and the last head.
@@ -204,7 +212,7 @@ def bench_shape(name, shape, variants, peers, sms, interpret):
     cudnn_ms = dict((r[0], r[1]) for r in results).get("jax cuDNN")
     rows = []
     for label, ms, err in results:
-        where = f"{name} {heads}h {sq}×{skv}"
+        where = f"{name} {heads}h {sq}×{skv}" + (f" B{batch} D{d}" if (batch, d) != (1, D) else "")
         if ms is None:
             rows.append(f"| {where} | {label} | – | – | – | {err} |")
         else:
@@ -216,7 +224,7 @@ def bench_shape(name, shape, variants, peers, sms, interpret):
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--shapes", default=",".join(SHAPES), help=f"comma separated, from {list(SHAPES)}")
+    parser.add_argument("--shapes", default=",".join(DEFAULT_SHAPES), help=f"comma separated, from {list(SHAPES)}")
     parser.add_argument("--variants", default="", help="Hopper kernel variants for every shape (default: per shape class)")
     parser.add_argument("--peers", default="cudnn,torch", help="peers besides jax cuDNN: torch, mha")
     parser.add_argument("--tiny", action="store_true", help="CPU dry run: tiny shapes, our kernel in interpret mode")

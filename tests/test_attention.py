@@ -115,3 +115,22 @@ def test_kv_len_on_a_gpu_uses_cudnn_s_padding_mask():
     assert "cudnn" in str(jax.jit(lambda *a: attention(*a, kv_len=kv_len)).lower(q, k, v).as_text()).lower()
     err = rel_error(attention(q, k, v, kv_len=kv_len), _masked64(q, k, v, kv_len))
     assert err <= 1e-2, f"rel. error {err:.2e} > 1e-2 (seed {seed})"
+
+
+@pytest.mark.parametrize("sq, skv, expected", [
+    (32760, 32760, "pallas_gpu"),   # Wan 1.3B self-attention
+    (32760, 512, "pallas_gpu"),     # Wan's cross-attention to the text (measured faster than cuDNN)
+    (2640, 5280, "pallas_gpu"),     # Matrix-Game-2: a chunk's queries over a long cache
+    (2640, 2640, "cudnn"),          # short on both sides: not measured for ours, cuDNN keeps it
+    (16, 16, "cudnn"),              # UnifoLM-WMA's temporal attention
+])
+def test_hopper_dispatch_by_shape_class(monkeypatch, sq, skv, expected):
+    """impl=None on a Hopper GPU follows `kernels/tuning.py`'s measured table per shape class."""
+    import wan_tpu.kernels.flash_gpu as flash_gpu
+    from wan_tpu.layers.attention import _default_impl
+
+    monkeypatch.delenv("WAN_TPU_ATTENTION", raising=False)
+    monkeypatch.setattr(flash_gpu, "is_hopper", lambda: True)
+    q = jnp.zeros((1, sq, 2, 128), jnp.bfloat16)
+    k = jnp.zeros((1, skv, 2, 128), jnp.bfloat16)
+    assert _default_impl(q, k, "gpu") == expected

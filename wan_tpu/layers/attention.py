@@ -29,8 +29,8 @@ else the reference.
 
 `impl=None` picks by backend: TPU → splash_exp2; Hopper GPU → the faster of pallas_gpu and cuDNN
 for the shape class, as measured (`kernels/tuning.py`: ours for self-attention and, since FA3's
-intra-warpgroup overlap, for short cross-attention too), other GPUs → cuDNN, float32 on GPU →
-reference; CPU → reference. The environment variable `WAN_TPU_ATTENTION` names an impl that
+intra-warpgroup overlap, for a video's cross-attention to a short context; cuDNN where both
+sequences are short), other GPUs → cuDNN, float32 on GPU → reference; CPU → reference. The environment variable `WAN_TPU_ATTENTION` names an impl that
 `impl=None` uses instead.
 
 A named impl is honoured as given while tracing (inside `jax.jit` or `jax.export` for another
@@ -103,8 +103,9 @@ def _pallas_gpu(q, k, v, block_sizes, interpret):
 def _pallas_gpu_fp8(q, k, v, block_sizes, interpret):
     from wan_tpu.kernels.flash_gpu import flash_attention_fp8
 
-    if gpu_shape_class(k.shape[1]) != "self":  # short cross-attention: the measured bf16 choice
-        return _IMPLS[GPU_FASTEST["cross"]][0](q, k, v, block_sizes, interpret)
+    shape_class = gpu_shape_class(q.shape[1], k.shape[1])
+    if shape_class != "self":  # a short context: the measured bf16 choice
+        return _IMPLS[GPU_FASTEST[shape_class]][0](q, k, v, block_sizes, interpret)
     return flash_attention_fp8(q, k, v, block_sizes=block_sizes)
 
 
@@ -140,7 +141,7 @@ def _default_impl(q, k, backend: str) -> str:
 
         # The Hopper kernel needs D % 64 == 0; elsewhere ours is the Triton fallback, slower than cuDNN.
         ours = is_hopper() and q.shape[-1] % 64 == 0
-        return GPU_FASTEST[gpu_shape_class(k.shape[1])] if ours else "cudnn"
+        return GPU_FASTEST[gpu_shape_class(q.shape[1], k.shape[1])] if ours else "cudnn"
     return "reference"
 
 
