@@ -124,10 +124,10 @@ def tpu_block_sizes(overrides=None) -> BlockSizes:
 # pv_two_level (each step's P·V into a fresh accumulator, rescaled and added after the product; H200,
 # 2026-11-26): 12 × 32,760 627 / 636 → 646 TFLOP/s, 40 × 75,600 637 / 639 → 645 in one call, but the
 # 1.3B forward 467.5 / 467.6 → 468.8 / 466.4 ms (alternating fresh processes): within the noise, so off.
-# FA3's intra-warpgroup overlap and turn hand-over (eleventh session, H200, three calls): self-attention
+# FA3's intra-warpgroup overlap and turn hand-over (eleventh session, H200, four calls): self-attention
 # gains nothing (64×128×2 with overlap 618-626 TFLOP/s against 64×192×2's 622-643; at 64×192 the
-# overlap spills); cross-attention 32,760 × 512 goes from 0.90-0.93× cuDNN (64×128×2) to 1.016-1.029×
-# as a persistent 64×128×3 walk with the overlap, and × 769 keys from 1.015× to 1.060×: ours takes it.
+# overlap spills); cross-attention 32,760 × 512 goes from 0.90-0.93× cuDNN (64×128×2) to 1.015-1.029×
+# as a persistent 64×128×3 walk with the overlap, and × 769 keys from 1.015× to 1.060-1.070×: ours takes it.
 # "short" (both sides under 4,096 tokens; H200, one call, `bench_attention.py --shapes
 # mg2640,wma_spatial,wma_temporal`): no kernel wins them all, so cuDNN keeps them. Ours at D=128,
 # Matrix-Game-2's first chunk (12 h × 2,640²): 1.18× cuDNN at 64×128×2 (1.22× with the overlap).

@@ -30,8 +30,8 @@ else the reference.
 `impl=None` picks by backend: TPU → splash_exp2; Hopper GPU → the faster of pallas_gpu and cuDNN
 for the shape class, as measured (`kernels/tuning.py`: ours for self-attention and, since FA3's
 intra-warpgroup overlap, for a video's cross-attention to a short context; cuDNN where both
-sequences are short), other GPUs → cuDNN, float32 on GPU → reference; CPU → reference. The environment variable `WAN_TPU_ATTENTION` names an impl that
-`impl=None` uses instead.
+sequences are short), other GPUs → cuDNN, float32 on GPU → reference; CPU → reference. The
+environment variable `WAN_TPU_ATTENTION` names an impl that `impl=None` uses instead.
 
 A named impl is honoured as given while tracing (inside `jax.jit` or `jax.export` for another
 platform, e.g. exporting `splash_exp2` for TPU from a CPU host): the backend is checked only when
