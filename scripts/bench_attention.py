@@ -163,7 +163,7 @@ def torch_entries():
 
 
 def bench_shape(name, shape, variants, peers, sms, interpret):
-    heads, sq, skv, batch, d = (*shape, 1, D)[:5] if len(shape) == 3 else shape
+    heads, sq, skv, batch, d = (*shape, 1, D) if len(shape) == 3 else shape
     flops = 4 * batch * sq * skv * d * heads
     kq, kk, kv = jax.random.split(jax.random.key(int(time.time())), 3)
     # Drawn in float32, then rounded: jax's bf16 sampler has only 128 distinct values and a biased

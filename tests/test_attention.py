@@ -121,7 +121,7 @@ def test_kv_len_on_a_gpu_uses_cudnn_s_padding_mask():
     (32760, 32760, "pallas_gpu"),   # Wan 1.3B self-attention
     (32760, 512, "pallas_gpu"),     # Wan's cross-attention to the text (measured faster than cuDNN)
     (2640, 5280, "pallas_gpu"),     # Matrix-Game-2: a chunk's queries over a long cache
-    (2640, 2640, "cudnn"),          # short on both sides: not measured for ours, cuDNN keeps it
+    (2640, 2640, "cudnn"),          # short on both sides: measured mixed across shapes, cuDNN keeps it
     (16, 16, "cudnn"),              # UnifoLM-WMA's temporal attention
 ])
 def test_hopper_dispatch_by_shape_class(monkeypatch, sq, skv, expected):

@@ -8,9 +8,9 @@ Softmax scale is 1/sqrt(D), non-causal, any Sq, Skv ≥ 1. Kernels:
 - `"pallas_gpu"`: our GPU Pallas kernel (`kernels/flash_gpu.py`): the Hopper kernel for bf16/fp16
   with D % 64 == 0, the Triton fallback otherwise; `interpret=True` runs the latter on CPU.
 - `"pallas_gpu_fp8"`: the Hopper kernel on the 8-bit tensor cores (`flash_mgpu.mgpu_attention_fp8`:
-  int8 Q·Kᵀ, e4m3 P·V, scaled, each step's P·V summed in float32). On an H200: 1.29-1.33× the bf16
-  kernel's speed (1.45-1.47× jax cuDNN), at 4.0e-2 relative error per call on random inputs where
-  bf16 has 2.3e-3; the 1.3B forward is 0.86× as long and moves by 8.5e-3 (14B: 0.84×, 1.3e-2; random
+  int8 Q·Kᵀ, e4m3 P·V, scaled, each step's P·V summed in float32, FA3's turn hand-over). On an
+  H200: 1.48-1.53× jax cuDNN, at 4.0e-2 relative error per call on random inputs where bf16 has
+  2.3e-3; the 1.3B forward is 0.84-0.85× as long and moves by 8.4e-3 (14B: 0.82×, 1.3e-2; random
   weights). Opt-in, never picked by `impl=None`: it trades accuracy for speed.
   Self-attention only: cross-attention calls (short key sets) take `impl=None`'s bf16 choice.
   Needs a Hopper GPU and D % 128 == 0.
