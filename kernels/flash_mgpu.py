@@ -32,6 +32,13 @@ Scheduling variants (`scripts/bench_attention.py` sweeps them; `kernels/tuning.p
   load while the current tile finishes, and a compute warpgroup's output store and next Q load
   overlap the other warpgroup's tensor-core turn: no pipeline fill or drain per tile. That matters
   most for cross-attention, whose tiles have only 4-7 kv steps.
+- `cluster=2` (either kernel; FA3 does the same for head dims ≥ 128 without a mask): CTAs in pairs
+  on adjacent q tiles of one head. Each CTA's memory warpgroup loads half of every K/V tile and TMA
+  multicasts it into both CTAs' rings, so the pair reads each tile from L2 once. A ring slot is
+  refilled once all four compute warpgroups of the pair are done with it (cluster barriers), and
+  neither CTA exits before the other is done arriving on its barriers. At 64×192 a CTA streams
+  ~38 GB/s of K/V, ~5 TB/s out of L2 over 132 SMs. Pairs took self-attention
+  from 627-631 to 640-651 TFLOP/s on an H200 (twelfth session); clusters of 4 were slower.
 - `overlap` (bf16; implies `fa3_turns`): FA3's intra-warpgroup overlap. One turn issues Q·Kᵀ of
   step j+1 and P·V of step j together; the softmax of step j+1 starts as soon as its scores are
   in and runs while that P·V does. Live registers: the scores, P of step j and the accumulator,
@@ -80,9 +87,9 @@ def _pad_to_8(x):
 
 
 @functools.partial(jax.jit, static_argnames=("block_q", "block_kv", "stages", "persistent", "q_major", "pv_two_level",
-                                             "overlap", "fa3_turns"))
+                                             "overlap", "fa3_turns", "cluster"))
 def mgpu_attention(q, k, v, block_q=64, block_kv=192, stages=2, persistent=0, q_major=False, pv_two_level=False,
-                   overlap=False, fa3_turns=False):
+                   overlap=False, fa3_turns=False, cluster=1):
     """(B, S, H, D) → (B, Sq, H, D). TMA tiles global memory in rows of 8, so a length that is
     not a multiple of 8 (e.g. 257 + 512 cross-attention keys) is zero-padded to one first; the
     padded keys fall in the masked tail.
@@ -93,11 +100,12 @@ def mgpu_attention(q, k, v, block_q=64, block_kv=192, stages=2, persistent=0, q_
     `pv_two_level` (an experiment in bf16): each step's P·V into a fresh accumulator, rescaled and
     added after the product instead of before it (see `mgpu_attention_fp8`). `overlap`: FA3's
     intra-warpgroup overlap (step j+1's Q·Kᵀ issued with step j's P·V); `fa3_turns`: FA3's turn
-    hand-over between the compute warpgroups (see the module docstring)."""
+    hand-over between the compute warpgroups; `cluster=2`: FA3's CTA pairs sharing each K/V tile
+    (see the module docstring)."""
     sq, skv = q.shape[1], k.shape[1]
     call = functools.partial(_kernel_call, skv=skv, block_q=block_q, block_kv=block_kv, stages=stages,
                              persistent=persistent, q_major=q_major, pv_two_level=pv_two_level, overlap=overlap,
-                             fa3_turns=fa3_turns)
+                             fa3_turns=fa3_turns, cluster=cluster)
     if sq % 8 or skv % 8:
         return call(_pad_to_8(q), _pad_to_8(k), _pad_to_8(v), None)[:, :sq]
     return call(q, k, v, None)
@@ -150,9 +158,9 @@ def fp8_operands(q, k, v, qk_int8=False):
 
 
 @functools.partial(jax.jit, static_argnames=("block_q", "block_kv", "stages", "persistent", "q_major", "qk_int8",
-                                             "pv_two_level", "fa3_turns"))
+                                             "pv_two_level", "fa3_turns", "cluster"))
 def mgpu_attention_fp8(q, k, v, block_q=64, block_kv=256, stages=2, persistent=0, q_major=False, qk_int8=False,
-                       pv_two_level=True, fa3_turns=False):
+                       pv_two_level=True, fa3_turns=False, cluster=1):
     """(B, S, H, D) bf16 → (B, Sq, H, D) bf16, both matrix products on the FP8 tensor cores (FA3's
     FP8 path), operands from `fp8_operands` (one XLA pass per tensor). The per-row factors fold into
     the softmax's exp2 argument and the output's 1/l, so the kernel adds no multiply per score. e4m3
@@ -166,15 +174,17 @@ def mgpu_attention_fp8(q, k, v, block_q=64, block_kv=256, stages=2, persistent=0
     the loss with it (`scripts/fp8_error.py --accumulation` emulates that rule). Each step's P·V in a
     fresh accumulator, added in float32, took the 1.3B forward's error against bf16 from 1.12e-1 to
     8.5e-3 on an H200, and the kernel 3% faster (the rescale became the add's multiply).
-    `fa3_turns` (on in `tuning.GPU_FP8_BLOCKS`): FA3's turn hand-over (module docstring), 2-5% faster."""
+    `fa3_turns` (on in `tuning.GPU_FP8_BLOCKS`): FA3's turn hand-over (module docstring), 2-5% faster.
+    `cluster=2` (on there too): CTA pairs sharing each K/V tile (module docstring), 0.6-1.6% faster."""
     q8, k8, vt8, scales = fp8_operands(q, k, v, qk_int8)
     out = _kernel_call(q8, k8, vt8, scales, skv=k.shape[1], block_q=block_q, block_kv=block_kv, stages=stages,
-                       persistent=persistent, q_major=q_major, pv_two_level=pv_two_level, fa3_turns=fa3_turns)
+                       persistent=persistent, q_major=q_major, pv_two_level=pv_two_level, fa3_turns=fa3_turns,
+                       cluster=cluster)
     return out[:, :q.shape[1]]
 
 
 def _kernel_call(q, k, v, scales, skv, block_q, block_kv, stages, persistent, q_major, pv_two_level=False,
-                 overlap=False, fa3_turns=False):
+                 overlap=False, fa3_turns=False, cluster=1):
     """`scales` None: q, k, v in bf16 / fp16, (B, S, H, D). Else FP8 (`mgpu_attention_fp8`): q, k
     e4m3 (B, S, H, D), v e4m3 transposed (B, H, D, S), and `scales` (B, H, 2, Sq) f32 holding per
     query row the exp2 argument's factor and the output's factor. `pv_two_level` (see
@@ -196,6 +206,8 @@ def _kernel_call(q, k, v, scales, skv, block_q, block_kv, stages, persistent, q_
         raise WanInputError("overlap (FA3's intra-warpgroup overlap) is a bf16 / fp16 option without pv_two_level")
     if persistent < 0:
         raise WanInputError(f"persistent must be 0 (one CTA per tile) or a CTA count, got {persistent}")
+    if cluster not in (1, 2, 4) or (cluster > 1 and persistent):
+        raise WanInputError(f"cluster must be 1, or 2 or 4 without persistent CTAs; got cluster={cluster}, persistent={persistent}")
     kv_steps = pl.cdiv(skv, block_kv)
     q_tiles = pl.cdiv(sq, COMPUTE_WGS * block_q)
     num_tiles = b * h * q_tiles
@@ -213,7 +225,7 @@ def _kernel_call(q, k, v, scales, skv, block_q, block_kv, stages, persistent, q_
         o_tiles, p_tiles, sc_tiles = fp8_smem or (None,) * 3
         q_loaded, k_loaded, v_loaded, *fp8_loaded = loaded
         sc_loaded = fp8_loaded[0] if fp8 else None
-        k_consumed, v_consumed = consumed
+        k_consumed, v_consumed, *done = consumed
         wg = lax.axis_index("wg")
 
         if ctas:
@@ -228,7 +240,10 @@ def _kernel_call(q, k, v, scales, skv, block_q, block_kv, stages, persistent, q_
             my_tiles = 1
 
             def tile_coords(i):
-                return lax.axis_index("batch"), lax.axis_index("heads"), lax.axis_index("q_tiles")
+                qt = lax.axis_index("q_tiles")
+                if cluster > 1:  # a cluster's q tiles are adjacent; the last cluster's may run past the end
+                    qt = qt * cluster + lax.axis_index("cluster")
+                return lax.axis_index("batch"), lax.axis_index("heads"), qt
 
         total_steps = my_tiles * kv_steps
 
@@ -238,6 +253,12 @@ def _kernel_call(q, k, v, scales, skv, block_q, block_kv, stages, persistent, q_
 
         def slot_of(g):
             return lax.rem(g, jnp.int32(stages))
+
+        def leave_together():
+            """A CTA pair: neither exits while the other may still arrive on its barriers."""
+            if done:
+                plgpu.barrier_arrive(done[0])
+                plgpu.barrier_wait(done[0])
 
         @pl.when(wg < COMPUTE_WGS)
         def _compute():
@@ -448,22 +469,26 @@ def _kernel_call(q, k, v, scales, skv, block_q, block_kv, stages, persistent, q_
             if not fa3_turns:
                 pl.when(wg == 0)(take_turn)
             plgpu.wait_smem_to_gmem(0)
+            leave_together()
 
         @pl.when(wg == COMPUTE_WGS)
         def _memory():
             plgpu.set_max_registers(40, action="decrease")
 
+            # A CTA pair loads each tile as two halves, each multicast to both CTAs' rings.
+            pair = "cluster" if cluster > 1 else None
+
             def fetch(g, slot):
                 i = lax.div(g, jnp.int32(kv_steps))
                 bi, hi, _ = tile_coords(i)
                 rows = pl.ds((g - i * kv_steps) * block_kv, block_kv)
-                plgpu.copy_gmem_to_smem(k_ref.at[bi, rows, hi], k_ring.at[slot], k_loaded.at[slot])
+                plgpu.copy_gmem_to_smem(k_ref.at[bi, rows, hi], k_ring.at[slot], k_loaded.at[slot], collective_axes=pair)
                 return bi, hi, rows
 
             def fetch_v(where, slot):
                 bi, hi, rows = where
                 src = v_ref.at[bi, hi, :, rows] if fp8 else v_ref.at[bi, rows, hi]
-                plgpu.copy_gmem_to_smem(src, v_ring.at[slot], v_loaded.at[slot])
+                plgpu.copy_gmem_to_smem(src, v_ring.at[slot], v_loaded.at[slot], collective_axes=pair)
 
             for slot in range(stages):
                 if ctas:
@@ -483,6 +508,8 @@ def _kernel_call(q, k, v, scales, skv, block_q, block_kv, stages, persistent, q_
                 where = fetch(g, slot)
                 plgpu.barrier_wait(v_consumed.at[slot])
                 fetch_v(where, slot)
+
+            leave_together()
 
     def entry(q_ref, k_ref, v_ref, *refs):
         s_ref, o_ref = refs if fp8 else (None, *refs)
@@ -506,7 +533,12 @@ def _kernel_call(q, k, v, scales, skv, block_q, block_kv, stages, persistent, q_
                 plgpu.SMEM((COMPUTE_WGS, 2, block_q), jnp.float32),
             )
             loaded += (plgpu.Barrier(num_barriers=COMPUTE_WGS),)
-        consumed = (plgpu.Barrier(num_arrivals=COMPUTE_WGS, num_barriers=stages),) * 2
+        if cluster > 1:  # a slot is free once both CTAs' compute warpgroups are done with it
+            consumed = (plgpu.ClusterBarrier(collective_axes=("cluster",), num_arrivals=COMPUTE_WGS,
+                                             num_barriers=stages),) * 2
+            consumed += (plgpu.ClusterBarrier(collective_axes=("cluster",), num_arrivals=COMPUTE_WGS + 1),)
+        else:
+            consumed = (plgpu.Barrier(num_arrivals=COMPUTE_WGS, num_barriers=stages),) * 2
         # The tensor-core turn: one barrier both warpgroups meet at, or (fa3_turns) one per warpgroup
         # that the other arrives at once it has issued its products.
         turn = plgpu.Barrier(num_barriers=COMPUTE_WGS) if fa3_turns else plgpu.Barrier(num_arrivals=COMPUTE_WGS)
@@ -516,17 +548,20 @@ def _kernel_call(q, k, v, scales, skv, block_q, block_kv, stages, persistent, q_
             collective_axes="wg",
         )
 
+    q_groups = pl.cdiv(q_tiles, cluster)  # grid entries along q: one per CTA pair when paired
     if ctas:
         grid, names = (ctas,), ("cta",)
     elif q_major:
-        grid, names = (q_tiles, h, b), ("q_tiles", "heads", "batch")
+        grid, names = (q_groups, h, b), ("q_tiles", "heads", "batch")
     else:
-        grid, names = (h, q_tiles, b), ("heads", "q_tiles", "batch")
+        grid, names = (h, q_groups, b), ("heads", "q_tiles", "batch")
     return plgpu.kernel(
         entry,
         out_type=jax.ShapeDtypeStruct(q.shape, dtype),
         grid=grid,
         grid_names=names,
+        cluster=(cluster,) if cluster > 1 else (),
+        cluster_names=("cluster",) if cluster > 1 else (),
         num_threads=COMPUTE_WGS + 1,
         thread_name="wg",
         compiler_params=plgpu.CompilerParams(approx_math=True),

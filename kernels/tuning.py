@@ -117,7 +117,8 @@ def tpu_block_sizes(overrides=None) -> BlockSizes:
 
 
 # Keys of a row: `flash_mgpu.mgpu_attention`'s block_q, block_kv, stages, and optionally
-# persistent (a CTA count, or "sms": one per streaming multiprocessor), q_major, overlap and fa3_turns.
+# persistent (a CTA count, or "sms": one per streaming multiprocessor), q_major, overlap, fa3_turns
+# and cluster.
 # Measured on one H200 (scripts/bench_attention.py, 2026-11-21, jax 0.11.2, bf16, D=128, B=1):
 # self-attention 12 × 32,760: block_kv 192 654 TFLOP/s, block_kv 128 627, cuDNN 574; 40 × 75,600:
 # 665 / 626 / 577. H100 (2026-11-25, three runs): self 64×192×2 1.12-1.13× cuDNN.
@@ -134,8 +135,12 @@ def tpu_block_sizes(overrides=None) -> BlockSizes:
 # At D=64, UnifoLM-WMA's spatial attention (16 × 5 h × 2,560²): 0.94×. Its temporal attention
 # (2,560 × 5 h × 16²): 0.83×, or 1.08× as the persistent walk with the overlap. An explicit
 # impl="pallas_gpu" gets the plain 64×128×2 tiles there.
+# cluster=2 (FA3's CTA pairs: each K/V tile loaded once, multicast to two q tiles' CTAs; twelfth
+# session, H200, two calls): self-attention 12 × 32,760 631 → 640 / 631 → 642 TFLOP/s, 40 × 75,600
+# 631 → 648 / 627 → 651; the 1.3B forward 465.4 → 460.9 ms. Four CTAs a cluster were slower than
+# one (625 / 618), and so was 64×128×3 with pairs (609 / 621).
 GPU_BLOCKS = {
-    "self": {"block_q": 64, "block_kv": 192, "stages": 2},
+    "self": {"block_q": 64, "block_kv": 192, "stages": 2, "cluster": 2},
     "cross": {"block_q": 64, "block_kv": 128, "stages": 3, "persistent": "sms", "overlap": True},
     "short": {"block_q": 64, "block_kv": 128, "stages": 2},
 }
@@ -148,9 +153,10 @@ GPU_FASTEST = {"self": "pallas_gpu", "cross": "pallas_gpu", "short": "cudnn"}
 # (2026-11-26, H200, same call): 780 → 806 / 811 → 829 TFLOP/s, and the 1.3B forward's error against
 # bf16 1.12e-1 → 8.5e-3 (the running FP8 accumulator's ~14 bits were the cause). fa3_turns (FA3's
 # hand-over: a warpgroup waits only before issuing its products, so the two softmaxes may overlap;
-# eleventh session, same call): 807 → 847 / 848 → 881 TFLOP/s.
+# eleventh session, same call): 807 → 847 / 848 → 881 TFLOP/s. cluster=2 (CTA pairs sharing each K/V
+# tile; twelfth session, two calls): 834 → 847 / 836 → 849 and 877 → 882 / 877 → 883 (four: 800 / 838).
 GPU_FP8_BLOCKS = {"block_q": 64, "block_kv": 256, "stages": 2, "qk_int8": True, "pv_two_level": True,
-                  "fa3_turns": True}
+                  "fa3_turns": True, "cluster": 2}
 
 
 def gpu_shape_class(sq: int, skv: int) -> str:

@@ -89,7 +89,8 @@ def test_pallas_gpu_float32_takes_the_triton_path():
 
 
 # Scheduling variants of the Hopper kernel (scripts/bench_attention.py sweeps them): persistent CTAs
-# walking several (head, q tile) tiles with one K/V ring, the q-major grid, two-level P·V sums.
+# walking several (head, q tile) tiles with one K/V ring, the q-major grid, two-level P·V sums, FA3's
+# overlap and turn hand-over, CTA clusters sharing each K/V tile (the last cluster partly past the end).
 VARIANTS = [
     dict(block_q=64, block_kv=192, stages=2, q_major=True),
     dict(block_q=64, block_kv=128, stages=3, persistent=3),
@@ -102,6 +103,10 @@ VARIANTS = [
     dict(block_q=64, block_kv=128, stages=3, persistent=132, overlap=True),
     dict(block_q=64, block_kv=192, stages=2, fa3_turns=True),  # FA3's turn hand-over alone
     dict(block_q=64, block_kv=128, stages=3, persistent=5, fa3_turns=True),
+    dict(block_q=64, block_kv=192, stages=2, cluster=2),  # FA3's CTA pairs sharing each K/V tile
+    dict(block_q=64, block_kv=128, stages=2, cluster=2, overlap=True),
+    dict(block_q=64, block_kv=192, stages=2, cluster=2, q_major=True),
+    dict(block_q=64, block_kv=128, stages=3, cluster=4),
 ]
 
 
@@ -183,7 +188,7 @@ def test_fp8_operands_and_reference():
 
 @pytest.mark.parametrize("kw", [dict(), dict(block_kv=128, stages=4), dict(persistent=132), dict(q_major=True),
                                 dict(qk_int8=True), dict(qk_int8=True, pv_two_level=False),
-                                dict(qk_int8=True, fa3_turns=True)])
+                                dict(qk_int8=True, fa3_turns=True), dict(qk_int8=True, fa3_turns=True, cluster=2)])
 @pytest.mark.parametrize("b, sq, skv, h", [(1, 32760, 32760, 12), (2, 1000, 769, 3)])
 def test_fp8_kernel_lowers_for_cuda(kw, b, sq, skv, h):
     from wan_tpu.kernels.flash_mgpu import mgpu_attention_fp8
@@ -209,7 +214,8 @@ def test_fp8_impl_refuses_without_hopper():
 @pytest.mark.gpu
 @pytest.mark.parametrize("kw", [dict(), dict(block_kv=128, stages=4), dict(persistent=132), dict(qk_int8=True),
                                 dict(qk_int8=True, pv_two_level=False), dict(persistent=132, qk_int8=True),
-                                dict(qk_int8=True, fa3_turns=True)])
+                                dict(qk_int8=True, fa3_turns=True), dict(qk_int8=True, fa3_turns=True, cluster=2),
+                                dict(qk_int8=True, fa3_turns=True, cluster=4)])
 @pytest.mark.parametrize("b, sq, skv, h", [(1, 7, 7, 2), (1, 4100, 4100, 2), (2, 1000, 769, 3)])
 def test_fp8_kernel_on_device(kw, b, sq, skv, h):
     from wan_tpu.kernels.flash_mgpu import mgpu_attention_fp8
@@ -302,6 +308,16 @@ def test_fp8_kernel_keeps_long_sums():
     err = np.linalg.norm(out - ref) / np.linalg.norm(ref)
     assert err <= FP8_TOL, f"rel. error {err:.2e}"
 
+
+@pytest.mark.parametrize("kw", [dict(cluster=3), dict(cluster=2, persistent=132)])
+def test_cluster_is_refused_where_it_does_not_apply(kw):
+    """CTA pairs (or fours) walk one tile each: a persistent CTA's tiles are not its partner's."""
+    from wan_tpu.errors import WanInputError
+    from wan_tpu.kernels.flash_mgpu import mgpu_attention
+
+    q = jax.ShapeDtypeStruct((1, 256, 2, 128), jnp.bfloat16)
+    with pytest.raises(WanInputError, match="cluster must be 1, or 2 or 4 without persistent CTAs"):
+        jax.jit(lambda q, k, v: mgpu_attention(q, k, v, **kw)).trace(q, q, q).lower(lowering_platforms=("cuda",))
 
 
 def test_overlap_is_refused_where_it_does_not_apply():
