@@ -9,10 +9,11 @@ each of `--variants`: `fused` (the default model: `WanTransformerBlock.fused_ele
 `unfused` (the same weights with diffusers' op order around the matmuls), `fp8` (the same weights,
 every block linear quantised, `wan_tpu.quantize`), `fp8-ffn` (only the FFN's linears quantised),
 `fp8-attn` (bf16 linears, self-attention on the FP8 kernel, `attention(impl="pallas_gpu_fp8")`),
-`fp8+attn` (both: every block linear and self-attention in FP8). Attention is the library's choice
+`fp8+attn` (both: every block linear and self-attention in FP8), `int8` and `int8+attn` (the
+block linears in int8 instead). Attention is the library's choice
 (`--attention IMPL` to force one). Prints ms per forward (median of `--iters` after a warm-up),
 each entry's time relative to ours fused (bf16), and MFU = model FLOPs ÷ time ÷ the bf16 8192³
-matmul rate measured first in this run. FP8 rows give their relative error (Frobenius) against
+matmul rate measured first in this run. Quantised rows give their relative error (Frobenius) against
 ours bf16 on the same inputs.
 
 Options:
@@ -74,9 +75,11 @@ CONFIGS = {  # name: (variant, latent (F, H, W))
 TEXT_LEN = 512
 OURS = "ours fused"  # the reference row of each config
 START = time.perf_counter()  # progress lines say when they came: a 14B variant takes minutes
-# linears in FP8; the "attn" variants also run self-attention on the FP8 kernel (impl "pallas_gpu_fp8")
-FP8_RECIPES = {"fp8-ffn": tuple(p for p in BLOCK_LINEARS if p[0] == "ffn"), "fp8": BLOCK_LINEARS,
-               "fp8-attn": (), "fp8+attn": BLOCK_LINEARS}
+# variant: (quantize mode, which block linears); the "attn" variants also run self-attention on the
+# FP8 kernel (impl "pallas_gpu_fp8")
+QUANT_RECIPES = {"fp8-ffn": ("fp8", tuple(p for p in BLOCK_LINEARS if p[0] == "ffn")), "fp8": ("fp8", BLOCK_LINEARS),
+                 "fp8-attn": ("fp8", ()), "fp8+attn": ("fp8", BLOCK_LINEARS),
+                 "int8": ("int8", BLOCK_LINEARS), "int8+attn": ("int8", BLOCK_LINEARS)}
 
 
 def model_flops(cfg, latent) -> float:
@@ -228,9 +231,10 @@ def run_jax(cfg, latent, args, name, folder, results, notes):
     for variant in args.variants:
         dit.blocks.fused_elementwise = variant != "unfused"
         model = dit
-        if variant in FP8_RECIPES:  # the last variant quantises `dit` in place (memory), another a copy
+        if variant in QUANT_RECIPES:  # the last variant quantises `dit` in place (memory), another a copy
             target = dit if variant == args.variants[-1] else nnx.merge(*nnx.split(dit))  # sharing the bf16 arrays
-            model = quantize_transformer(target, "fp8", linears=FP8_RECIPES[variant]) if FP8_RECIPES[variant] else target
+            mode, linears = QUANT_RECIPES[variant]
+            model = quantize_transformer(target, mode, linears=linears) if linears else target
             if variant.endswith("attn"):
                 model.self_attention = functools.partial(attention, impl="pallas_gpu_fp8")
         graphdef, state = nnx.split(model)
@@ -243,14 +247,14 @@ def run_jax(cfg, latent, args, name, folder, results, notes):
         if not args.json:  # as it comes: a run killed at a time limit still leaves its rows
             print(f"{name}: {label} {results[label]:.1f} ms (at {time.perf_counter() - START:.0f} s)", flush=True)
         outs[variant] = np.asarray(call().astype(jnp.float32))
-        if variant in FP8_RECIPES and "fused" in outs:
+        if variant in QUANT_RECIPES and "fused" in outs:
             notes.append(f"{name}: {variant} forward vs bf16 (ours fused), relative error "
                          f"{rel(outs[variant], outs['fused']):.2e}")
             if not args.json:
                 print(notes[-1], flush=True)
         hlo = compiled.as_text()
         notes.append(f"{name}: compiled {variant} forward: {gemm_summary(hlo)}")
-        if variant in FP8_RECIPES:
+        if variant in QUANT_RECIPES and QUANT_RECIPES[variant][0] == "fp8":
             # What XLA made of the f8 × f8 dots: cuBLASLt FP8 GEMMs, or something slower.
             f8_dots = sum(1 for line in hlo.splitlines() if " dot(" in line and "f8e4m3fn" in line)
             lt_f8 = hlo.count("__cublas$lt$matmul$f8")
@@ -262,10 +266,10 @@ def run_jax(cfg, latent, args, name, folder, results, notes):
             with trace(log_dir):
                 jax.block_until_ready(call())
             notes += op_class_table(log_dir, f"{name} {label}")
-        if name in args.psnr and (variant == "fused" or variant in FP8_RECIPES):
+        if name in args.psnr and (variant == "fused" or variant in QUANT_RECIPES):
             psnr_latents[variant] = sample_latents(model, cfg, latent, args.psnr_steps)
         del state, model
-    for variant in FP8_RECIPES:
+    for variant in QUANT_RECIPES:
         if variant in psnr_latents and "fused" in psnr_latents:
             psnr = decode_psnr(psnr_latents["fused"], psnr_latents[variant], tiny=name == "tiny")
             notes.append(f"{name}: PSNR of the decoded {variant} video vs bf16, {args.psnr_steps} UniPC steps, CFG 5, "
@@ -303,7 +307,7 @@ def run_xla_variants(args, rows):
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--configs", default="1.3b,5b,14b")
-    p.add_argument("--variants", default="fused,unfused,fp8", help="ours: fused, unfused, fp8, fp8-ffn, fp8-attn, fp8+attn")
+    p.add_argument("--variants", default="fused,unfused,fp8", help="ours: fused, unfused, fp8, fp8-ffn, fp8-attn, fp8+attn, int8, int8+attn")
     p.add_argument("--attention", default="None", help="wan_tpu.attention impl for ours (None = the library's choice)")
     p.add_argument("--iters", type=int, default=3)
     p.add_argument("--compile", default="1.3b", help="configs that also time diffusers + torch.compile")
@@ -318,15 +322,15 @@ def main():
     p.add_argument("--xla-timeout", type=int, default=240)
     p.add_argument("--json", action="store_true", help="print one RESULT line of JSON (for --xla-variants)")
     args = p.parse_args()
-    known = ("fused", "unfused", *FP8_RECIPES)  # in this order: the last one may quantise the DiT in place
+    known = ("fused", "unfused", *QUANT_RECIPES)  # in this order: the last one may quantise the DiT in place
     unknown = set(args.variants.split(",")) - set(known)
     if unknown:
         raise SystemExit(f"unknown --variants {sorted(unknown)}; choose from {', '.join(known)}")
     args.variants = [v for v in known if v in args.variants.split(",")]
     for key in ("compile", "check", "profile_configs", "psnr", "xla_configs"):
         setattr(args, key, [c for c in getattr(args, key).split(",") if c])
-    if args.psnr and not ("fused" in args.variants and set(FP8_RECIPES) & set(args.variants)):
-        raise SystemExit("--psnr needs the fused variant and an fp8 one")
+    if args.psnr and not ("fused" in args.variants and set(QUANT_RECIPES) & set(args.variants)):
+        raise SystemExit("--psnr needs the fused variant and a quantised one")
 
     import torch
 

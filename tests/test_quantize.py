@@ -106,9 +106,10 @@ def _device(platform, kind="", cc=None):
 
 @pytest.mark.parametrize("device, fp8, int8", [
     (_device("cpu"), True, True),
-    (_device("gpu", "NVIDIA H200", "9.0"), True, False),
-    (_device("gpu", "NVIDIA L4", "8.9"), True, False),
-    (_device("gpu", "NVIDIA A100-SXM4-80GB", "8.0"), False, False),
+    (_device("gpu", "NVIDIA H200", "9.0"), True, True),
+    (_device("gpu", "NVIDIA L4", "8.9"), True, True),
+    (_device("gpu", "NVIDIA A100-SXM4-80GB", "8.0"), False, True),
+    (_device("gpu", "Tesla V100-SXM2-16GB", "7.0"), False, False),
     (_device("tpu", "TPU7x"), True, True),
     (_device("tpu", "TPU v6 lite"), False, True),
     (_device("tpu", "TPU v5p"), False, True),
@@ -117,6 +118,17 @@ def _device(platform, kind="", cc=None):
 ])
 def test_each_mode_needs_its_matrix_units(device, fp8, int8):
     assert supported(device, "fp8")[0] is fp8 and supported(device, "int8")[0] is int8
+
+
+def test_refusal_names_the_mode_that_would_run():
+    """An A100 has int8 tensor cores but no FP8 ones; a V100 neither."""
+    from wan_tpu.quantize import check_device
+
+    with pytest.raises(WanInputError, match="use --quantize int8"):
+        check_device("fp8", [_device("gpu", "NVIDIA A100-SXM4-80GB", "8.0")])
+    check_device("int8", [_device("gpu", "NVIDIA A100-SXM4-80GB", "8.0")])
+    with pytest.raises(WanInputError, match=r"run without --quantize \(bf16\)"):
+        check_device("int8", [_device("gpu", "Tesla V100-SXM2-16GB", "7.0")])
 
 
 def test_int8_forward_exports_for_tpu():

@@ -18,9 +18,13 @@ sharding of the bf16 weight they replace (the f8 kernel has the same shape, so t
 the conversion: the model plus one stacked bf16 kernel.
 
 Where it runs: "fp8" on NVIDIA GPUs of compute capability ≥ 8.9 (Ada, Hopper, Blackwell:
-cuBLASLt FP8 GEMMs) and TPU v7 (FP8 matrix units); "int8" on TPU v5e, v5p, v6e and v7 (int8
-matrix units at twice the bf16 rate; int8 × int8 → int32, exact accumulation). The CPU runs both
-emulated, for tests. Anything else is refused with a `WanInputError` naming what would work (no
+cuBLASLt FP8 GEMMs) and TPU v7 (FP8 matrix units); "int8" on NVIDIA GPUs of compute capability
+≥ 8.0 (Ampere on: cuBLASLt int8 GEMMs) and TPU v5e, v5p, v6e and v7 (int8 matrix units at twice
+the bf16 rate; int8 × int8 → int32, exact accumulation). The CPU runs both emulated, for tests.
+On an H200 (docs/PERFORMANCE.md, twelfth session) XLA's int8 GEMMs ran at 1,411–1,663 TOPS against
+FP8's 1,567–1,687 TFLOP/s, and one random-weight 1.3B forward moved by 1.47e-2 against bf16 in
+int8, 5.97e-2 in FP8: int8 keeps ~7 bits at a token's scale where e4m3 keeps 3. Its products come
+back in int32, twice the bytes of FP8's bf16, so at 1.3B (width 1,536) int8 was no faster than bf16. Anything else is refused with a `WanInputError` naming what would work (no
 matching matrix units: the operands would be widened back to bf16 and run slower than bf16).
 
 LoRA: adapters merge into the bf16 weights, so load them before quantising
@@ -55,7 +59,7 @@ def check_mode(mode) -> str | None:
 
 
 _NEEDS = {"fp8": "FP8 matrix units (NVIDIA compute capability ≥ 8.9, or TPU v7)",
-          "int8": "int8 matrix units faster than bf16 (TPU v5e, v5p, v6e, v7; on NVIDIA GPUs use fp8)"}
+          "int8": "int8 matrix units faster than bf16 (NVIDIA compute capability ≥ 8.0, or TPU v5e, v5p, v6e, v7)"}
 
 
 def supported(device, mode: str) -> tuple[bool, str]:
@@ -66,7 +70,7 @@ def supported(device, mode: str) -> tuple[bool, str]:
     if device.platform == "gpu":
         cc = str(getattr(device, "compute_capability", "0.0"))
         major, _, minor = cc.partition(".")
-        ok = mode == "fp8" and (int(major), int(minor or 0)) >= (8, 9)
+        ok = (int(major), int(minor or 0)) >= ((8, 9) if mode == "fp8" else (8, 0))
         return ok, f"{kind} (compute capability {cc})"
     if device.platform == "tpu":
         ok = kind.startswith("TPU7") or (mode == "int8" and kind.startswith(("TPU v5", "TPU v6")))
