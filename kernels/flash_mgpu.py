@@ -257,7 +257,7 @@ def _kernel_call(q, k, v, scales, skv, block_q, block_kv, stages, persistent, q_
             return lax.rem(g, jnp.int32(stages))
 
         def leave_together():
-            """A CTA pair: neither exits while the other may still arrive on its barriers."""
+            """A cluster's CTAs leave together: none exits while another may still arrive on its barriers."""
             if done:
                 plgpu.barrier_arrive(done[0])
                 plgpu.barrier_wait(done[0])
@@ -477,7 +477,7 @@ def _kernel_call(q, k, v, scales, skv, block_q, block_kv, stages, persistent, q_
         def _memory():
             plgpu.set_max_registers(40, action="decrease")
 
-            # A CTA pair loads each tile as two halves, each multicast to both CTAs' rings.
+            # In a cluster each CTA loads its share of every tile, multicast into all the cluster's rings.
             pair = "cluster" if cluster > 1 else None
 
             def fetch(g, slot):
@@ -535,7 +535,7 @@ def _kernel_call(q, k, v, scales, skv, block_q, block_kv, stages, persistent, q_
                 plgpu.SMEM((COMPUTE_WGS, 2, block_q), jnp.float32),
             )
             loaded += (plgpu.Barrier(num_barriers=COMPUTE_WGS),)
-        if cluster > 1:  # a slot is free once both CTAs' compute warpgroups are done with it
+        if cluster > 1:  # a slot is free once every compute warpgroup of the cluster is done with it
             consumed = (plgpu.ClusterBarrier(collective_axes=("cluster",), num_arrivals=COMPUTE_WGS,
                                              num_barriers=stages),) * 2
             consumed += (plgpu.ClusterBarrier(collective_axes=("cluster",), num_arrivals=COMPUTE_WGS + 1),)
@@ -550,7 +550,7 @@ def _kernel_call(q, k, v, scales, skv, block_q, block_kv, stages, persistent, q_
             collective_axes="wg",
         )
 
-    q_groups = pl.cdiv(q_tiles, cluster)  # grid entries along q: one per CTA pair when paired
+    q_groups = pl.cdiv(q_tiles, cluster)  # grid entries along q: one per cluster of q tiles
     if ctas:
         grid, names = (ctas,), ("cta",)
     elif q_major:

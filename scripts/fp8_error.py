@@ -1,10 +1,11 @@
-"""How far an FP8 forward lands from float32, by which block linears are quantised: one random DiT of
-a named config (full width and depth), one small latent, on a device with FP8 units or the CPU (which
-emulates them: the arithmetic is `wan_tpu.layers.quantized`'s exactly).
+"""How far an FP8 (or int8) forward lands from float32, by which block linears are quantised: one random
+DiT of a named config (full width and depth), one small latent, on a device with FP8 units or the CPU
+(which emulates them: the arithmetic is `wan_tpu.layers.quantized`'s exactly).
 
     python scripts/fp8_error.py --config 1.3b --latent 3,16,16 --text 64
     python scripts/fp8_error.py --config 1.3b --latent 5,30,52 --text 512 --dtype bfloat16   # as the device compares
     python scripts/fp8_error.py --config 1.3b --text 512 --dtype bfloat16 --init nnx --seed 1  # bench_dit.py's weights
+    python scripts/fp8_error.py --config 1.3b --text 512 --dtype bfloat16 --init nnx --format int8  # int8 linears
     python scripts/fp8_error.py --config 1.3b --text 512 --dtype bfloat16 --init nnx --attention  # + 8-bit attention
     ... --attention --acc-bits 13,0   # + the kernel's loop step by step, P·V sums cut to 13 bits / float32
 
@@ -174,9 +175,12 @@ def linear_floor(dim: int) -> dict:
     w = jax.random.normal(k[1], (dim, dim), jnp.float32) / np.sqrt(dim)
     ref = np.asarray(x, np.float64) @ np.asarray(w, np.float64)
     wq, s = quantize_weight(w, "fp8")
+    w8, s8 = quantize_weight(w, "int8")
     return {"bf16 × bf16": rel((x.astype(jnp.bfloat16) @ w.astype(jnp.bfloat16)).astype(jnp.float32), ref),
             "e4m3 × e4m3 (per-token, per-channel scales)": rel(quantized_matmul(x, wq, s, out_dtype=jnp.float32), ref),
-            "e4m3 weights, f32 activations": rel(x @ (wq.astype(jnp.float32) * s[None]), ref)}
+            "e4m3 weights, f32 activations": rel(x @ (wq.astype(jnp.float32) * s[None]), ref),
+            "int8 × int8 (per-token, per-channel scales)": rel(
+                quantized_matmul(x, w8, s8, fmt="int8", out_dtype=jnp.float32), ref)}
 
 
 def linear_flops(cfg, tokens: int, text: int) -> dict:
@@ -205,6 +209,7 @@ def main(argv=None) -> int:
                    help="random weights: presets.random_module's (the usual fan-in scales), or the modules' "
                         "own initialisers (what scripts/bench_dit.py draws on the device)")
     p.add_argument("--seed", type=int, default=0, help="the weights' seed (inputs keep seed 0)")
+    p.add_argument("--format", default="fp8", choices=quantize.MODES, help="the quantised linears' format")
     p.add_argument("--attention", action="store_true",
                    help="also self-attention in 8 bits (emulated `pallas_gpu_fp8` recipes), linears unquantised")
     p.add_argument("--acc-bits", default="", type=lambda t: [int(b) or None for b in t.split(",") if b],
@@ -244,8 +249,8 @@ def main(argv=None) -> int:
     tokens = (latent[0] // cfg.patch_size[0]) * (latent[1] // cfg.patch_size[1]) * (latent[2] // cfg.patch_size[2])
     flops = linear_flops(cfg, tokens, args.text)
     print(f"\n{variant}, {cfg.num_layers} blocks, latent {latent} ({tokens} tokens), {args.text} text tokens: "
-          f"FP8 forward against {args.dtype}")
-    print(f"  {'recipe (block linears in e4m3)':34s} {'rel. error':>10s} {'share of linear FLOPs':>22s}")
+          f"{args.format} forward against {args.dtype}")
+    print(f"  {'recipe (block linears in ' + args.format + ')':34s} {'rel. error':>10s} {'share of linear FLOPs':>22s}")
     if args.dtype == "float32":
         # The bf16 model against float32: where bench_dit.py's FP8 rows (against bf16) start from.
         gb, sb = nnx.split(build(jnp.bfloat16))
@@ -253,7 +258,7 @@ def main(argv=None) -> int:
         print(f"  {'bf16 weights and activations':34s} {rel(out, ref):10.2e} {'':>22s}")
     for name, linears in RECIPES.items():
         model = nnx.merge(graphdef, state)  # shares the unquantised arrays; quantising replaces its linears only
-        quantize.quantize_transformer(model, "fp8", linears=linears)
+        quantize.quantize_transformer(model, args.format, linears=linears)
         g, s = nnx.split(model)
         out = run(g, s, x, c)
         share = sum(flops.get(p, 0) for p in linears) / sum(flops.values())
