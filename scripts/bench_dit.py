@@ -109,8 +109,8 @@ def inputs(cfg, latent, seed=0):
 
 def gemm_summary(hlo: str) -> str:
     """The compiled program's cuBLAS calls by fused epilogue (bias, GELU: what cuBLASLt folds into the GEMM
-    so that no separate pass reads its output again) and its pads (cuBLASLt's FP8 GEMMs want every dimension
-    a multiple of 16, so XLA copies a 32,760-token operand into a padded one)."""
+    so that no separate pass reads its output again) and its pads (`quantized_matmul` pads the quantised
+    rows to a multiple of 16, as cuBLASLt's FP8 GEMMs want, inside the quantising fusion)."""
     calls = [line for line in hlo.splitlines() if 'custom_call_target="__cublas' in line]
     kinds = {}
     for line in calls:

@@ -78,7 +78,7 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                    help="run even when the estimated working set exceeds the free memory")
     p.add_argument("--quantize", choices=("fp8", "int8"), default=None,
                    help="the DiT's block linears in fp8 (H100/H200/Ada GPUs, TPU v7) or int8 (NVIDIA GPUs from A100 on, "
-                        "TPU v5e/v5p/v6e/v7; a quarter of fp8's error)")
+                        "TPU v5e/v5p/v6e/v7; under half of fp8's error)")
 
 
 def add_run_args(p: argparse.ArgumentParser) -> None:

@@ -21,11 +21,14 @@ Where it runs: "fp8" on NVIDIA GPUs of compute capability ≥ 8.9 (Ada, Hopper, 
 cuBLASLt FP8 GEMMs) and TPU v7 (FP8 matrix units); "int8" on NVIDIA GPUs of compute capability
 ≥ 8.0 (Ampere on: cuBLASLt int8 GEMMs) and TPU v5e, v5p, v6e and v7 (int8 matrix units at twice
 the bf16 rate; int8 × int8 → int32, exact accumulation). The CPU runs both emulated, for tests.
-On an H200 (docs/PERFORMANCE.md, twelfth session) XLA's int8 GEMMs ran at 1,411–1,663 TOPS against
-FP8's 1,567–1,687 TFLOP/s, and one random-weight 1.3B forward moved by 1.47e-2 against bf16 in
-int8, 5.97e-2 in FP8: int8 keeps ~7 bits at a token's scale where e4m3 keeps 3. Its products come
-back in int32, twice the bytes of FP8's bf16, so at 1.3B (width 1,536) int8 was no faster than bf16. Anything else is refused with a `WanInputError` naming what would work (no
-matching matrix units: the operands would be widened back to bf16 and run slower than bf16).
+Anything else is refused with a `WanInputError` naming what would work (no matching matrix units:
+the operands would be widened back to bf16 and run slower than bf16).
+
+int8 or FP8 on a GPU (H200, random weights, docs/PERFORMANCE.md, twelfth session): XLA's int8 GEMMs
+ran at 1,411–1,663 TOPS against FP8's 1,567–1,687 TFLOP/s, and int8 keeps ~7 bits at a token's scale
+where e4m3 keeps 3: one forward moved by 1.47e-2 (1.3B) / 2.38e-2 (14B) against bf16 in int8,
+5.97e-2 / 5.44e-2 in FP8. Its products come back in int32, twice the bytes of FP8's bf16: at 1.3B
+(width 1,536) int8 linears were no faster than bf16; at 14B, with FP8 attention, 1.2% slower than FP8.
 
 LoRA: adapters merge into the bf16 weights, so load them before quantising
 (`pipe = WanPipeline.from_pretrained(path)`, `pipe.load_lora_weights(...)`, then `pipe.quantize("fp8")`);
