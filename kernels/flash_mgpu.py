@@ -18,10 +18,12 @@ The same kernel has an 8-bit path (`mgpu_attention_fp8`, `attention(impl="pallas
 in int8 (or e4m3) and P·V in e4m3 on the tensor cores' 8-bit rate, f32 accumulators. Its scales are
 applied where they cost nothing: Q's per row and K's per head inside the exp2 argument's factor,
 V's in the output's 1/l. What differs from the bf16 path: e4m3 WGMMA reads both operands K-major,
-so V comes in transposed; P is stored to shared memory for its product (Mosaic GPU has no register
-relayout to the 8-bit A operand), which frees the registers P held and lets a step take 256 keys
-(64×256 in bf16 would need 256 registers a thread): 64×256×2 runs at 785-828 TFLOP/s on an H200,
-64×128×4 at 678-732.
+so V comes in transposed; P stays in registers as the 8-bit A operand, its keys taken in the order
+each thread already holds them (FA3's trick, `KEY_ORDER_16`: V's keys are stored in that order, so
+no value crosses threads). At 8 bits a step takes 256 keys (P 32 registers a thread where bf16
+would need 128): 64×256×2 runs at 849-855 / 893-902 TFLOP/s on an H200 at 12 h × 32,760 / 40 h ×
+75,600 (thirteenth session; 841 / 879 in the same call with P through shared memory, which Mosaic
+GPU's own relayout to the 8-bit operand would have needed).
 
 Scheduling variants (`scripts/bench_attention.py` sweeps them; `kernels/tuning.py` holds the pick):
 - one CTA per (head, q tile, batch), heads fastest in the grid (default), or q tiles fastest
@@ -46,9 +48,11 @@ Scheduling variants (`scripts/bench_attention.py` sweeps them; `kernels/tuning.p
   wgmmas at 232 registers, and at 240 it gains 1%.
 Measured on an H200 (eleventh session, docs/PERFORMANCE.md): the overlap took cross-attention
 (4-7 kv steps a tile) past cuDNN as a persistent 64×128×3 walk (the tuned cross choice), and
-`fa3_turns` made the 8-bit path 2-5% faster (its P goes through shared memory, so it has no
-overlap); bf16 self-attention gained nothing from either (64×128×2 with the overlap equals
-64×192×2 without): its two softmaxes alternating was not what held it back.
+`fa3_turns` made the 8-bit path 2-5% faster while its P went through shared memory, and equals
+the alternation with P in registers (it has no overlap: scores, P, the accumulator and each step's
+fresh P·V sum would need 288 registers a thread at 64 × 256); bf16 self-attention gained nothing
+from either (64×128×2 with the overlap equals 64×192×2 without): its two softmaxes alternating was
+not what held it back.
 Tried on an H100 and not kept (docs/PERFORMANCE.md, eighth session): a third of the exp2 as an
 FMA-unit polynomial (-6%), packed `ex2.approx.bf16x2` (-2%, and 1.6× the error), FA3's 240/240/24
 register split (-1%; 240/240/32 hangs in `setmaxnreg`), and lazy rescaling in a per-thread
@@ -65,8 +69,10 @@ import math
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
+from jax.experimental.mosaic import gpu as mgpu
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from wan_tpu.errors import WanInputError
@@ -79,8 +85,8 @@ SMEM_BYTES = 227 * 1024
 
 def _smem_bytes(block_q, block_kv, stages, d, itemsize, fp8=False):
     tiles = (COMPUTE_WGS * block_q + 2 * stages * block_kv) * d * itemsize
-    if fp8:  # + the bf16 output tiles, the f8 P tiles and the two per-row scale vectors
-        tiles += COMPUTE_WGS * block_q * (2 * d + block_kv + 2 * 4)
+    if fp8:  # + the bf16 output tiles and the two per-row scale vectors
+        tiles += COMPUTE_WGS * block_q * (2 * d + 2 * 4)
     return tiles
 
 
@@ -119,6 +125,42 @@ F8_MAX = 448.0
 # lose every weight under 2^-9 to e4m3's subnormal floor; 256·p reaches 256 < 448 and keeps weights
 # down to 2^-17. The row sum l carries the same factor, so acc / l is unchanged.
 P_SHIFT = 8.0
+
+
+# FA3's FP8 P in registers: the e4m3 WGMMA's A operand (Mosaic's WGMMA_8BIT layout) gives each thread
+# keys 4t..4t+3 of every 16, where the f32 scores' layout gives it keys 2t, 2t+1, 2t+8, 2t+9 (t = lane
+# mod 4). Taking P's keys in that order instead needs no data to cross threads: V's keys are stored
+# in the same order (`_v_in_operand_order`, within every 16), so P·V sums the same products.
+KEY_ORDER_16 = (0, 1, 8, 9, 2, 3, 10, 11, 4, 5, 12, 13, 6, 7, 14, 15)
+
+
+def _v_in_operand_order(vt8):
+    """V (…, keys) with its keys in `KEY_ORDER_16` within every 16: key 8h + 2t + b moves to 4t + 2h + b
+    (a transpose, which XLA fuses into the pass that makes the operand)."""
+    return vt8.reshape(*vt8.shape[:-1], -1, 2, 4, 2).swapaxes(-3, -2).reshape(vt8.shape)
+
+
+def _pair_registers(regs, concat):
+    """Registers of the scores' WGMMA layout (row groups, N/8 column groups, 1, 1, 2 row halves, …)
+    → those of the 8-bit A operand's (…, N/16, …): one thread's two registers of a 16-key group,
+    joined by `concat`."""
+    out = np.empty((regs.shape[0], regs.shape[1] // 2, *regs.shape[2:]), dtype=object)
+    for m, u, *rest in np.ndindex(out.shape):
+        out[(m, u, *rest)] = concat([regs[(m, 2 * u, *rest)], regs[(m, 2 * u + 1, *rest)]])
+    return out
+
+
+def _p_operand_8bit(p8):
+    """(64·m, N) e4m3 P in the scores' WGMMA layout → the 8-bit A operand's layout, keys taken in
+    `KEY_ORDER_16` within every 16 (no data moves between threads)."""
+    @plgpu.inline_mgpu(arg_types=(plgpu.Layout.WGMMA,),
+                       return_type=plgpu.ShapeDtypeStruct(p8.shape, p8.dtype, layout=plgpu.Layout.WGMMA_8BIT))
+    def repack(ctx, p):
+        del ctx
+        regs = _pair_registers(p.registers, mgpu.utils.vector_concat)
+        return mgpu.FragmentedArray(_registers=regs, _layout=mgpu.WGMMA_LAYOUT_8BIT, _is_signed=None)
+
+    return repack(p8)
 
 
 def _amax_scale(x, axes, top=F8_MAX):
@@ -166,8 +208,8 @@ def mgpu_attention_fp8(q, k, v, block_q=64, block_kv=256, stages=2, persistent=0
     """(B, S, H, D) bf16 → (B, Sq, H, D) bf16, both matrix products on the FP8 tensor cores (FA3's
     FP8 path), operands from `fp8_operands` (one XLA pass per tensor). The per-row factors fold into
     the softmax's exp2 argument and the output's 1/l, so the kernel adds no multiply per score. e4m3
-    WGMMA reads both operands K-major, hence V transposed; P goes through shared memory (Mosaic GPU
-    has no register layout change to the 8-bit A operand) as 2^P_SHIFT · p.
+    WGMMA reads both operands K-major, hence V transposed; P stays in registers as 2^P_SHIFT · p in
+    `KEY_ORDER_16` (module docstring).
 
     `pv_two_level` (SageAttention2's two-level accumulation; on in `tuning.GPU_FP8_BLOCKS`): Hopper's
     FP8 MMA keeps about 14 bits when it adds products into its accumulator (DeepSeek-V3's report).
@@ -176,12 +218,13 @@ def mgpu_attention_fp8(q, k, v, block_q=64, block_kv=256, stages=2, persistent=0
     the loss with it (`scripts/fp8_error.py --accumulation` emulates that rule). Each step's P·V in a
     fresh accumulator, added in float32, took the 1.3B forward's error against bf16 from 1.12e-1 to
     8.5e-3 on an H200, and the kernel 3% faster (the rescale became the add's multiply).
-    `fa3_turns` (on in `tuning.GPU_FP8_BLOCKS`): FA3's turn hand-over (module docstring), 2-5% faster.
+    `fa3_turns` (on in `tuning.GPU_FP8_BLOCKS`): FA3's turn hand-over (module docstring); 2-5% faster
+    while P went through shared memory, equal since.
     `cluster=2` (on there too): CTA pairs sharing each K/V tile (module docstring), 0.6-1.6% faster."""
     q8, k8, vt8, scales = fp8_operands(q, k, v, qk_int8)
-    out = _kernel_call(q8, k8, vt8, scales, skv=k.shape[1], block_q=block_q, block_kv=block_kv, stages=stages,
-                       persistent=persistent, q_major=q_major, pv_two_level=pv_two_level, fa3_turns=fa3_turns,
-                       cluster=cluster)
+    out = _kernel_call(q8, k8, _v_in_operand_order(vt8), scales, skv=k.shape[1], block_q=block_q, block_kv=block_kv,
+                       stages=stages, persistent=persistent, q_major=q_major, pv_two_level=pv_two_level,
+                       fa3_turns=fa3_turns, cluster=cluster)
     return out[:, :q.shape[1]]
 
 
@@ -199,7 +242,7 @@ def _kernel_call(q, k, v, scales, skv, block_q, block_kv, stages, persistent, q_
         if q.dtype not in (F8, jnp.int8) or k.dtype != q.dtype or v.dtype != F8:
             raise WanInputError(f"the FP8 Hopper attention kernel needs e4m3 (or int8) q and k, e4m3 v; got {q.dtype}, {k.dtype}, {v.dtype}")
         if block_kv % 128:
-            raise WanInputError(f"the FP8 kernel's block_kv ({block_kv}) must be a multiple of 128 (one 128-byte swizzle of P)")
+            raise WanInputError(f"the FP8 kernel's block_kv ({block_kv}) must be a multiple of 128 (one 128-byte swizzle of V's keys)")
     elif dtype not in (jnp.bfloat16, jnp.float16) or k.dtype != dtype or v.dtype != dtype:
         raise WanInputError(f"the Hopper attention kernel needs bf16 or fp16 q, k, v; got {q.dtype}, {k.dtype}, {v.dtype}")
     if d % 64 or block_q % 64 or block_kv % 64:
@@ -223,8 +266,8 @@ def _kernel_call(q, k, v, scales, skv, block_q, block_kv, stages, persistent, q_
     c = LOG2E / math.sqrt(d)
 
     def kernel(q_ref, k_ref, v_ref, s_ref, o_ref, smem, loaded, consumed, turn):
-        qo_tiles, k_ring, v_ring, *fp8_smem = smem  # FP8: + output, P and row-scale tiles
-        o_tiles, p_tiles, sc_tiles = fp8_smem or (None,) * 3
+        qo_tiles, k_ring, v_ring, *fp8_smem = smem  # FP8: + output and row-scale tiles
+        o_tiles, sc_tiles = fp8_smem or (None,) * 2
         q_loaded, k_loaded, v_loaded, *fp8_loaded = loaded
         sc_loaded = fp8_loaded[0] if fp8 else None
         k_consumed, v_consumed, *done = consumed
@@ -304,22 +347,10 @@ def _kernel_call(q, k, v, scales, skv, block_q, block_kv, stages, persistent, q_
                 m_new, alpha, p, l = online_softmax(s, m, l, valid, cs)
                 if not pv_two_level:  # else rescaled when this step's P·V is added (below)
                     acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
-                if fp8:
-                    p_tiles.at[wg][...] = p.astype(F8)
-                    plgpu.commit_smem()
-                    p = p_tiles.at[wg]
-                else:
-                    p = p.astype(dtype)
+                p = _p_operand_8bit(p.astype(F8)) if fp8 else p.astype(dtype)
                 # Keep the softmax ahead of the hand-over: the compiler must not sink it past the
                 # barriers into the other warpgroup's tensor-core turn.
-                if pv_two_level and fp8:
-                    acc, l, m_new, alpha = lax.optimization_barrier((acc, l, m_new, alpha))
-                elif pv_two_level:
-                    acc, l, m_new, alpha, p = lax.optimization_barrier((acc, l, m_new, alpha, p))
-                elif fp8:
-                    acc, l, m_new = lax.optimization_barrier((acc, l, m_new))
-                else:
-                    acc, l, m_new, p = lax.optimization_barrier((acc, l, m_new, p))
+                acc, l, m_new, alpha, p = lax.optimization_barrier((acc, l, m_new, alpha if pv_two_level else None, p))
                 if fa3_turns:
                     plgpu.barrier_wait(v_loaded.at[slot])
                     my_turn()
@@ -528,10 +559,9 @@ def _kernel_call(q, k, v, scales, skv, block_q, block_kv, stages, persistent, q_
             plgpu.Barrier(num_barriers=stages),
             plgpu.Barrier(num_barriers=stages),
         )
-        if fp8:  # the bf16 output tiles, the f8 P tiles, the per-row scales
+        if fp8:  # the bf16 output tiles, the per-row scales
             smem += (
                 plgpu.SMEM((COMPUTE_WGS, block_q, d), dtype, transforms=transforms),
-                plgpu.SMEM((COMPUTE_WGS, block_q, block_kv), F8, transforms=in_transforms),
                 plgpu.SMEM((COMPUTE_WGS, 2, block_q), jnp.float32),
             )
             loaded += (plgpu.Barrier(num_barriers=COMPUTE_WGS),)

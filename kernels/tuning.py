@@ -155,6 +155,8 @@ GPU_FASTEST = {"self": "pallas_gpu", "cross": "pallas_gpu", "short": "cudnn"}
 # hand-over: a warpgroup waits only before issuing its products, so the two softmaxes may overlap;
 # eleventh session, same call): 807 → 847 / 848 → 881 TFLOP/s. cluster=2 (CTA pairs sharing each K/V
 # tile; twelfth session, two calls): 834 → 847 / 836 → 849 and 877 → 882 / 877 → 883 (four: 800 / 838).
+# P kept in registers as the 8-bit operand (FA3's key order; thirteenth session, two calls): 841 → 849 /
+# 879 → 893, then 852 / 902; without fa3_turns 851 / 902 and 855 / 902, so the hand-over stays (a tie).
 GPU_FP8_BLOCKS = {"block_q": 64, "block_kv": 256, "stages": 2, "qk_int8": True, "pv_two_level": True,
                   "fa3_turns": True, "cluster": 2}
 

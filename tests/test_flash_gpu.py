@@ -186,9 +186,54 @@ def test_fp8_operands_and_reference():
     assert err_i8 < 0.85 * err, f"int8 Q·Kᵀ rel. error {err_i8:.2e} vs e4m3 {err:.2e} (seed {seed})"
 
 
+def _owned_elements(layout, shape):
+    """Mosaic GPU's `thread_idxs` evaluated in numpy: {(thread, register index): the flat indices of
+    that register's elements, in vector order} for a warpgroup's 128 threads."""
+    contiguous = tuple(int(x) for x in np.cumprod((1, *shape[::-1]))[:-1][::-1])
+    strides = layout.tiling.tile_strides(contiguous)
+    suffix, sizes = strides[-layout.tiled_tiling_rank:], layout.tiled_tiling_shape
+
+    def offset(index, dims):  # `_delinearize_index`, then the dot with the suffix's strides
+        dim_strides = np.cumprod((1, *[sizes[d] for d in dims][::-1]))[:-1][::-1]
+        return sum((index // st) % sizes[d] * suffix[d] for d, st in zip(dims, dim_strides))
+
+    owned = {}
+    for t in range(128):
+        base = offset(t % 32, layout.lane_dims) + offset(t // 32, layout.warp_dims)
+        for reg in np.ndindex(layout.registers_shape(shape)):
+            start = base + sum(i * st for i, st in zip(reg, strides))
+            owned[t, reg] = [start + e * suffix[layout.vector_dim] for e in range(layout.vector_length)]
+    return owned
+
+
+def test_fp8_p_stays_on_its_threads():
+    """Without a GPU: the 8-bit kernel's P in registers. Paired as the kernel pairs them, the scores'
+    registers hold on every thread exactly the P values that the 8-bit operand's layout places there
+    with the keys in KEY_ORDER_16, and V's keys are put in that same order."""
+    from jax.experimental.mosaic import gpu as mgpu
+
+    from wan_tpu.kernels.flash_mgpu import KEY_ORDER_16, _pair_registers, _v_in_operand_order
+
+    shape = (64, 256)
+    order = (np.arange(shape[1]) // 16 * 16 + np.array(KEY_ORDER_16)[np.arange(shape[1]) % 16])
+    np.testing.assert_array_equal(np.asarray(_v_in_operand_order(jnp.arange(shape[1]))), order)
+    scores = _owned_elements(mgpu.WGMMA_LAYOUT, shape)
+    operand = _owned_elements(mgpu.WGMMA_LAYOUT_8BIT, shape)
+    for t in range(128):
+        regs = np.empty(mgpu.WGMMA_LAYOUT.registers_shape(shape), dtype=object)
+        for reg in np.ndindex(regs.shape):
+            regs[reg] = scores[t, reg]
+        paired = _pair_registers(regs, lambda pair: pair[0] + pair[1])
+        for reg in np.ndindex(paired.shape):
+            (rows, keys), (want_rows, slots) = np.divmod(paired[reg], shape[1]), np.divmod(operand[t, reg], shape[1])
+            np.testing.assert_array_equal(rows, want_rows)
+            np.testing.assert_array_equal(keys, order[slots])
+
+
 @pytest.mark.parametrize("kw", [dict(), dict(block_kv=128, stages=4), dict(persistent=132), dict(q_major=True),
                                 dict(qk_int8=True), dict(qk_int8=True, pv_two_level=False),
-                                dict(qk_int8=True, fa3_turns=True), dict(qk_int8=True, fa3_turns=True, cluster=2)])
+                                dict(qk_int8=True, fa3_turns=True), dict(qk_int8=True, fa3_turns=True, cluster=2),
+                                dict(qk_int8=True, pv_two_level=False, block_kv=128, stages=4, persistent=132)])
 @pytest.mark.parametrize("b, sq, skv, h", [(1, 32760, 32760, 12), (2, 1000, 769, 3)])
 def test_fp8_kernel_lowers_for_cuda(kw, b, sq, skv, h):
     from wan_tpu.kernels.flash_mgpu import mgpu_attention_fp8
@@ -215,7 +260,8 @@ def test_fp8_impl_refuses_without_hopper():
 @pytest.mark.parametrize("kw", [dict(), dict(block_kv=128, stages=4), dict(persistent=132), dict(qk_int8=True),
                                 dict(qk_int8=True, pv_two_level=False), dict(persistent=132, qk_int8=True),
                                 dict(qk_int8=True, fa3_turns=True), dict(qk_int8=True, fa3_turns=True, cluster=2),
-                                dict(qk_int8=True, fa3_turns=True, cluster=4)])
+                                dict(qk_int8=True, fa3_turns=True, cluster=4),
+                                dict(qk_int8=True, pv_two_level=False, block_kv=128, stages=4, persistent=132)])
 @pytest.mark.parametrize("b, sq, skv, h", [(1, 7, 7, 2), (1, 4100, 4100, 2), (2, 1000, 769, 3)])
 def test_fp8_kernel_on_device(kw, b, sq, skv, h):
     from wan_tpu.kernels.flash_mgpu import mgpu_attention_fp8
