@@ -235,9 +235,10 @@ def mgpu_attention_fp8(q, k, v, block_q=64, block_kv=256, stages=2, persistent=0
 def _kernel_call(q, k, v, scales, skv, block_q, block_kv, stages, persistent, q_major, pv_two_level=False,
                  overlap=False, fa3_turns=False, cluster=1):
     """`scales` None: q, k, v in bf16 / fp16, (B, S, H, D). Else FP8 (`mgpu_attention_fp8`): q, k
-    e4m3 (B, S, H, D), v e4m3 transposed (B, H, D, S), and `scales` (B, H, 2, Sq) f32 holding per
-    query row the exp2 argument's factor and the output's factor. `pv_two_level` (see
-    `mgpu_attention_fp8`): each step's P·V summed in a fresh accumulator, then added in float32."""
+    e4m3 (B, S, H, D), v e4m3 transposed (B, H, D, S) with its keys in `KEY_ORDER_16` within every 16
+    (`_v_in_operand_order`), and `scales` (B, H, 2, Sq) f32 holding per query row the exp2 argument's
+    factor and the output's factor. `pv_two_level` (see `mgpu_attention_fp8`): each step's P·V summed
+    in a fresh accumulator, then added in float32."""
     b, sq, h, d = q.shape
     fp8 = scales is not None
     qk_int8 = q.dtype == jnp.int8
