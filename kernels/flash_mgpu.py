@@ -60,10 +60,10 @@ branch (+0.6-1.1%, within the noise). Taking work off the MUFU slowed the kernel
 bound by its instruction count, not by the MUFU. The same held at 8 bits (H200, twelfth session):
 `ex2.approx.f16x2` for the FP8 kernel's exp2 (two a MUFU instruction, plus two conversions a pair)
 took it from 845 / 884 to 732 / 767 TFLOP/s. Thirteenth session (H200), against 637-641 / 652-653
-for 64×192 with pairs: FA3's 176-key tile (and 160), with or without the overlap, V in 32- / 64-byte
-swizzled rows as Mosaic GPU then needs for P·V, 604-637; P·V of step j and Q·Kᵀ of step j+1 issued
-back to back in one turn with no wait between them, 491 / 501 at 64×192 (P, the scores and the
-output all live at the issue) and 610 / 623 at 64×128.
+for 64×192 with pairs: FA3's 176-key tile (and 160 again, now with pairs), with or without the
+overlap, V in 32- / 64-byte swizzled rows as Mosaic GPU then needs for P·V, 604-637; P·V of step j
+and Q·Kᵀ of step j+1 issued back to back in one turn with no wait between them, 491 / 501 at
+64×192 (P, the scores and the output all live at the issue) and 610 / 623 at 64×128.
 """
 
 from __future__ import annotations
