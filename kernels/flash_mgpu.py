@@ -139,8 +139,7 @@ KEY_ORDER_16 = (0, 1, 8, 9, 2, 3, 10, 11, 4, 5, 12, 13, 6, 7, 14, 15)
 
 
 def _v_in_operand_order(vt8):
-    """V (…, keys) with its keys in `KEY_ORDER_16` within every 16: key 8h + 2t + b moves to 4t + 2h + b
-    (a transpose, which XLA fuses into the pass that makes the operand)."""
+    """V (…, keys) with its keys in `KEY_ORDER_16` within every 16: key 8h + 2t + b moves to 4t + 2h + b."""
     return vt8.reshape(*vt8.shape[:-1], -1, 2, 4, 2).swapaxes(-3, -2).reshape(vt8.shape)
 
 
@@ -180,9 +179,10 @@ def _to_i8(x, scale):
     return jnp.clip(jnp.round(x.astype(jnp.float32) / scale), -127, 127).astype(jnp.int8)
 
 
-def fp8_operands(q, k, v, qk_int8=False):
+def fp8_operands(q, k, v, qk_int8=False, v_operand_order=False):
     """bf16 (B, S, H, D) q, k, v → the FP8 kernel's operands: q8, k8 e4m3 (B, S8, H, D) (lengths
-    padded to 8), vt8 e4m3 (B, H, D, Skv128) (V transposed, its length padded to 128) and `scales`
+    padded to 8), vt8 e4m3 (B, H, D, Skv128) (V transposed, its length padded to 128; with
+    `v_operand_order`, its keys in `KEY_ORDER_16` as the kernel takes them) and `scales`
     (B, H, 2, Sq8) f32: per query row, the exp2 argument's factor log2(e)/√D · s_q · s_k and the
     output's factor s_v. Scales: Q one per token and head, K and V one per (batch, head); each maps
     its amax to the format's largest value (e4m3 448, int8 127).
@@ -198,7 +198,13 @@ def fp8_operands(q, k, v, qk_int8=False):
     quant = _to_i8 if qk_int8 else _to_f8
     q8 = _pad_to_8(quant(q, q_scale))
     k8 = _pad_to_8(quant(k, k_scale))
-    vt8 = jnp.pad(_to_f8(v, v_scale).transpose(0, 2, 3, 1), ((0, 0), (0, 0), (0, 0), (0, -skv % 128)))
+    # V transposed in bf16, in a pass of its own, then quantised (and its keys put in order) in the
+    # next: fused, XLA emits the whole as one many-dimensional transpose of 1-byte elements at ~0.4
+    # TB/s (2.96 ms a 14B layer, 1.20 ms apart; H200, docs/PERFORMANCE.md, fourteenth session).
+    vt = lax.optimization_barrier(jnp.pad(v, ((0, 0), (0, -skv % 128), (0, 0), (0, 0))).transpose(0, 2, 3, 1))
+    vt8 = _to_f8(vt, v_scale.transpose(0, 2, 3, 1))
+    if v_operand_order:
+        vt8 = _v_in_operand_order(vt8)
     rows = lambda x: jnp.pad(x[..., 0].transpose(0, 2, 1), ((0, 0), (0, 0), (0, -sq % 8)))  # noqa: E731  (B, H, Sq8)
     logit = rows(LOG2E / math.sqrt(q.shape[-1]) * q_scale * k_scale)
     out = rows(jnp.broadcast_to(v_scale, q_scale.shape))
@@ -225,8 +231,8 @@ def mgpu_attention_fp8(q, k, v, block_q=64, block_kv=256, stages=2, persistent=0
     `fa3_turns` (on in `tuning.GPU_FP8_BLOCKS`): FA3's turn hand-over (module docstring); 2-5% faster
     while P went through shared memory, equal since.
     `cluster=2` (on there too): CTA pairs sharing each K/V tile (module docstring), 0.6-1.6% faster."""
-    q8, k8, vt8, scales = fp8_operands(q, k, v, qk_int8)
-    out = _kernel_call(q8, k8, _v_in_operand_order(vt8), scales, skv=k.shape[1], block_q=block_q, block_kv=block_kv,
+    q8, k8, vt8, scales = fp8_operands(q, k, v, qk_int8, v_operand_order=True)
+    out = _kernel_call(q8, k8, vt8, scales, skv=k.shape[1], block_q=block_q, block_kv=block_kv,
                        stages=stages, persistent=persistent, q_major=q_major, pv_two_level=pv_two_level,
                        fa3_turns=fa3_turns, cluster=cluster)
     return out[:, :q.shape[1]]

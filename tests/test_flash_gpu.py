@@ -178,6 +178,12 @@ def test_fp8_operands_and_reference():
     v_back = np.asarray(vt8[..., :129].astype(jnp.float32), np.float64).transpose(0, 3, 1, 2) * s_v[:, None, :, None]
     err = np.linalg.norm(v_back - np.asarray(v, np.float64)) / np.linalg.norm(np.asarray(v, np.float64))
     assert err < 3e-2, f"V dequantised rel. error {err:.2e} (seed {seed})"
+    # the kernel's V: the same operand with its keys in KEY_ORDER_16
+    from wan_tpu.kernels.flash_mgpu import _v_in_operand_order
+
+    vt8_ordered = fp8_operands(q, k, v, v_operand_order=True)[2]
+    np.testing.assert_array_equal(np.asarray(vt8_ordered.astype(jnp.float32)),
+                                  np.asarray(_v_in_operand_order(vt8).astype(jnp.float32)))
     ref = reference64(q, k, v)
     err = np.linalg.norm(fp8_reference64(q, k, v) - ref) / np.linalg.norm(ref)
     assert 1e-2 < err <= FP8_EXACT_TOL, f"FP8 arithmetic rel. error {err:.2e} (seed {seed})"

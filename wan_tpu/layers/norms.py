@@ -24,10 +24,22 @@ def layer_norm(x, eps: float, weight=None, bias=None):
     return y
 
 
-def _rms_normalize(x, eps: float, weight=None):
+def _rms_normalize(x, eps: float, weight=None, statistic_apart=False):
     xf = x.astype(jnp.float32)
-    y = xf * jax.lax.rsqrt(jnp.mean(jnp.square(xf), axis=-1, keepdims=True) + eps)
+    inv_rms = jax.lax.rsqrt(jnp.mean(jnp.square(xf), axis=-1, keepdims=True) + eps)
+    if statistic_apart:
+        inv_rms = _own_pass_on_gpu(inv_rms)
+    y = xf * inv_rms
     return y if weight is None else y * weight.astype(jnp.float32)
+
+
+def _own_pass_on_gpu(statistic):
+    """`statistic` (one value per row) computed in its own pass on GPUs. XLA's GPU compiler otherwise
+    fuses the row reduction with the elementwise work after it into one normalisation kernel that
+    stops where that work reshapes (RoPE's pair swap): it writes its float32 result (twice the bytes
+    of the bf16 rows) for another pass to read. Apart, the statistic is one read of the rows and the
+    rest one read and one bf16 write (docs/PERFORMANCE.md, fourteenth session)."""
+    return jax.lax.platform_dependent(statistic, cuda=jax.lax.optimization_barrier, default=lambda s: s)
 
 
 def rms_norm(x, eps: float, weight=None):
@@ -88,8 +100,9 @@ class RMSNorm(nnx.Module):
         self.weight = nnx.Param(jnp.ones((dim,), dtype))
 
     def normalize(self, x):
-        """The normalised, scaled x in float32 (for a caller that continues in float32, e.g. RoPE)."""
-        return _rms_normalize(x, self.eps, self.weight[...])
+        """The normalised, scaled x in float32 (for a caller that continues in float32, e.g. RoPE,
+        fused with it into one pass after the statistic's on GPUs)."""
+        return _rms_normalize(x, self.eps, self.weight[...], statistic_apart=True)
 
     def __call__(self, x):
         return rms_norm(x, self.eps, self.weight[...])
