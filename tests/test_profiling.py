@@ -20,3 +20,18 @@ def test_op_times_lists_the_traced_ops(tmp_path):
     t, n = ops[sine[0]]
     assert t > 0 and n == 3  # numbered instances merged, one event per call
     assert [r[1] for r in rows] == sorted((r[1] for r in rows), reverse=True)
+
+
+def test_op_classes_of_a_gpu_forward():
+    """The names a traced GPU DiT forward shows (H200, jax 0.11.2) land in the right class: our Mosaic GPU
+    attention kernels are `mpmd_map`, XLA's int8 cuBLASLt products bare custom calls that launch a GEMM."""
+    from wan_tpu.profiling import op_class, op_kind
+
+    gemm = op_kind("custom-call.17", {"nvjet_sm90_tst_192x64_64x6_1x2_h_bz_NNT", "Memset 3"})
+    assert gemm == "custom-call (gemm)" and op_class(gemm) == "matmul"
+    assert op_class(op_kind("custom-call.3", {"cudnn_generated_fort_native_sdpa"})) == "attention"
+    assert op_class(op_kind("mpmd_map.0", {"entry_mosaic_gpu_kernel"})) == "attention"
+    assert op_class(op_kind("cublas-lt-matmul.12", {"Memset 3"})) == "matmul"
+    assert op_kind("loop_dynamic_slice_fusion.23") == "loop_dynamic_slice_fusion"
+    assert op_class("loop_dynamic_slice_fusion").startswith("weight slices")
+    assert op_class("triton_softmax").startswith("fusions") and op_class("loop_convert_fusion").startswith("fusions")

@@ -104,9 +104,11 @@ def op_times(log_dir: str) -> list[tuple[str, float, int]]:
     """The XLA ops of the trace(s) under `log_dir` by total time: (op, seconds, count), largest first.
 
     Ops are the `hlo_op` of each kernel event, numbered instances merged (`convolution.12` and
-    `convolution.3` → `convolution`; fusions keep their kind, e.g. `loop_fusion`). Device planes when
-    the trace has any (GPU/TPU kernels), else the host's (the CPU runtime's thunks)."""
-    totals: dict[str, list] = {}
+    `convolution.3` → `convolution`; fusions keep their kind, e.g. `loop_fusion`). A `custom-call`
+    that launched a GEMM kernel (XLA's int8 cuBLASLt products are bare custom calls) is
+    `custom-call (gemm)`. Device planes when the trace has any (GPU/TPU kernels), else the host's
+    (the CPU runtime's thunks)."""
+    per_op: dict[str, list] = {}  # exact op: [seconds, events, kernel names]
     for path in glob.glob(f"{log_dir}/**/*.xplane.pb", recursive=True):
         planes = list(jax.profiler.ProfileData.from_file(path).planes)
         device = [p for p in planes if p.name.startswith("/device:")]
@@ -115,16 +117,38 @@ def op_times(log_dir: str) -> list[tuple[str, float, int]]:
                 for event in line.events:
                     op = dict(event.stats).get("hlo_op")
                     if op:
-                        row = totals.setdefault(re.sub(r"[.\d]+$", "", str(op)), [0.0, 0])
+                        row = per_op.setdefault(str(op), [0.0, 0, set()])
                         row[0] += event.duration_ns * 1e-9
                         row[1] += 1
+                        row[2].add(event.name)
+    totals: dict[str, list] = {}
+    for op, (t, n, kernels) in per_op.items():
+        row = totals.setdefault(op_kind(op, kernels), [0.0, 0])
+        row[0] += t
+        row[1] += n
     return sorted(((op, t, n) for op, (t, n) in totals.items()), key=lambda r: -r[1])
+
+
+def op_kind(op: str, kernels=()) -> str:
+    """`op_times`' name for one XLA op instance that launched `kernels` (their names)."""
+    name = re.sub(r"[.\d]+$", "", op)
+    if name == "custom-call" and any(re.search(r"gemm|nvjet|xmma|cutlass", k, re.I) for k in kernels):
+        return "custom-call (gemm)"
+    return name
+
+
+def op_class(op: str) -> str:
+    """The `OP_CLASSES` class of an `op_times` op name."""
+    return next((c for c, pattern in OP_CLASSES if re.search(pattern, op)), "other")
 
 
 OP_CLASSES = (  # (class, pattern on XLA op names), first match wins: `op_class_table`
     ("matmul", r"gemm|matmul|cublas|\bdot"),
-    ("attention", r"custom-call|fmha|mosaic|flash|splash"),
-    ("fusions (norms, modulation, RoPE, GELU, residuals)", r"fusion|convert|transpose|copy|reduce|broadcast|add|multiply"),
+    # `mpmd_map`: a Pallas Mosaic GPU kernel (ours are the attention kernels)
+    ("attention", r"mpmd_map|custom-call|fmha|mosaic|flash|splash"),
+    ("weight slices (a scanned layer's weights out of the stack)", r"dynamic_slice"),
+    ("fusions (norms, modulation, RoPE, GELU, residuals, quantisation)",
+     r"fusion|convert|transpose|copy|reduce|broadcast|add|multiply|triton"),
 )
 
 
@@ -134,7 +158,7 @@ def op_class_table(log_dir: str, title: str, top: int = 8) -> list[str]:
     total = sum(t for _, t, _ in rows) or 1e-12
     classes: dict[str, float] = {}
     for op, t, _ in rows:
-        cls = next((c for c, pattern in OP_CLASSES if re.search(pattern, op)), "other")
+        cls = op_class(op)
         classes[cls] = classes.get(cls, 0.0) + t
     out = [f"PROFILE {title}: {1e3 * total:.1f} ms of device ops"]
     out += [f"PROFILE   class {c:52} {1e3 * t:9.2f} ms {100 * t / total:5.1f}%" for c, t in
