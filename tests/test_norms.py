@@ -9,7 +9,7 @@ from wan_tpu.layers.norms import RMSNorm
 
 def test_rms_statistic_in_its_own_pass_on_gpu():
     """`RMSNorm.normalize` (the q/k norm RoPE continues from): the same values on every platform, and
-    lowered for CUDA its row statistic sits behind an optimization barrier (a pass of its own, so XLA
+    lowered for CUDA its row statistic sits behind an optimization barrier (`fusion.own_pass_on_gpu`, so XLA
     does not write the float32 result for RoPE to read again); lowered for the CPU it does not."""
     norm = RMSNorm(256, 1e-6)
     norm.weight[...] = jax.random.normal(jax.random.key(1), (256,), jnp.float32)

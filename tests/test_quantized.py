@@ -85,3 +85,16 @@ def test_product_is_one_2d_low_precision_dot(fmt, operand, result):
     dots = [line for line in text.splitlines() if "stablehlo.dot_general" in line]
     assert len(dots) == 1
     assert f"(tensor<16x64x{operand}>, tensor<64x48x{operand}>) -> tensor<16x48x{result}>" in dots[0]
+
+
+@pytest.mark.parametrize("fmt, barrier", [("fp8", False), ("int8", True)])
+def test_int8_input_made_in_its_own_pass_on_gpu(fmt, barrier):
+    """int8 only, CUDA only: the quantised linear's input behind an optimization barrier (written once, so
+    XLA does not fuse the previous product's 4-byte int32 output into both the amax and the casting pass);
+    the values are the same with and without it, since the barrier is the identity."""
+    x, w, b = _inputs(4)
+    wq, w_scale = quantize_weight(w, fmt)
+    f = jax.jit(quantized_matmul, static_argnames="fmt")
+    cuda = f.trace(x, wq, w_scale, b, fmt=fmt).lower(lowering_platforms=("cuda",)).as_text()
+    assert ("optimization_barrier" in cuda) == barrier
+    assert "optimization_barrier" not in f.lower(x, wq, w_scale, b, fmt=fmt).as_text()

@@ -9,6 +9,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from wan_tpu.layers.fusion import own_pass_on_gpu
+
 
 def layer_norm(x, eps: float, weight=None, bias=None):
     """LayerNorm over the last axis in float32, returned in float32 (callers cast where diffusers does)."""
@@ -28,18 +30,13 @@ def _rms_normalize(x, eps: float, weight=None, statistic_apart=False):
     xf = x.astype(jnp.float32)
     inv_rms = jax.lax.rsqrt(jnp.mean(jnp.square(xf), axis=-1, keepdims=True) + eps)
     if statistic_apart:
-        inv_rms = _own_pass_on_gpu(inv_rms)
+        # On GPUs XLA otherwise fuses the row reduction with the elementwise work after it into one
+        # normalisation kernel that stops where that work reshapes (RoPE's pair swap): it writes its
+        # float32 result (twice the bytes of the bf16 rows) for another pass to read. Apart, the
+        # statistic is one read of the rows, and the rest one read and one bf16 write.
+        inv_rms = own_pass_on_gpu(inv_rms)
     y = xf * inv_rms
     return y if weight is None else y * weight.astype(jnp.float32)
-
-
-def _own_pass_on_gpu(statistic):
-    """`statistic` (one value per row) computed in its own pass on GPUs. XLA's GPU compiler otherwise
-    fuses the row reduction with the elementwise work after it into one normalisation kernel that
-    stops where that work reshapes (RoPE's pair swap): it writes its float32 result (twice the bytes
-    of the bf16 rows) for another pass to read. Apart, the statistic is one read of the rows and the
-    rest one read and one bf16 write (docs/PERFORMANCE.md, fourteenth session)."""
-    return jax.lax.platform_dependent(statistic, cuda=jax.lax.optimization_barrier, default=lambda s: s)
 
 
 def rms_norm(x, eps: float, weight=None):
