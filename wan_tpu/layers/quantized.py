@@ -75,9 +75,10 @@ def quantized_matmul(x, wq, w_scale, bias=None, fmt: str = "fp8", out_dtype=jnp.
     if FORMATS[fmt].integer:
         # x written once in its dtype before the amax and the casting pass. Its producer starts
         # from a product's 4-byte int32 output; presumably XLA read those twice, once per pass (not
-        # profiled). Measured on an H200: 14B int8 forward 7,152.8 → 7,098.8 ms, 1.3B 380.4 / 381.7
-        # → 376.2 / 376.3 ms. FP8 products come back in bf16, and there the extra write cost more
-        # than it saved: 14B 6,875.0 → 6,907.4 ms, 1.3B 359.7 / 359.8 → 367.6 / 366.6 ms.
+        # profiled). Measured on an H200: 1.3B int8 forward 380.4 / 381.7 → 376.2 / 376.3 ms; 14B
+        # 7,152.8 → 7,098.8 ms in one call, 7,202.6 → 7,199.9 in another. FP8 products come back in
+        # bf16, and there the extra write cost more than it saved: 1.3B 359.7 / 359.8 → 367.6 /
+        # 366.6 ms, 14B 6,875.0 → 6,907.4 ms.
         x = own_pass_on_gpu(x)
     xq, x_scale = quantize_rows(x.reshape(-1, x.shape[-1]), fmt)
     tokens = xq.shape[0]
