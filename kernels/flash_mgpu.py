@@ -41,6 +41,14 @@ Scheduling variants (`scripts/bench_attention.py` sweeps them; `kernels/tuning.p
   neither CTA exits before the other is done arriving on its barriers. At 64×192 a CTA streams
   ~38 GB/s of K/V, ~5 TB/s out of L2 over 132 SMs. Pairs took self-attention
   from 627-631 to 640-651 TFLOP/s on an H200 (twelfth session); clusters of 4 were slower.
+- `half_p` (bf16 inputs; on in `tuning.GPU_BLOCKS`): P in f16 instead of bf16 and P·V in f16 (V
+  converted first, `v_in_half`), so that the row sums are packed f16 adds, one a pair of keys,
+  where f32 adds took one a key. The softmax's instruction count per step and thread falls from
+  638 to 619 in the main loop (ptxas, 64×192; the f16 pairs cost 27 register moves back), and P
+  keeps 11 significant bits instead of 8: 1.7e-3 against 2.3e-3 relative error on random inputs.
+  Fifteenth session: +0.3-1.6% at 12 h × 32,760 and 40 h × 75,600 in four calls on an H100 and an
+  H200; the 14B forward 1.0% faster on both; the 1.3B forward 1.5-2.3% on the H100, within the
+  noise on the H200. With the overlap (cross-attention's persistent walk) it is 23% slower.
 - `overlap` (bf16; implies `fa3_turns`): FA3's intra-warpgroup overlap. One turn issues Q·Kᵀ of
   step j+1 and P·V of step j together; the softmax of step j+1 starts as soon as its scores are
   in and runs while that P·V does. Live registers: the scores, P of step j and the accumulator,
@@ -99,9 +107,9 @@ def _pad_to_8(x):
 
 
 @functools.partial(jax.jit, static_argnames=("block_q", "block_kv", "stages", "persistent", "q_major", "pv_two_level",
-                                             "overlap", "fa3_turns", "cluster"))
+                                             "overlap", "fa3_turns", "cluster", "half_p", "ceiling"))
 def mgpu_attention(q, k, v, block_q=64, block_kv=192, stages=2, persistent=0, q_major=False, pv_two_level=False,
-                   overlap=False, fa3_turns=False, cluster=1):
+                   overlap=False, fa3_turns=False, cluster=1, half_p=False, ceiling=None):
     """(B, S, H, D) → (B, Sq, H, D). TMA tiles global memory in rows of 8, so a length that is
     not a multiple of 8 (e.g. 257 + 512 cross-attention keys) is zero-padded to one first; the
     padded keys fall in the masked tail.
@@ -113,11 +121,16 @@ def mgpu_attention(q, k, v, block_q=64, block_kv=192, stages=2, persistent=0, q_
     added after the product instead of before it (see `mgpu_attention_fp8`). `overlap`: FA3's
     intra-warpgroup overlap (step j+1's Q·Kᵀ issued with step j's P·V); `fa3_turns`: FA3's turn
     hand-over between the compute warpgroups; `cluster=2`: FA3's CTA pairs sharing each K/V tile
-    (see the module docstring)."""
+    (see the module docstring). `half_p`: P in f16, its row sums by packed f16 adds, P·V in f16
+    (V converted by `v_in_half`; see the module docstring). `ceiling` ("no_exp2" or "no_softmax";
+    wrong results on purpose, for `scripts/bench_power.py` only): the kernel with the softmax's exp2
+    left out, or the whole softmax and rescale, to time what the rest of the kernel allows."""
     sq, skv = q.shape[1], k.shape[1]
+    if half_p:
+        v = v_in_half(v)
     call = functools.partial(_kernel_call, skv=skv, block_q=block_q, block_kv=block_kv, stages=stages,
                              persistent=persistent, q_major=q_major, pv_two_level=pv_two_level, overlap=overlap,
-                             fa3_turns=fa3_turns, cluster=cluster)
+                             fa3_turns=fa3_turns, cluster=cluster, half_p=half_p, ceiling=ceiling)
     if sq % 8 or skv % 8:
         return call(_pad_to_8(q), _pad_to_8(k), _pad_to_8(v), None)[:, :sq]
     return call(q, k, v, None)
@@ -164,6 +177,60 @@ def _p_operand_8bit(p8):
         return mgpu.FragmentedArray(_registers=regs, _layout=mgpu.WGMMA_LAYOUT_8BIT, _is_signed=None)
 
     return repack(p8)
+
+
+F16_MAX = 65504.0
+# `half_p`: exp2 in f32 as before, each pair of weights packed into one f16x2 register (as the bf16
+# path packs them for P·V), and the row sums taken with packed adds, one a pair of keys.
+# (`ex2.approx.f16x2` instead is no packed MUFU op on sm_90: ptxas splits it in two and repacks, 3-4%
+# slower on an H100.)
+_EXP2_HALF = "{ .reg .f32 a, b; ex2.approx.ftz.f32 a, $1; ex2.approx.ftz.f32 b, $2; cvt.rn.f16x2.f32 $0, b, a; }"
+
+
+def v_in_half(v):
+    """V for `half_p`'s f16 P·V. bf16 values beyond f16's range saturate at ±65504 instead of
+    becoming inf; below it bf16's 8 significant bits fit f16's 11 exactly (down to 2^-14, f16's
+    smallest normal). One elementwise pass; the 1.3B DiT forward gained 7-11 ms with it paid."""
+    if v.dtype == jnp.float16:
+        return v
+    return jnp.clip(v.astype(jnp.float32), -F16_MAX, F16_MAX).astype(jnp.float16)
+
+
+def _exp2_half_with_row_sums(x):
+    """(64·m, N) f32 exp2 arguments in the WGMMA layout → (P = exp2(x) in f16, the WGMMA layout;
+    (64·m, 8) f32 partial row sums). The row sum is taken in packed f16 adds (one a pair of keys,
+    a pairwise tree over each thread's N/8 registers of a row), then widened: P's own rounding is
+    2^-11, the tree's at most ~5 · 2^-11, and the sum across threads (`.sum(axis=1)` of the
+    second result) and across steps stays f32."""
+    from jaxlib.mlir import ir
+    from jaxlib.mlir.dialects import arith, llvm, vector
+
+    @plgpu.inline_mgpu(arg_types=(plgpu.Layout.WGMMA,),
+                       return_type=(plgpu.ShapeDtypeStruct(x.shape, jnp.float16, layout=plgpu.Layout.WGMMA),
+                                    plgpu.ShapeDtypeStruct((x.shape[0], 8), jnp.float32, layout=plgpu.Layout.WGMMA)))
+    def exp2(ctx, x):
+        del ctx
+        i32, f16x2 = ir.IntegerType.get_signless(32), ir.VectorType.get((2,), ir.F16Type.get())
+        f32x2 = ir.VectorType.get((2,), ir.F32Type.get())
+
+        def pair(reg):
+            lo, hi = (vector.extract(reg, dynamic_position=[], static_position=ir.DenseI64ArrayAttr.get([i]))
+                      for i in (0, 1))
+            return mgpu.utils.bitcast(llvm.inline_asm(i32, [lo, hi], _EXP2_HALF, "=r,f,f"), f16x2)
+
+        p = np.empty(x.registers.shape, dtype=object)
+        for idx in np.ndindex(p.shape):
+            p[idx] = pair(x.registers[idx])
+        sums = np.empty((p.shape[0], 1, *p.shape[2:]), dtype=object)
+        for idx in np.ndindex(sums.shape):
+            level = [p[(idx[0], u, *idx[2:])] for u in range(p.shape[1])]
+            while len(level) > 1:
+                level = [arith.addf(a, b) for a, b in zip(level[::2], level[1::2])] + level[len(level) - len(level) % 2:]
+            sums[idx] = arith.extf(f32x2, level[0])
+        return (mgpu.FragmentedArray(_registers=p, _layout=mgpu.WGMMA_LAYOUT, _is_signed=None),
+                mgpu.FragmentedArray(_registers=sums, _layout=mgpu.WGMMA_LAYOUT, _is_signed=None))
+
+    return exp2(x)
 
 
 def _amax_scale(x, axes, top=F8_MAX):
@@ -239,7 +306,7 @@ def mgpu_attention_fp8(q, k, v, block_q=64, block_kv=256, stages=2, persistent=0
 
 
 def _kernel_call(q, k, v, scales, skv, block_q, block_kv, stages, persistent, q_major, pv_two_level=False,
-                 overlap=False, fa3_turns=False, cluster=1):
+                 overlap=False, fa3_turns=False, cluster=1, half_p=False, ceiling=None):
     """`scales` None: q, k, v in bf16 / fp16, (B, S, H, D). Else FP8 (`mgpu_attention_fp8`): q, k
     e4m3 (B, S, H, D), v e4m3 transposed (B, H, D, S) with its keys in `KEY_ORDER_16` within every 16
     (`_v_in_operand_order`), and `scales` (B, H, 2, Sq) f32 holding per query row the exp2 argument's
@@ -254,10 +321,13 @@ def _kernel_call(q, k, v, scales, skv, block_q, block_kv, stages, persistent, q_
             raise WanInputError(f"the FP8 Hopper attention kernel needs e4m3 (or int8) q and k, e4m3 v; got {q.dtype}, {k.dtype}, {v.dtype}")
         if block_kv % 128:
             raise WanInputError(f"the FP8 kernel's block_kv ({block_kv}) must be a multiple of 128 (one 128-byte swizzle of V's keys)")
-    elif dtype not in (jnp.bfloat16, jnp.float16) or k.dtype != dtype or v.dtype != dtype:
-        raise WanInputError(f"the Hopper attention kernel needs bf16 or fp16 q, k, v; got {q.dtype}, {k.dtype}, {v.dtype}")
+    elif dtype not in (jnp.bfloat16, jnp.float16) or k.dtype != dtype or v.dtype != (jnp.float16 if half_p else dtype):
+        raise WanInputError(f"the Hopper attention kernel needs bf16 or fp16 q, k, v (v fp16 with half_p); got {q.dtype}, {k.dtype}, {v.dtype}")
+    pv_dtype = v.dtype  # P's, for P·V
     if d % 64 or block_q % 64 or block_kv % 64:
         raise WanInputError(f"head dim ({d}), block_q ({block_q}) and block_kv ({block_kv}) must be multiples of 64")
+    if ceiling not in (None, "no_exp2", "no_softmax") or (ceiling and (fp8 or half_p or overlap or pv_two_level)):
+        raise WanInputError(f"ceiling must be None, 'no_exp2' or 'no_softmax' (bf16 kernel without half_p, overlap or pv_two_level), got {ceiling!r}")
     if overlap and (fp8 or pv_two_level):
         raise WanInputError("overlap (FA3's intra-warpgroup overlap) is a bf16 / fp16 option without pv_two_level")
     if persistent < 0:
@@ -333,9 +403,18 @@ def _kernel_call(q, k, v, scales, skv, block_q, block_kv, stages, persistent, q_
                     alpha = jnp.exp2(m - m_new)
                     p = jnp.exp2(s * lax.broadcast_in_dim(cs, s.shape, [0])
                                  - lax.broadcast_in_dim(m_new - P_SHIFT, s.shape, [0]))
+                elif ceiling == "no_softmax":  # the scores go straight to P·V; no rescale either
+                    return m, None, s, l
+                elif ceiling == "no_exp2":
+                    m_new = jnp.maximum(m, s.max(axis=1) * c)
+                    p = s * c - lax.broadcast_in_dim(m_new, s.shape, [0])
+                    return m_new, m - m_new, p, l * (m - m_new) + p.sum(axis=1)
                 else:
                     m_new = jnp.maximum(m, s.max(axis=1) * c)
                     alpha = jnp.exp2(m - m_new)
+                    if half_p:
+                        p, sums = _exp2_half_with_row_sums(s * c - lax.broadcast_in_dim(m_new, s.shape, [0]))
+                        return m_new, alpha, p, l * alpha + sums.sum(axis=1)
                     p = jnp.exp2(s * c - lax.broadcast_in_dim(m_new, s.shape, [0]))
                 return m_new, alpha, p, l * alpha + p.sum(axis=1)
 
@@ -356,9 +435,9 @@ def _kernel_call(q, k, v, scales, skv, block_q, block_kv, stages, persistent, q_
                     s = s.astype(jnp.float32)
                 plgpu.barrier_arrive(k_consumed.at[slot])
                 m_new, alpha, p, l = online_softmax(s, m, l, valid, cs)
-                if not pv_two_level:  # else rescaled when this step's P·V is added (below)
+                if not pv_two_level and alpha is not None:  # else rescaled as this step's P·V is added (below)
                     acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
-                p = _p_operand_8bit(p.astype(F8)) if fp8 else p.astype(dtype)
+                p = _p_operand_8bit(p.astype(F8)) if fp8 else p.astype(pv_dtype)
                 # Keep the softmax ahead of the hand-over: the compiler must not sink it past the
                 # barriers into the other warpgroup's tensor-core turn.
                 acc, l, m_new, alpha, p = lax.optimization_barrier((acc, l, m_new, alpha if pv_two_level else None, p))
@@ -420,7 +499,7 @@ def _kernel_call(q, k, v, scales, skv, block_q, block_kv, stages, persistent, q_
                     s = pl.run_scoped(first_scores, plgpu.ACC((block_q, block_kv), jnp.float32))
                     plgpu.barrier_arrive(k_consumed.at[slot_of(base)])
                     m0, _, p, l0 = online_softmax(s, m, l, ragged(0))
-                    carry = lax.optimization_barrier((p.astype(dtype), m0, l0))
+                    carry = lax.optimization_barrier((p.astype(pv_dtype), m0, l0))
 
                     def body(j, carry, valid=block_kv):
                         p, m, l = carry
@@ -442,7 +521,7 @@ def _kernel_call(q, k, v, scales, skv, block_q, block_kv, stages, persistent, q_
                         plgpu.barrier_arrive(v_consumed.at[slot])
                         o_ref[...] = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
                         # As in `step`: the softmax stays ahead of the next turn.
-                        return lax.optimization_barrier((p.astype(dtype), m_new, l))
+                        return lax.optimization_barrier((p.astype(pv_dtype), m_new, l))
 
                     # Step j's loop trip issues the products of steps j+1 (Q·Kᵀ) and j (P·V).
                     full = kv_steps - 1 - (kv_steps > 1 and last_valid < block_kv)

@@ -139,8 +139,13 @@ def tpu_block_sizes(overrides=None) -> BlockSizes:
 # session, H200, two calls): self-attention 12 × 32,760 631 → 640 / 631 → 642 TFLOP/s, 40 × 75,600
 # 631 → 648 / 627 → 651; the 1.3B forward 465.4 → 460.9 ms. Four CTAs a cluster were slower than
 # one (625 / 618), and so was 64×128×3 with pairs (609 / 621).
+# half_p (P in f16, row sums by packed f16 adds; fifteenth session): on an H100, 663 / 666 / 658 →
+# 673 / 673 / 670 TFLOP/s at 12 × 32,760 and 663 / 672 / 668 → 665 / 677 / 679 at 40 × 75,600 (three
+# calls); on an H200 627 → 634 and 645 → 655. In alternating fresh processes, the 1.3B forward
+# 460.7 / 459.6 → 453.8 / 448.9 ms (H100), 459.7 / 456.7 → 455.8 / 456.6 (H200); 14B 9,855 / 9,859 →
+# 9,761 / 9,755 ms (H100), 9,992 → 9,895 (H200). Not for "cross": 0.77× with its overlap.
 GPU_BLOCKS = {
-    "self": {"block_q": 64, "block_kv": 192, "stages": 2, "cluster": 2},
+    "self": {"block_q": 64, "block_kv": 192, "stages": 2, "cluster": 2, "half_p": True},
     "cross": {"block_q": 64, "block_kv": 128, "stages": 3, "persistent": "sms", "overlap": True},
     "short": {"block_q": 64, "block_kv": 128, "stages": 2},
 }

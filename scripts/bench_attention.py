@@ -16,7 +16,8 @@ each walking (head, q tile) tiles with one continuous K/V ring), `q` = q tiles f
 (CTAs running together share a head's K/V in L2), `f` = the FP8 kernel (`mgpu_attention_fp8`: checked
 at ≤ 6e-2 instead of 1e-2), `i` = the same with int8 Q·Kᵀ (`qk_int8=True`), `t` = each step's P·V summed
 from zero, then added in float32 (`pv_two_level=True`, either kernel: `64x256x2xixt`, `64x192x2xt`), `o` = FA3's intra-warpgroup
-overlap (`overlap=True`, bf16 kernel: `64x128x2xo`). `--variants` replaces the default list of every
+overlap (`overlap=True`, bf16 kernel: `64x128x2xo`), `e` = P in f16, its row sums as packed f16 adds
+(one a pair of keys), P·V in f16 (`half_p=True`, bf16 kernel). `--variants` replaces the default list of every
 shape class (`SELF_VARIANTS`, `CROSS_VARIANTS`).
 
 Every entry runs in its own try/except (a variant that fails to compile prints its error and the
@@ -69,7 +70,7 @@ D = 128
 SLICE_Q = 256
 TOL = 1e-2
 TOL_FP8 = 6e-2  # e4m3 Q, K, V and P: three mantissa bits (per-element rounding up to 6%)
-VARIANT = re.compile(r"^(\d+)x(\d+)x(\d+)((?:x(?:p\d*|q|f|i|t|o|h|c\d*))*)$")
+VARIANT = re.compile(r"^(\d+)x(\d+)x(\d+)((?:x(?:p\d*|q|f|i|t|o|h|e|c\d*))*)$")
 
 
 def parse_variant(spec: str, sms: int) -> dict:
@@ -77,7 +78,7 @@ def parse_variant(spec: str, sms: int) -> dict:
     kernel, `fp8=True` here, popped by the caller)."""
     m = VARIANT.match(spec)
     if not m:
-        raise SystemExit(f"bad variant {spec!r}: write BQxBKVxSTAGES[xp[N]][xq][xf|xi][xt][xo][xh][xc[N]], e.g. 64x192x2xp")
+        raise SystemExit(f"bad variant {spec!r}: write BQxBKVxSTAGES[xp[N]][xq][xf|xi][xt][xo][xh][xe][xc[N]], e.g. 64x192x2xp")
     kw = dict(block_q=int(m[1]), block_kv=int(m[2]), stages=int(m[3]))
     for flag in filter(None, m[4].split("x")):
         if flag == "q":
@@ -92,6 +93,8 @@ def parse_variant(spec: str, sms: int) -> dict:
             kw["overlap"] = True
         elif flag == "h":  # FA3's turn hand-over between the compute warpgroups (either kernel)
             kw["fa3_turns"] = True
+        elif flag == "e":  # P in f16, row sums by packed f16 adds, P·V in f16 (bf16 kernel)
+            kw["half_p"] = True
         elif flag[0] == "c":  # FA3's CTA pairs (c: 2, c4: 4 CTAs): each K/V tile loaded once for them all
             kw["cluster"] = int(flag[1:] or 2)
         else:

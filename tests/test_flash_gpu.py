@@ -107,6 +107,8 @@ VARIANTS = [
     dict(block_q=64, block_kv=128, stages=2, cluster=2, overlap=True),
     dict(block_q=64, block_kv=192, stages=2, cluster=2, q_major=True),
     dict(block_q=64, block_kv=128, stages=3, cluster=4),
+    dict(block_q=64, block_kv=192, stages=2, cluster=2, half_p=True),  # P in f16 (the tuned self-attention kernel)
+    dict(block_q=64, block_kv=128, stages=3, persistent=5, overlap=True, half_p=True),
 ]
 
 
@@ -131,6 +133,24 @@ def test_hopper_variants_on_device(kw, sq, skv, h):
     from wan_tpu.kernels.flash_mgpu import mgpu_attention
 
     check(lambda q, k, v: mgpu_attention(q, k, v, **kw), 1, sq, skv, h, 128, jnp.bfloat16)
+
+
+def test_v_in_half_saturates_and_keeps_bf16_values():
+    """`half_p`'s V: every bf16 value in f16's normal range converts exactly, larger ones saturate
+    at ±65504 (never inf), and f16 input passes through unchanged."""
+    from wan_tpu.kernels.flash_mgpu import F16_MAX, v_in_half
+
+    seed = np.random.randint(2**31)
+    rng = np.random.default_rng(seed)
+    v = jnp.asarray(rng.standard_normal((2, 64, 3, 128)) * 10.0 ** rng.uniform(-4, 4, (2, 64, 3, 128)), jnp.bfloat16)
+    v = v.at[0, 0, 0, :4].set(jnp.asarray([1e5, -1e5, 3e38, -65504.0], jnp.bfloat16))
+    out = v_in_half(v)
+    assert out.dtype == jnp.float16 and np.isfinite(np.asarray(out, np.float32)).all(), f"seed {seed}"
+    ref = np.clip(np.asarray(v, np.float64), -F16_MAX, F16_MAX)
+    normal = np.abs(ref) >= 2.0**-14
+    np.testing.assert_array_equal(np.asarray(out, np.float64)[normal], ref[normal], err_msg=f"seed {seed}")
+    np.testing.assert_array_equal(np.asarray(out[0, 0, 0, :4], np.float64), [F16_MAX, -F16_MAX, F16_MAX, -F16_MAX])  # bf16(-65504) = -65536
+    assert v_in_half(out) is out
 
 
 # The FP8 kernel (`attention(impl="pallas_gpu_fp8")`): e4m3 (or int8) Q, K; e4m3 V and P. Its yardstick is the same
@@ -382,3 +402,20 @@ def test_overlap_is_refused_where_it_does_not_apply():
     with pytest.raises(WanInputError, match="overlap"):
         jax.jit(lambda q, k, v: mgpu_attention(q, k, v, overlap=True, pv_two_level=True)).trace(q, q, q).lower(
             lowering_platforms=("cuda",))
+
+
+@pytest.mark.parametrize("ceiling", ["no_exp2", "no_softmax"])
+def test_ceilings_lower_and_bad_ones_are_refused(ceiling):
+    """`scripts/bench_power.py`'s ceilings (the kernel without exp2, or without its softmax) lower
+    for CUDA with the tuned tiles; a misspelt ceiling, or one on a path it does not cut, is an error."""
+    from wan_tpu.errors import WanInputError
+    from wan_tpu.kernels.flash_mgpu import mgpu_attention
+
+    q = jax.ShapeDtypeStruct((1, 32760, 2, 128), jnp.bfloat16)
+    lower = lambda **kw: jax.jit(lambda q, k, v: mgpu_attention(q, k, v, **kw)).trace(q, q, q).lower(  # noqa: E731
+        lowering_platforms=("cuda",))
+    assert lower(block_kv=192, cluster=2, ceiling=ceiling).as_text().count("mosaic_gpu") >= 1
+    with pytest.raises(WanInputError, match="ceiling"):
+        lower(ceiling="no_max")
+    with pytest.raises(WanInputError, match="ceiling"):
+        lower(ceiling=ceiling, half_p=True)
