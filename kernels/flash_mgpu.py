@@ -72,6 +72,11 @@ for 64×192 with pairs: FA3's 176-key tile (and 160 again, now with pairs), with
 overlap, V in 32- / 64-byte swizzled rows as Mosaic GPU then needs for P·V, 604-637; P·V of step j
 and Q·Kᵀ of step j+1 issued back to back in one turn with no wait between them, 491 / 501 at
 64×192 (P, the scores and the output all live at the issue) and 610 / 623 at 64×128.
+Fifteenth session (H100): `ex2.approx.f16x2` is no packed MUFU op on sm_90 either (ptxas emits two
+`MUFU.EX2.F16` and repacks them, which also explains the 8-bit figure above): 3-4% slower; lazy
+rescaling again, in an `scf.if` per thread: 666 / 638 against 663 / 663; the row max and sum as
+pairwise trees per thread: no change. Under load every kernel here runs at the card's 700 W cap
+(`scripts/bench_power.py`): its softmax costs 11% of what the kernel without it reaches.
 """
 
 from __future__ import annotations
