@@ -49,6 +49,19 @@ Scheduling variants (`scripts/bench_attention.py` sweeps them; `kernels/tuning.p
   Fifteenth session: +0.3-1.6% at 12 h × 32,760 and 40 h × 75,600 in four calls on an H100 and an
   H200; the 14B forward 1.0% faster on both; the 1.3B forward 1.5-2.3% on the H100, within the
   noise on the H200. With the overlap (cross-attention's persistent walk) it is 23% slower.
+- `stale_max` (with `half_p`; on in `tuning.GPU_BLOCKS`): FA4's conditional rescale taken one step
+  further. A step keeps the running row max and skips both the max (an FMNMX a score, shuffles) and
+  the accumulator's rescale (an FMUL an output element); its packed f16 row sums, which it needs
+  anyway, tell whether a score passed that max by enough to matter (`STALE_SUM_LIMIT`), and then the
+  warp takes the exact step in a branch (`_stale_max_softmax`). The first step of a tile always does
+  (its max is -inf). P is then ≤ 2^10 instead of ≤ 1: f16 keeps the same relative precision, and the
+  normalisation by l is exact for any max. The fast path is 328 instructions a thread and step at
+  64×128 (ptxas), where `half_p` alone takes 619 at 64×192 for 1.5 times the keys. Sixteenth
+  session, H200: self-attention 1.22-1.24× jax cuDNN at 27,280-75,600 keys (64×128×2, pairs,
+  `fa3_turns`). One copy of the step serves the whole tile (the last step's mask is a branch): with
+  the first and last steps as copies of their own, 64×192 was 5% slower at 27,280-32,760 keys than
+  at 75,600, presumably because code that runs once a tile is fetched from outside the
+  instruction cache.
 - `overlap` (bf16; implies `fa3_turns`): FA3's intra-warpgroup overlap. One turn issues Q·Kᵀ of
   step j+1 and P·V of step j together; the softmax of step j+1 starts as soon as its scores are
   in and runs while that P·V does. Live registers: the scores, P of step j and the accumulator,
@@ -112,9 +125,9 @@ def _pad_to_8(x):
 
 
 @functools.partial(jax.jit, static_argnames=("block_q", "block_kv", "stages", "persistent", "q_major", "pv_two_level",
-                                             "overlap", "fa3_turns", "cluster", "half_p", "ceiling"))
+                                             "overlap", "fa3_turns", "cluster", "half_p", "stale_max", "ceiling"))
 def mgpu_attention(q, k, v, block_q=64, block_kv=192, stages=2, persistent=0, q_major=False, pv_two_level=False,
-                   overlap=False, fa3_turns=False, cluster=1, half_p=False, ceiling=None):
+                   overlap=False, fa3_turns=False, cluster=1, half_p=False, stale_max=False, ceiling=None):
     """(B, S, H, D) → (B, Sq, H, D). TMA tiles global memory in rows of 8, so a length that is
     not a multiple of 8 (e.g. 257 + 512 cross-attention keys) is zero-padded to one first; the
     padded keys fall in the masked tail.
@@ -127,7 +140,9 @@ def mgpu_attention(q, k, v, block_q=64, block_kv=192, stages=2, persistent=0, q_
     intra-warpgroup overlap (step j+1's Q·Kᵀ issued with step j's P·V); `fa3_turns`: FA3's turn
     hand-over between the compute warpgroups; `cluster=2`: FA3's CTA pairs sharing each K/V tile
     (see the module docstring). `half_p`: P in f16, its row sums by packed f16 adds, P·V in f16
-    (V converted by `v_in_half`; see the module docstring). `ceiling` ("no_exp2" or "no_softmax";
+    (V converted by `v_in_half`; see the module docstring). `stale_max` (with `half_p`): after a
+    tile's first kv step, a step keeps the running row max unless its row sums say a score passed
+    it (`_stale_max_softmax`). `ceiling` ("no_exp2" or "no_softmax";
     wrong results on purpose, for `scripts/bench_power.py` only): the kernel with the softmax's exp2
     left out, or the whole softmax and rescale, to time what the rest of the kernel allows."""
     sq, skv = q.shape[1], k.shape[1]
@@ -135,7 +150,8 @@ def mgpu_attention(q, k, v, block_q=64, block_kv=192, stages=2, persistent=0, q_
         v = v_in_half(v)
     call = functools.partial(_kernel_call, skv=skv, block_q=block_q, block_kv=block_kv, stages=stages,
                              persistent=persistent, q_major=q_major, pv_two_level=pv_two_level, overlap=overlap,
-                             fa3_turns=fa3_turns, cluster=cluster, half_p=half_p, ceiling=ceiling)
+                             fa3_turns=fa3_turns, cluster=cluster, half_p=half_p, stale_max=stale_max,
+                             ceiling=ceiling)
     if sq % 8 or skv % 8:
         return call(_pad_to_8(q), _pad_to_8(k), _pad_to_8(v), None)[:, :sq]
     return call(q, k, v, None)
@@ -202,41 +218,114 @@ def v_in_half(v):
     return jnp.clip(v.astype(jnp.float32), -F16_MAX, F16_MAX).astype(jnp.float16)
 
 
+def _exp2_half_registers(x):
+    """Register level (inside `plgpu.inline_mgpu`): an f32 WGMMA-layout FragmentedArray of exp2
+    arguments → (P = exp2(x) in f16, the WGMMA layout; (64·m, 8) f32 partial row sums)."""
+    from jaxlib.mlir import ir
+    from jaxlib.mlir.dialects import arith, llvm, vector
+
+    i32, f16x2 = ir.IntegerType.get_signless(32), ir.VectorType.get((2,), ir.F16Type.get())
+    f32x2 = ir.VectorType.get((2,), ir.F32Type.get())
+
+    def pair(reg):
+        lo, hi = (vector.extract(reg, dynamic_position=[], static_position=ir.DenseI64ArrayAttr.get([i]))
+                  for i in (0, 1))
+        return mgpu.utils.bitcast(llvm.inline_asm(i32, [lo, hi], _EXP2_HALF, "=r,f,f"), f16x2)
+
+    p = np.empty(x.registers.shape, dtype=object)
+    for idx in np.ndindex(p.shape):
+        p[idx] = pair(x.registers[idx])
+    sums = np.empty((p.shape[0], 1, *p.shape[2:]), dtype=object)
+    for idx in np.ndindex(sums.shape):
+        level = [p[(idx[0], u, *idx[2:])] for u in range(p.shape[1])]
+        while len(level) > 1:
+            level = [arith.addf(a, b) for a, b in zip(level[::2], level[1::2])] + level[len(level) - len(level) % 2:]
+        sums[idx] = arith.extf(f32x2, level[0])
+    return (mgpu.FragmentedArray(_registers=p, _layout=mgpu.WGMMA_LAYOUT, _is_signed=None),
+            mgpu.FragmentedArray(_registers=sums, _layout=mgpu.WGMMA_LAYOUT, _is_signed=None))
+
+
 def _exp2_half_with_row_sums(x):
     """(64·m, N) f32 exp2 arguments in the WGMMA layout → (P = exp2(x) in f16, the WGMMA layout;
     (64·m, 8) f32 partial row sums). The row sum is taken in packed f16 adds (one a pair of keys,
     a pairwise tree over each thread's N/8 registers of a row), then widened: P's own rounding is
     2^-11, the tree's at most ~5 · 2^-11, and the sum across threads (`.sum(axis=1)` of the
     second result) and across steps stays f32."""
-    from jaxlib.mlir import ir
-    from jaxlib.mlir.dialects import arith, llvm, vector
-
     @plgpu.inline_mgpu(arg_types=(plgpu.Layout.WGMMA,),
                        return_type=(plgpu.ShapeDtypeStruct(x.shape, jnp.float16, layout=plgpu.Layout.WGMMA),
                                     plgpu.ShapeDtypeStruct((x.shape[0], 8), jnp.float32, layout=plgpu.Layout.WGMMA)))
     def exp2(ctx, x):
         del ctx
-        i32, f16x2 = ir.IntegerType.get_signless(32), ir.VectorType.get((2,), ir.F16Type.get())
-        f32x2 = ir.VectorType.get((2,), ir.F32Type.get())
-
-        def pair(reg):
-            lo, hi = (vector.extract(reg, dynamic_position=[], static_position=ir.DenseI64ArrayAttr.get([i]))
-                      for i in (0, 1))
-            return mgpu.utils.bitcast(llvm.inline_asm(i32, [lo, hi], _EXP2_HALF, "=r,f,f"), f16x2)
-
-        p = np.empty(x.registers.shape, dtype=object)
-        for idx in np.ndindex(p.shape):
-            p[idx] = pair(x.registers[idx])
-        sums = np.empty((p.shape[0], 1, *p.shape[2:]), dtype=object)
-        for idx in np.ndindex(sums.shape):
-            level = [p[(idx[0], u, *idx[2:])] for u in range(p.shape[1])]
-            while len(level) > 1:
-                level = [arith.addf(a, b) for a, b in zip(level[::2], level[1::2])] + level[len(level) - len(level) % 2:]
-            sums[idx] = arith.extf(f32x2, level[0])
-        return (mgpu.FragmentedArray(_registers=p, _layout=mgpu.WGMMA_LAYOUT, _is_signed=None),
-                mgpu.FragmentedArray(_registers=sums, _layout=mgpu.WGMMA_LAYOUT, _is_signed=None))
+        return _exp2_half_registers(x)
 
     return exp2(x)
+
+
+# `stale_max`: a step keeps the row max it was given unless a thread's partial row sum passes this
+# (then its warp rescales to the exact max). Under it every weight is ≤ 2^10, so P, its packed f16
+# row sums and P·V stay far inside f16's and f32's range; the normalisation by l at the end is exact
+# for any max.
+STALE_SUM_LIMIT = 1024.0
+# vote.any over the warp, so that the rescale branch (and its shuffles) is warp-uniform.
+_WARP_ANY = "{ .reg .pred p; setp.ne.b32 p, $1, 0; vote.sync.any.pred p, p, 0xffffffff; selp.b32 $0, 1, 0, p; }"
+
+
+def _stale_max_softmax(s, m, l8, acc, c):
+    """One kv step's softmax without the row max (`stale_max`; FA4's conditional rescale, decided
+    from the row sums instead of the max). s (64·m, N) f32 scores, m (64·m,) the running max in log2
+    units (-inf before the first step), l8 (64·m, 8) f32 partial row sums, acc the output
+    accumulator → (P in f16, m, l8, acc). Each thread computes P = exp2(s·c − m) and its packed row
+    sums as `half_p` does, but neither the max (one FMNMX a score and the shuffles) nor the
+    accumulator's rescale (one FMUL an output element). If any partial sum in the warp passes
+    `STALE_SUM_LIMIT` (a score more than ~4.4-10 above m in log2 units, or inf / NaN: the first
+    step, whose m is -inf), the warp takes the exact online-softmax step instead: the rows' new
+    max, P again, acc and l8 rescaled. The result is the same softmax: a kept max differs from the
+    exact one only by a factor 2^(m_exact − m) ≤ 2^10 on P, acc and l alike."""
+    from jaxlib.mlir import ir
+    from jaxlib.mlir.dialects import arith, llvm, scf, vector
+
+    layout, rows = plgpu.Layout.WGMMA, plgpu.Layout.WGMMA.reduce(1)
+
+    @plgpu.inline_mgpu(arg_types=(layout, rows, layout, layout),
+                       return_type=(plgpu.ShapeDtypeStruct(s.shape, jnp.float16, layout=layout),
+                                    plgpu.ShapeDtypeStruct(m.shape, jnp.float32, layout=rows),
+                                    plgpu.ShapeDtypeStruct(l8.shape, jnp.float32, layout=layout),
+                                    plgpu.ShapeDtypeStruct(acc.shape, jnp.float32, layout=layout)))
+    def softmax(ctx, s, m, l8, acc):
+        del ctx
+        i1, i32 = ir.IntegerType.get_signless(1), ir.IntegerType.get_signless(32)
+        f32 = ir.F32Type.get()
+        by_row = lambda r, like: r.broadcast_in_dim(like.shape, (0,), like.layout)  # noqa: E731
+        p, sums = _exp2_half_registers(s * c - by_row(m, s))
+        limit = arith.constant(f32, ir.FloatAttr.get(f32, STALE_SUM_LIMIT))
+        over = arith.constant(i1, ir.IntegerAttr.get(i1, 0))
+        for reg in sums.registers.flat:
+            for i in (0, 1):
+                elem = vector.extract(reg, dynamic_position=[], static_position=ir.DenseI64ArrayAttr.get([i]))
+                over = arith.ori(over, arith.cmpf(arith.CmpFPredicate.UGT, elem, limit))  # inf and NaN too
+        vote = llvm.inline_asm(i32, [arith.extui(i32, over)], _WARP_ANY, "=r,r", has_side_effects=True)
+        rescale = arith.cmpi(arith.CmpIPredicate.ne, vote, arith.constant(i32, 0))
+
+        outs = (p, m, l8, acc, sums)
+        flat = lambda arrays: [r for a in arrays for r in a.registers.flat]  # noqa: E731
+        branch = scf.IfOp(rescale, [r.type for r in flat(outs)], has_else=True)
+        with ir.InsertionPoint(branch.then_block):
+            m_new = m.max(s.reduce("max", 1) * c)
+            p2, sums2 = _exp2_half_registers(s * c - by_row(m_new, s))
+            alpha = (m - m_new).exp2(approx=True)  # 0 in the first step (m = -inf; acc and l8 are 0)
+            scf.YieldOp(flat((p2, m_new, l8 * by_row(alpha, l8), acc * by_row(alpha, acc), sums2)))
+        with ir.InsertionPoint(branch.else_block):
+            scf.YieldOp(flat(outs))
+        results, new = list(branch.results), []
+        for a in outs:
+            regs = np.empty(a.registers.shape, dtype=object)
+            for idx in np.ndindex(regs.shape):
+                regs[idx] = results.pop(0)
+            new.append(mgpu.FragmentedArray(_registers=regs, _layout=a.layout, _is_signed=None))
+        p, m, l8, acc, sums = new
+        return p, m, l8 + sums, acc
+
+    return softmax(s, m, l8, acc)
 
 
 def _amax_scale(x, axes, top=F8_MAX):
@@ -312,7 +401,7 @@ def mgpu_attention_fp8(q, k, v, block_q=64, block_kv=256, stages=2, persistent=0
 
 
 def _kernel_call(q, k, v, scales, skv, block_q, block_kv, stages, persistent, q_major, pv_two_level=False,
-                 overlap=False, fa3_turns=False, cluster=1, half_p=False, ceiling=None):
+                 overlap=False, fa3_turns=False, cluster=1, half_p=False, stale_max=False, ceiling=None):
     """`scales` None: q, k, v in bf16 / fp16, (B, S, H, D). Else FP8 (`mgpu_attention_fp8`): q, k
     e4m3 (B, S, H, D), v e4m3 transposed (B, H, D, S) with its keys in `KEY_ORDER_16` within every 16
     (`_v_in_operand_order`), and `scales` (B, H, 2, Sq) f32 holding per query row the exp2 argument's
@@ -334,6 +423,8 @@ def _kernel_call(q, k, v, scales, skv, block_q, block_kv, stages, persistent, q_
         raise WanInputError(f"head dim ({d}), block_q ({block_q}) and block_kv ({block_kv}) must be multiples of 64")
     if ceiling not in (None, "no_exp2", "no_softmax") or (ceiling and (fp8 or half_p or overlap or pv_two_level)):
         raise WanInputError(f"ceiling must be None, 'no_exp2' or 'no_softmax' (bf16 kernel without half_p, overlap or pv_two_level), got {ceiling!r}")
+    if stale_max and (not half_p or overlap or pv_two_level):
+        raise WanInputError("stale_max is a half_p option, without overlap or pv_two_level")
     if overlap and (fp8 or pv_two_level):
         raise WanInputError("overlap (FA3's intra-warpgroup overlap) is a bf16 / fp16 option without pv_two_level")
     if persistent < 0:
@@ -398,12 +489,17 @@ def _kernel_call(q, k, v, scales, skv, block_q, block_kv, stages, persistent, q_
             qo = qo_tiles.at[wg]
             row_layout = plgpu.Layout.WGMMA.reduce(1)
 
-            def online_softmax(s, m, l, valid, cs=None):
-                """One step's scores → (new row max, the old sums' rescale, exp2 weights, new row sums),
-                in log2 units. `valid` (static) < block_kv masks the past-the-end keys."""
+            def masked(s, valid):
+                """`valid` (static) < block_kv: the past-the-end keys' scores → -inf."""
                 if valid < block_kv:
                     cols = plgpu.broadcasted_iota(jnp.int32, s.shape, 1, layout=plgpu.Layout.WGMMA)
                     s = jnp.where(cols < valid, s, -jnp.inf)
+                return s
+
+            def online_softmax(s, m, l, valid, cs=None):
+                """One step's scores → (new row max, the old sums' rescale, exp2 weights, new row sums),
+                in log2 units. `valid` (static) < block_kv masks the past-the-end keys."""
+                s = masked(s, valid)
                 if fp8:  # the per-row factor (scales > 0, so the row max commutes with it)
                     m_new = jnp.maximum(m, s.max(axis=1) * cs)
                     alpha = jnp.exp2(m - m_new)
@@ -427,7 +523,8 @@ def _kernel_call(q, k, v, scales, skv, block_q, block_kv, stages, persistent, q_
             def step(j, carry, base, valid=block_kv, cs=None):
                 """kv step j of the tile whose first global ring step is `base`: Q·Kᵀ, online
                 softmax, P·V. `valid` (static) < block_kv masks the past-the-end keys of the last step.
-                `cs` (FP8): the rows' exp2-argument factors."""
+                `cs` (FP8): the rows' exp2-argument factors. `stale_max`: the carry's row sums are
+                (block_q, 8) partials."""
                 acc, m, l = carry
                 slot = slot_of(base + j)
 
@@ -440,7 +537,15 @@ def _kernel_call(q, k, v, scales, skv, block_q, block_kv, stages, persistent, q_
                 if qk_int8:
                     s = s.astype(jnp.float32)
                 plgpu.barrier_arrive(k_consumed.at[slot])
-                m_new, alpha, p, l = online_softmax(s, m, l, valid, cs)
+                if stale_max:
+                    # One copy of the step for the whole tile (the code runs from the instruction
+                    # cache): the last step's mask is a branch, not a second copy of the loop body.
+                    if last_valid < block_kv:
+                        s = lax.cond(j == kv_steps - 1, functools.partial(masked, valid=last_valid), lambda s: s, s)
+                    p, m_new, l, acc = _stale_max_softmax(s, m, l, acc, c)
+                    alpha = None
+                else:
+                    m_new, alpha, p, l = online_softmax(s, m, l, valid, cs)
                 if not pv_two_level and alpha is not None:  # else rescaled as this step's P·V is added (below)
                     acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
                 p = _p_operand_8bit(p.astype(F8)) if fp8 else p.astype(pv_dtype)
@@ -573,12 +678,18 @@ def _kernel_call(q, k, v, scales, skv, block_q, block_kv, stages, persistent, q_
                     if fa3_turns:  # the turn spans P·V of step j and Q·Kᵀ of step j + 1
                         my_turn()
                     body = functools.partial(step, base=base, cs=cs if fp8 else None)
-                    carry = lax.fori_loop(0, kv_steps - (last_valid < block_kv), body, (acc, m, l))
-                    if last_valid < block_kv:
-                        carry = lax.fori_loop(kv_steps - 1, kv_steps, functools.partial(body, valid=last_valid), carry)
+                    if stale_max:  # the row sums as (block_q, 8) partials; one loop, the mask inside
+                        l = plgpu.layout_cast(jnp.full((block_q, 8), 0, jnp.float32), plgpu.Layout.WGMMA)
+                        carry = lax.fori_loop(0, kv_steps, body, (acc, m, l))
+                    else:
+                        carry = lax.fori_loop(0, kv_steps - (last_valid < block_kv), body, (acc, m, l))
+                        if last_valid < block_kv:
+                            carry = lax.fori_loop(kv_steps - 1, kv_steps, functools.partial(body, valid=last_valid), carry)
                     if fa3_turns:
                         pass_turn()
                     acc, _, l = carry
+                    if stale_max:
+                        l = l.sum(axis=1)
                 acc = acc * lax.broadcast_in_dim((os_ / l) if fp8 else (1.0 / l), acc.shape, [0])
                 out = o_tiles.at[wg] if fp8 else qo
                 out[...] = acc.astype(dtype)

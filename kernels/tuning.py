@@ -144,8 +144,18 @@ def tpu_block_sizes(overrides=None) -> BlockSizes:
 # calls); on an H200 627 → 634 and 645 → 655. In alternating fresh processes, the 1.3B forward
 # 460.7 / 459.6 → 453.8 / 448.9 ms (H100), 459.7 / 456.7 → 455.8 / 456.6 (H200); 14B 9,855 / 9,859 →
 # 9,761 / 9,755 ms (H100), 9,992 → 9,895 (H200). Not for "cross": 0.77× with its overlap.
+# stale_max (the row max kept from step to step unless the row sums pass a limit; sixteenth session,
+# H200): 64×128×2 with pairs, half_p and fa3_turns 693-700 / 687-698 TFLOP/s at 12 × 32,760 / 40 ×
+# 75,600 and 701-704 at 24 × 27,280 (TI2V 5B), 1.22-1.24× jax cuDNN, against 654-658 / 659-663 / 655
+# for the former 64×192×2 tiles. At 64×192 stale_max keeps the scores live across its branch and
+# ptxas spills (492-502); with its first and last steps as copies of their own it spilled less
+# (662-668 at 27,280-32,760 keys, 703-707 at 75,600: presumably those copies, run once a tile, come
+# from outside the instruction cache). Without fa3_turns 1% slower; 3 stages 682 / 685; regrouping the launch order
+# so that the resident CTAs share 4-16 heads' K/V, no gain. The 1.3B forward 446.1 / 449.4 → 424.7 /
+# 425.0 ms, the 14B 9,727 → 9,477 (alternating fresh processes).
 GPU_BLOCKS = {
-    "self": {"block_q": 64, "block_kv": 192, "stages": 2, "cluster": 2, "half_p": True},
+    "self": {"block_q": 64, "block_kv": 128, "stages": 2, "cluster": 2, "half_p": True, "stale_max": True,
+             "fa3_turns": True},
     "cross": {"block_q": 64, "block_kv": 128, "stages": 3, "persistent": "sms", "overlap": True},
     "short": {"block_q": 64, "block_kv": 128, "stages": 2},
 }

@@ -5,7 +5,7 @@ and torch SDPA, each variant checked against a float32 reference before it is ti
     python scripts/bench_attention.py --shapes self480,cross512 --variants 64x192x2,64x192x2xp
     python scripts/bench_attention.py --tiny               # the script's own CPU dry run (interpret mode)
 
-Shapes (B=1, D=128, bf16): self480 12 h × 32,760 (Wan 1.3B 480p), self720 40 h × 75,600 (14B 720p),
+Shapes (B=1, D=128, bf16): self480 12 h × 32,760 (Wan 1.3B 480p), self720 40 h × 75,600 (14B 720p), self5b 24 h × 27,280 (TI2V 5B 704×1280),
 cross512 12 h × 32,760 q × 512 text keys, cross769 × 769 keys (257 image + 512 text). Short on both
 sides (`tuning.gpu_shape_class` "short", not in the default run): mg2640 12 h × 2,640 (Matrix-Game-2's
 first chunk over its own frames), wma_spatial B=16 × 5 h × 2,560, D=64 (UnifoLM-WMA at 320×512),
@@ -17,7 +17,8 @@ each walking (head, q tile) tiles with one continuous K/V ring), `q` = q tiles f
 at ≤ 6e-2 instead of 1e-2), `i` = the same with int8 Q·Kᵀ (`qk_int8=True`), `t` = each step's P·V summed
 from zero, then added in float32 (`pv_two_level=True`, either kernel: `64x256x2xixt`, `64x192x2xt`), `o` = FA3's intra-warpgroup
 overlap (`overlap=True`, bf16 kernel: `64x128x2xo`), `e` = P in f16, its row sums as packed f16 adds
-(one a pair of keys), P·V in f16 (`half_p=True`, bf16 kernel). `--variants` replaces the default list of every
+(one a pair of keys), P·V in f16 (`half_p=True`, bf16 kernel), `s` = with `e`, the row max kept from step to
+step unless the row sums pass a limit (`stale_max=True`). `--variants` replaces the default list of every
 shape class (`SELF_VARIANTS`, `CROSS_VARIANTS`).
 
 Every entry runs in its own try/except (a variant that fails to compile prints its error and the
@@ -49,6 +50,7 @@ from wan_tpu.layers.attention import attention, reference_attention  # noqa: E40
 SHAPES = {  # name: (heads, Sq, Skv)
     "self480": (12, 32760, 32760),
     "self720": (40, 75600, 75600),
+    "self5b": (24, 27280, 27280),
     "cross512": (12, 32760, 512),
     "cross769": (12, 32760, 769),
     # (heads, Sq, Skv, batch, head dim) where they differ from B=1, D=128
@@ -70,7 +72,7 @@ D = 128
 SLICE_Q = 256
 TOL = 1e-2
 TOL_FP8 = 6e-2  # e4m3 Q, K, V and P: three mantissa bits (per-element rounding up to 6%)
-VARIANT = re.compile(r"^(\d+)x(\d+)x(\d+)((?:x(?:p\d*|q|f|i|t|o|h|e|c\d*))*)$")
+VARIANT = re.compile(r"^(\d+)x(\d+)x(\d+)((?:x(?:p\d*|q|f|i|t|o|h|e|s|c\d*))*)$")
 
 
 def parse_variant(spec: str, sms: int) -> dict:
@@ -78,7 +80,7 @@ def parse_variant(spec: str, sms: int) -> dict:
     kernel, `fp8=True` here, popped by the caller)."""
     m = VARIANT.match(spec)
     if not m:
-        raise SystemExit(f"bad variant {spec!r}: write BQxBKVxSTAGES[xp[N]][xq][xf|xi][xt][xo][xh][xe][xc[N]], e.g. 64x192x2xp")
+        raise SystemExit(f"bad variant {spec!r}: write BQxBKVxSTAGES[xp[N]][xq][xf|xi][xt][xo][xh][xe][xs][xc[N]], e.g. 64x192x2xp")
     kw = dict(block_q=int(m[1]), block_kv=int(m[2]), stages=int(m[3]))
     for flag in filter(None, m[4].split("x")):
         if flag == "q":
@@ -95,6 +97,8 @@ def parse_variant(spec: str, sms: int) -> dict:
             kw["fa3_turns"] = True
         elif flag == "e":  # P in f16, row sums by packed f16 adds, P·V in f16 (bf16 kernel)
             kw["half_p"] = True
+        elif flag == "s":  # the running max kept unless the row sums pass a limit (with e)
+            kw["stale_max"] = True
         elif flag[0] == "c":  # FA3's CTA pairs (c: 2, c4: 4 CTAs): each K/V tile loaded once for them all
             kw["cluster"] = int(flag[1:] or 2)
         else:

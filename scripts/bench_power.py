@@ -84,7 +84,8 @@ def main():
     from wan_tpu.kernels.flash_mgpu import mgpu_attention
     from wan_tpu.kernels.tuning import GPU_BLOCKS
 
-    tiles = {k: v for k, v in GPU_BLOCKS["self"].items() if k != "half_p"}
+    tuned = GPU_BLOCKS["self"]
+    tiles = {k: v for k, v in tuned.items() if k not in ("half_p", "stale_max")}
     log = os.path.join(tempfile.mkdtemp(), "smi.csv")
     smi = subprocess.Popen(["nvidia-smi", f"--query-gpu={QUERY}", "--format=csv,noheader,nounits", "-lms", "50", "-f", log])
     results = []
@@ -98,6 +99,7 @@ def main():
             flops = 4 * s * s * 128 * heads
             entries = {
                 "ours (pallas_gpu, tuned)": functools.partial(attention, impl="pallas_gpu"),
+                "ours without stale_max": functools.partial(mgpu_attention, **tiles, half_p=tuned.get("half_p", False)),
                 "ours without half_p": functools.partial(mgpu_attention, **tiles),
                 "ceiling: no exp2": functools.partial(mgpu_attention, **tiles, ceiling="no_exp2"),
                 "ceiling: no softmax": functools.partial(mgpu_attention, **tiles, ceiling="no_softmax"),

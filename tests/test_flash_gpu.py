@@ -53,6 +53,7 @@ GPU_CASES = [
     (1537, 769, 2, 128, jnp.bfloat16),
     (4100, 512, 3, 64, jnp.bfloat16),
     (4100, 4100, 2, 128, jnp.bfloat16),
+    (4100, 4100, 2, 64, jnp.bfloat16),
 ]
 
 
@@ -109,6 +110,8 @@ VARIANTS = [
     dict(block_q=64, block_kv=128, stages=3, cluster=4),
     dict(block_q=64, block_kv=192, stages=2, cluster=2, half_p=True),  # P in f16 (the tuned self-attention kernel)
     dict(block_q=64, block_kv=128, stages=3, persistent=5, overlap=True, half_p=True),
+    dict(block_q=64, block_kv=128, stages=2, cluster=2, half_p=True, stale_max=True, fa3_turns=True),  # the row max kept
+    dict(block_q=64, block_kv=128, stages=3, persistent=5, half_p=True, stale_max=True),
 ]
 
 
@@ -133,6 +136,32 @@ def test_hopper_variants_on_device(kw, sq, skv, h):
     from wan_tpu.kernels.flash_mgpu import mgpu_attention
 
     check(lambda q, k, v: mgpu_attention(q, k, v, **kw), 1, sq, skv, h, 128, jnp.bfloat16)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("ramp", [0.0, 0.5, 3.0, 40.0])
+@pytest.mark.parametrize("sq, skv", [(1000, 4100), (520, 769)])
+def test_stale_max_rescales_when_scores_grow(ramp, sq, skv):
+    """`stale_max` against float64 where each key's scores grow along the keys (K gets `ramp` · j/skv
+    times a direction that every query shares). The scores of half the rows rise by about 4·ramp
+    over the keys (the other half's fall): ramp 3 passes the row max of the tile's first step a few
+    times, ramp 40 in every step (by ~10 in log2 units a step at 4,100 keys), so the warps take the
+    rescaling branch now and then or always; ramp 0 and 0.5 rarely or never."""
+    from wan_tpu.kernels.flash_mgpu import mgpu_attention
+
+    seed, (q, k, v) = random_qkv(1, sq, skv, 2, 128, jnp.bfloat16)
+    rng = np.random.default_rng(seed)
+    u = rng.standard_normal(128) / np.sqrt(128)
+    sign = rng.choice([-1.0, 1.0], size=(1, sq, 2, 1))
+    q = (np.asarray(q, np.float32) + sign * 4.0 * u).astype(jnp.bfloat16)
+    k = (np.asarray(k, np.float32) + ramp * np.sqrt(128) * (np.arange(skv) / skv)[None, :, None, None] * u)
+    q, k = jnp.asarray(q), jnp.asarray(k, jnp.bfloat16)
+    kw = dict(block_q=64, block_kv=128, stages=2, cluster=2, half_p=True, fa3_turns=True)
+    out = np.asarray(mgpu_attention(q, k, v, stale_max=True, **kw), np.float64)
+    ref = reference64(q, k, v)
+    err = np.linalg.norm(out - ref) / np.linalg.norm(ref)
+    exact = np.linalg.norm(np.asarray(mgpu_attention(q, k, v, **kw), np.float64) - ref) / np.linalg.norm(ref)
+    assert np.isfinite(out).all() and err <= max(1e-2, 1.5 * exact), f"rel. error {err:.2e}, exact max {exact:.2e} (seed {seed})"
 
 
 def test_v_in_half_saturates_and_keeps_bf16_values():
