@@ -55,13 +55,15 @@ Scheduling variants (`scripts/bench_attention.py` sweeps them; `kernels/tuning.p
   anyway, tell whether a score passed that max by enough to matter (`STALE_SUM_LIMIT`), and then the
   warp takes the exact step in a branch (`_stale_max_softmax`). The first step of a tile always does
   (its max is -inf). P is then ≤ 2^10 instead of ≤ 1: f16 keeps the same relative precision, and the
-  normalisation by l is exact for any max. The fast path is 328 instructions a thread and step at
-  64×128 (ptxas), where `half_p` alone takes 619 at 64×192 for 1.5 times the keys. Sixteenth
-  session, H200: self-attention 1.22-1.24× jax cuDNN at 27,280-75,600 keys (64×128×2, pairs,
-  `fa3_turns`). One copy of the step serves the whole tile (the last step's mask is a branch): with
-  the first and last steps as copies of their own, 64×192 was 5% slower at 27,280-32,760 keys than
-  at 75,600, presumably because code that runs once a tile is fetched from outside the
-  instruction cache.
+  normalisation by l is exact for any max. One copy of the step serves the whole tile: its ragged
+  kv block is walked first (the memory warpgroup loads it first), where the exact branch always
+  runs and masks it, so the fast path has no mask. With the first and last steps as copies of
+  their own, 64×192 was 5% slower at 27,280-32,760 keys than at 75,600, presumably because code
+  that runs once a tile is fetched from outside the instruction cache. The fast path is 316
+  instructions a thread and step at 64×128 (ptxas), where `half_p` alone takes 619 at 64×192 for
+  1.5 times the keys; at 64×192 the scores, P and the accumulator no longer fit beside each other
+  and ptxas serialises the wgmmas. Sixteenth session, H200: self-attention 1.23-1.25× jax cuDNN at
+  27,280-75,600 keys (64×128×2, pairs, `fa3_turns`).
 - `overlap` (bf16; implies `fa3_turns`): FA3's intra-warpgroup overlap. One turn issues Q·Kᵀ of
   step j+1 and P·V of step j together; the softmax of step j+1 starts as soon as its scores are
   in and runs while that P·V does. Live registers: the scores, P of step j and the accumulator,
@@ -270,7 +272,7 @@ STALE_SUM_LIMIT = 1024.0
 _WARP_ANY = "{ .reg .pred p; setp.ne.b32 p, $1, 0; vote.sync.any.pred p, p, 0xffffffff; selp.b32 $0, 1, 0, p; }"
 
 
-def _stale_max_softmax(s, m, l8, acc, c):
+def _stale_max_softmax(s, m, l8, acc, c, valid):
     """One kv step's softmax without the row max (`stale_max`; FA4's conditional rescale, decided
     from the row sums instead of the max). s (64·m, N) f32 scores, m (64·m,) the running max in log2
     units (-inf before the first step), l8 (64·m, 8) f32 partial row sums, acc the output
@@ -280,7 +282,10 @@ def _stale_max_softmax(s, m, l8, acc, c):
     `STALE_SUM_LIMIT` (a score more than ~4.4-10 above m in log2 units, or inf / NaN: the first
     step, whose m is -inf), the warp takes the exact online-softmax step instead: the rows' new
     max, P again, acc and l8 rescaled. The result is the same softmax: a kept max differs from the
-    exact one only by a factor 2^(m_exact − m) ≤ 2^10 on P, acc and l alike."""
+    exact one only by a factor 2^(m_exact − m) ≤ 2^10 on P, acc and l alike.
+    `valid` (static) < N: the tile's ragged kv block comes first (the kernel walks it first), so only
+    the exact branch masks, and only in the rows whose m is still -inf: keys from `valid` on → -inf
+    (the registers wholly before `valid` are left alone)."""
     from jaxlib.mlir import ir
     from jaxlib.mlir.dialects import arith, llvm, scf, vector
 
@@ -310,6 +315,18 @@ def _stale_max_softmax(s, m, l8, acc, c):
         flat = lambda arrays: [r for a in arrays for r in a.registers.flat]  # noqa: E731
         branch = scf.IfOp(rescale, [r.type for r in flat(outs)], has_else=True)
         with ir.InsertionPoint(branch.then_block):
+            if valid < s.shape[1]:
+                first, regs = by_row(m, s), s.registers.copy()
+                cols = mgpu.FragmentedArray.broadcasted_iota(f32, s.shape, 1, s.layout)
+                vec = regs.flat[0].type
+                ninf = arith.constant(vec, ir.DenseElementsAttr.get_splat(vec, ir.FloatAttr.get(f32, -math.inf)))
+                bound = arith.constant(vec, ir.DenseElementsAttr.get_splat(vec, ir.FloatAttr.get(f32, float(valid))))
+                for idx in np.ndindex(regs.shape):
+                    if idx[1] >= valid // 8:  # axis 1: the registers' 8-key column groups
+                        past = arith.cmpf(arith.CmpFPredicate.OGE, cols.registers[idx], bound)
+                        unseen = arith.cmpf(arith.CmpFPredicate.OEQ, first.registers[idx], ninf)
+                        regs[idx] = arith.select(arith.andi(past, unseen), ninf, regs[idx])
+                s = mgpu.FragmentedArray(_registers=regs, _layout=s.layout, _is_signed=None)
             m_new = m.max(s.reduce("max", 1) * c)
             p2, sums2 = _exp2_half_registers(s * c - by_row(m_new, s))
             alpha = (m - m_new).exp2(approx=True)  # 0 in the first step (m = -inf; acc and l8 are 0)
@@ -440,6 +457,7 @@ def _kernel_call(q, k, v, scales, skv, block_q, block_kv, stages, persistent, q_
     if _smem_bytes(block_q, block_kv, stages, d, q.dtype.itemsize, fp8) > SMEM_BYTES:
         raise WanInputError(f"block_q {block_q}, block_kv {block_kv}, {stages} stages exceed {SMEM_BYTES} bytes of shared memory")
     last_valid = skv - (kv_steps - 1) * block_kv
+    ragged_first = stale_max and last_valid < block_kv  # see `_stale_max_softmax`
     fa3_turns = fa3_turns or overlap
     c = LOG2E / math.sqrt(d)
 
@@ -538,11 +556,10 @@ def _kernel_call(q, k, v, scales, skv, block_q, block_kv, stages, persistent, q_
                     s = s.astype(jnp.float32)
                 plgpu.barrier_arrive(k_consumed.at[slot])
                 if stale_max:
-                    # One copy of the step for the whole tile (the code runs from the instruction
-                    # cache): the last step's mask is a branch, not a second copy of the loop body.
-                    if last_valid < block_kv:
-                        s = lax.cond(j == kv_steps - 1, functools.partial(masked, valid=last_valid), lambda s: s, s)
-                    p, m_new, l, acc = _stale_max_softmax(s, m, l, acc, c)
+                    # One copy of the step for the whole tile (code that runs once a tile seems to
+                    # come from outside the instruction cache). The ragged kv block is walked first,
+                    # so only the exact branch masks.
+                    p, m_new, l, acc = _stale_max_softmax(s, m, l, acc, c, last_valid)
                     alpha = None
                 else:
                     m_new, alpha, p, l = online_softmax(s, m, l, valid, cs)
@@ -721,7 +738,10 @@ def _kernel_call(q, k, v, scales, skv, block_q, block_kv, stages, persistent, q_
             def fetch(g, slot):
                 i = lax.div(g, jnp.int32(kv_steps))
                 bi, hi, _ = tile_coords(i)
-                rows = pl.ds((g - i * kv_steps) * block_kv, block_kv)
+                t = g - i * kv_steps
+                if ragged_first:  # step 0 takes the last (ragged) kv block, step t the block t - 1
+                    t = lax.rem(t + (kv_steps - 1), jnp.int32(kv_steps))
+                rows = pl.ds(t * block_kv, block_kv)
                 plgpu.copy_gmem_to_smem(k_ref.at[bi, rows, hi], k_ring.at[slot], k_loaded.at[slot], collective_axes=pair)
                 return bi, hi, rows
 
