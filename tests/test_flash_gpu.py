@@ -139,14 +139,17 @@ def test_hopper_variants_on_device(kw, sq, skv, h):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("ramp", [0.0, 0.5, 3.0, 40.0])
+@pytest.mark.parametrize("ramp", [0.0, 0.5, 3.0, 80.0])
 @pytest.mark.parametrize("sq, skv", [(1000, 4100), (520, 769)])
 def test_stale_max_rescales_when_scores_grow(ramp, sq, skv):
-    """`stale_max` against float64 where each key's scores grow along the keys (K gets `ramp` · j/skv
-    times a direction that every query shares). The scores of half the rows rise by about 4·ramp
-    over the keys (the other half's fall): ramp 3 passes the row max of the tile's first step a few
-    times, ramp 40 in every step (by ~10 in log2 units a step at 4,100 keys), so the warps take the
-    rescaling branch now and then or always; ramp 0 and 0.5 rarely or never."""
+    """`stale_max` against float64 where the scores grow along the keys: K gets `ramp` · j/skv times a
+    direction that every query shares (half the rows' scores rise by about 4·ramp over the keys, the
+    other half's fall), except its last 256 keys, which hold the ragged kv block that the kernel walks
+    first. Ramp 3 passes the kept row max now and then, ramp 80 in every step (by ~14 log2 units a
+    128-key step at 4,100 keys, ~77 at 769), so the warps take the rescaling branch (which also
+    masks the ragged block in the tile's first step) sometimes or always; ramp 0 and 0.5 rarely or
+    never. At ramp 80 a kept max would put P past f16's range within a step, so a finite, accurate
+    output shows the branch ran. The same kernel without `stale_max` sets the error bar."""
     from wan_tpu.kernels.flash_mgpu import mgpu_attention
 
     seed, (q, k, v) = random_qkv(1, sq, skv, 2, 128, jnp.bfloat16)
@@ -154,7 +157,8 @@ def test_stale_max_rescales_when_scores_grow(ramp, sq, skv):
     u = rng.standard_normal(128) / np.sqrt(128)
     sign = rng.choice([-1.0, 1.0], size=(1, sq, 2, 1))
     q = (np.asarray(q, np.float32) + sign * 4.0 * u).astype(jnp.bfloat16)
-    k = (np.asarray(k, np.float32) + ramp * np.sqrt(128) * (np.arange(skv) / skv)[None, :, None, None] * u)
+    profile = np.where(np.arange(skv) < skv - 256, np.arange(skv) / skv, 0.0)
+    k = np.asarray(k, np.float32) + ramp * np.sqrt(128) * profile[None, :, None, None] * u
     q, k = jnp.asarray(q), jnp.asarray(k, jnp.bfloat16)
     kw = dict(block_q=64, block_kv=128, stages=2, cluster=2, half_p=True, fa3_turns=True)
     out = np.asarray(mgpu_attention(q, k, v, stale_max=True, **kw), np.float64)
