@@ -279,7 +279,7 @@ def _stale_max_softmax(s, m, l8, acc, c, valid):
     accumulator → (P in f16, m, l8, acc). Each thread computes P = exp2(s·c − m) and its packed row
     sums as `half_p` does, but neither the max (one FMNMX a score and the shuffles) nor the
     accumulator's rescale (one FMUL an output element). If any partial sum in the warp passes
-    `STALE_SUM_LIMIT` (a score more than ~4.4-10 above m in log2 units, or inf / NaN: the first
+    `STALE_SUM_LIMIT` (at 64×128, a score 6-10 above m in log2 units; or inf / NaN: the first
     step, whose m is -inf), the warp takes the exact online-softmax step instead: the rows' new
     max, P again, acc and l8 rescaled. The result is the same softmax: a kept max differs from the
     exact one only by a factor 2^(m_exact − m) ≤ 2^10 on P, acc and l alike.
@@ -507,17 +507,12 @@ def _kernel_call(q, k, v, scales, skv, block_q, block_kv, stages, persistent, q_
             qo = qo_tiles.at[wg]
             row_layout = plgpu.Layout.WGMMA.reduce(1)
 
-            def masked(s, valid):
-                """`valid` (static) < block_kv: the past-the-end keys' scores → -inf."""
-                if valid < block_kv:
-                    cols = plgpu.broadcasted_iota(jnp.int32, s.shape, 1, layout=plgpu.Layout.WGMMA)
-                    s = jnp.where(cols < valid, s, -jnp.inf)
-                return s
-
             def online_softmax(s, m, l, valid, cs=None):
                 """One step's scores → (new row max, the old sums' rescale, exp2 weights, new row sums),
                 in log2 units. `valid` (static) < block_kv masks the past-the-end keys."""
-                s = masked(s, valid)
+                if valid < block_kv:
+                    cols = plgpu.broadcasted_iota(jnp.int32, s.shape, 1, layout=plgpu.Layout.WGMMA)
+                    s = jnp.where(cols < valid, s, -jnp.inf)
                 if fp8:  # the per-row factor (scales > 0, so the row max commutes with it)
                     m_new = jnp.maximum(m, s.max(axis=1) * cs)
                     alpha = jnp.exp2(m - m_new)
@@ -695,7 +690,7 @@ def _kernel_call(q, k, v, scales, skv, block_q, block_kv, stages, persistent, q_
                     if fa3_turns:  # the turn spans P·V of step j and Q·Kᵀ of step j + 1
                         my_turn()
                     body = functools.partial(step, base=base, cs=cs if fp8 else None)
-                    if stale_max:  # the row sums as (block_q, 8) partials; one loop, the mask inside
+                    if stale_max:  # row sums as (block_q, 8) partials; one loop (the ragged block first)
                         l = plgpu.layout_cast(jnp.full((block_q, 8), 0, jnp.float32), plgpu.Layout.WGMMA)
                         carry = lax.fori_loop(0, kv_steps, body, (acc, m, l))
                     else:
