@@ -151,9 +151,9 @@ def tpu_block_sizes(overrides=None) -> BlockSizes:
 # ptxas spills (492-502); with its first and last steps as copies of their own it spilled less
 # (662-668 at 27,280-32,760 keys, 703-707 at 75,600: presumably those copies, run once a tile, come
 # from outside the instruction cache). Without fa3_turns 1% slower; 3 stages 682 / 685; regrouping
-# the launch order so that the resident CTAs share 4-16 heads' K/V, no gain. The 1.3B forward 446.1 / 449.4 → 424.7 /
-# 425.0 ms, the 14B 9,727 → 9,477 (alternating fresh processes). The ragged kv block walked first (no
-# mask in the fast path): 695 / 708-709 / 699-701, the 14B forward 9,362 ms.
+# the launch order so that the resident CTAs share 4-16 heads' K/V, no gain. The 1.3B forward
+# 446.1 / 449.4 → 424.7 / 425.0 ms, the 14B 9,727 → 9,477 (alternating fresh processes). The ragged
+# kv block walked first (no mask in the fast path): 695 / 708-709 / 699-701, the 14B forward 9,362 ms.
 GPU_BLOCKS = {
     "self": {"block_q": 64, "block_kv": 128, "stages": 2, "cluster": 2, "half_p": True, "stale_max": True,
              "fa3_turns": True},
