@@ -391,9 +391,9 @@ def fp8_operands(q, k, v, qk_int8=False, v_operand_order=False):
 
 
 @functools.partial(jax.jit, static_argnames=("block_q", "block_kv", "stages", "persistent", "q_major", "qk_int8",
-                                             "pv_two_level", "fa3_turns", "cluster"))
+                                             "pv_two_level", "fa3_turns", "cluster", "ceiling"))
 def mgpu_attention_fp8(q, k, v, block_q=64, block_kv=256, stages=2, persistent=0, q_major=False, qk_int8=False,
-                       pv_two_level=True, fa3_turns=False, cluster=1):
+                       pv_two_level=True, fa3_turns=False, cluster=1, ceiling=None):
     """(B, S, H, D) bf16 → (B, Sq, H, D) bf16, both matrix products on the FP8 tensor cores (FA3's
     FP8 path), operands from `fp8_operands` (one XLA pass per tensor). The per-row factors fold into
     the softmax's exp2 argument and the output's 1/l, so the kernel adds no multiply per score. e4m3
@@ -413,7 +413,7 @@ def mgpu_attention_fp8(q, k, v, block_q=64, block_kv=256, stages=2, persistent=0
     q8, k8, vt8, scales = fp8_operands(q, k, v, qk_int8, v_operand_order=True)
     out = _kernel_call(q8, k8, vt8, scales, skv=k.shape[1], block_q=block_q, block_kv=block_kv,
                        stages=stages, persistent=persistent, q_major=q_major, pv_two_level=pv_two_level,
-                       fa3_turns=fa3_turns, cluster=cluster)
+                       fa3_turns=fa3_turns, cluster=cluster, ceiling=ceiling)
     return out[:, :q.shape[1]]
 
 
@@ -438,8 +438,8 @@ def _kernel_call(q, k, v, scales, skv, block_q, block_kv, stages, persistent, q_
     pv_dtype = v.dtype  # P's, for P·V
     if d % 64 or block_q % 64 or block_kv % 64:
         raise WanInputError(f"head dim ({d}), block_q ({block_q}) and block_kv ({block_kv}) must be multiples of 64")
-    if ceiling not in (None, "no_exp2", "no_softmax") or (ceiling and (fp8 or half_p or overlap or pv_two_level)):
-        raise WanInputError(f"ceiling must be None, 'no_exp2' or 'no_softmax' (bf16 kernel without half_p, overlap or pv_two_level), got {ceiling!r}")
+    if ceiling not in (None, "no_exp2", "no_softmax") or (ceiling and (half_p or overlap or (pv_two_level and not fp8))):
+        raise WanInputError(f"ceiling must be None, 'no_exp2' or 'no_softmax' (the 8-bit kernel, or the bf16 one without half_p, overlap or pv_two_level), got {ceiling!r}")
     if stale_max and (not half_p or overlap or pv_two_level):
         raise WanInputError("stale_max is a half_p option, without overlap or pv_two_level")
     if overlap and (fp8 or pv_two_level):
@@ -513,11 +513,16 @@ def _kernel_call(q, k, v, scales, skv, block_q, block_kv, stages, persistent, q_
                 if valid < block_kv:
                     cols = plgpu.broadcasted_iota(jnp.int32, s.shape, 1, layout=plgpu.Layout.WGMMA)
                     s = jnp.where(cols < valid, s, -jnp.inf)
+                if fp8 and ceiling == "no_softmax":  # the scaled scores go to P·V (the multiply keeps
+                    return m, None, s * lax.broadcast_in_dim(cs, s.shape, [0]), l  # int8's I2F unfolded)
                 if fp8:  # the per-row factor (scales > 0, so the row max commutes with it)
                     m_new = jnp.maximum(m, s.max(axis=1) * cs)
                     alpha = jnp.exp2(m - m_new)
-                    p = jnp.exp2(s * lax.broadcast_in_dim(cs, s.shape, [0])
-                                 - lax.broadcast_in_dim(m_new - P_SHIFT, s.shape, [0]))
+                    p = (s * lax.broadcast_in_dim(cs, s.shape, [0])
+                         - lax.broadcast_in_dim(m_new - P_SHIFT, s.shape, [0]))
+                    if ceiling == "no_exp2":
+                        return m_new, m - m_new, p, l * (m - m_new) + p.sum(axis=1)
+                    p = jnp.exp2(p)
                 elif ceiling == "no_softmax":  # the scores go straight to P·V; no rescale either
                     return m, None, s, l
                 elif ceiling == "no_exp2":
@@ -588,7 +593,7 @@ def _kernel_call(q, k, v, scales, skv, block_q, block_kv, stages, persistent, q_
                         return pv_ref[...]
 
                     pv = pl.run_scoped(fresh, plgpu.ACC((block_q, d), jnp.float32))
-                    acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0]) + pv
+                    acc = acc + pv if alpha is None else acc * lax.broadcast_in_dim(alpha, acc.shape, [0]) + pv
                 else:
                     acc = pl.run_state(update)(plgpu.ACC.init(acc))
                 plgpu.barrier_arrive(v_consumed.at[slot])

@@ -2,6 +2,7 @@
 
     python scripts/bench_power.py                    # matmul, our attention and its ceilings, cuDNN, FP8 (~2 min)
     python scripts/bench_power.py --shapes self480 --seconds 2
+    python scripts/bench_power.py --only FP8 --seconds 2   # the 8-bit kernel and its ceilings (and the matmul)
 
 H100 and H200 cards run under a 700 W limit, and under load they reach it: the SM clock then falls
 from 1980 MHz to whatever keeps the power there, so a kernel's speed is its work per clock times
@@ -15,7 +16,8 @@ clock: 132 SMs × 4,096 FLOP; FP8 counts twice that).
 Entries (bf16, B=1, D=128; shapes as `bench_attention.py`'s self480 / self720): the bf16 16,384³
 matmul; `attention(impl="pallas_gpu")` (the tuned kernel); the same tiles without `half_p`; the
 kernel's ceilings (`mgpu_attention(ceiling=...)`, wrong results on purpose): no exp2, and no
-softmax at all (scores straight into P·V); jax cuDNN; `attention(impl="pallas_gpu_fp8")`.
+softmax at all (scores straight into P·V); jax cuDNN; `attention(impl="pallas_gpu_fp8")` and the
+8-bit kernel's same two ceilings (`mgpu_attention_fp8(ceiling=...)`, `tuning.GPU_FP8_BLOCKS`' tiles).
 """
 
 from __future__ import annotations
@@ -78,11 +80,12 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shapes", default="self480,self720", help=f"comma separated, from {list(SHAPES)}")
     parser.add_argument("--seconds", type=float, default=4.0, help="back-to-back run per entry")
+    parser.add_argument("--only", default="", help="run only the entries whose name holds this text (e.g. FP8)")
     args = parser.parse_args()
     if jax.default_backend() != "gpu" or not shutil.which("nvidia-smi"):
         sys.exit("bench_power.py needs an NVIDIA GPU and nvidia-smi; run it on the device")
-    from wan_tpu.kernels.flash_mgpu import mgpu_attention
-    from wan_tpu.kernels.tuning import GPU_BLOCKS
+    from wan_tpu.kernels.flash_mgpu import mgpu_attention, mgpu_attention_fp8
+    from wan_tpu.kernels.tuning import GPU_BLOCKS, GPU_FP8_BLOCKS
 
     tuned = GPU_BLOCKS["self"]
     tiles = {k: v for k, v in tuned.items() if k not in ("half_p", "stale_max")}
@@ -105,7 +108,10 @@ def main():
                 "ceiling: no softmax": functools.partial(mgpu_attention, **tiles, ceiling="no_softmax"),
                 "jax cuDNN": functools.partial(attention, impl="cudnn"),
                 "ours FP8 (pallas_gpu_fp8)": functools.partial(attention, impl="pallas_gpu_fp8"),
+                "FP8 ceiling: no exp2": functools.partial(mgpu_attention_fp8, **GPU_FP8_BLOCKS, ceiling="no_exp2"),
+                "FP8 ceiling: no softmax": functools.partial(mgpu_attention_fp8, **GPU_FP8_BLOCKS, ceiling="no_softmax"),
             }
+            entries = {k: v for k, v in entries.items() if args.only in k}
             for name, fn in entries.items():
                 print(f"{shape}: {name}", flush=True)
                 results.append((f"{shape} {name}", flops, 2 if "FP8" in name else 1, *run_entry(fn, qkv, args.seconds)))

@@ -440,14 +440,17 @@ def test_overlap_is_refused_where_it_does_not_apply():
 @pytest.mark.parametrize("ceiling", ["no_exp2", "no_softmax"])
 def test_ceilings_lower_and_bad_ones_are_refused(ceiling):
     """`scripts/bench_power.py`'s ceilings (the kernel without exp2, or without its softmax) lower
-    for CUDA with the tuned tiles; a misspelt ceiling, or one on a path it does not cut, is an error."""
+    for CUDA with the tuned tiles, the 8-bit kernel's too; a misspelt ceiling, or one on a path it
+    does not cut, is an error."""
     from wan_tpu.errors import WanInputError
-    from wan_tpu.kernels.flash_mgpu import mgpu_attention
+    from wan_tpu.kernels.flash_mgpu import mgpu_attention, mgpu_attention_fp8
+    from wan_tpu.kernels.tuning import GPU_FP8_BLOCKS
 
     q = jax.ShapeDtypeStruct((1, 32760, 2, 128), jnp.bfloat16)
-    lower = lambda **kw: jax.jit(lambda q, k, v: mgpu_attention(q, k, v, **kw)).trace(q, q, q).lower(  # noqa: E731
+    lower = lambda fn=mgpu_attention, **kw: jax.jit(lambda q, k, v: fn(q, k, v, **kw)).trace(q, q, q).lower(  # noqa: E731
         lowering_platforms=("cuda",))
     assert lower(block_kv=192, cluster=2, ceiling=ceiling).as_text().count("mosaic_gpu") >= 1
+    assert lower(mgpu_attention_fp8, **GPU_FP8_BLOCKS, ceiling=ceiling).as_text().count("mosaic_gpu") >= 1
     with pytest.raises(WanInputError, match="ceiling"):
         lower(ceiling="no_max")
     with pytest.raises(WanInputError, match="ceiling"):
