@@ -69,6 +69,14 @@ Scheduling variants (`scripts/bench_attention.py` sweeps them; `kernels/tuning.p
   in and runs while that P·V does. Live registers: the scores, P of step j and the accumulator,
   64 + 32 + 64 a thread at 64 × 128; at 64 × 192 (96 + 48 + 64) ptxas spills and serialises the
   wgmmas at 232 registers, and at 240 it gains 1%.
+- `pv_row_sums` (the 8-bit kernel; on in `tuning.GPU_FP8_BLOCKS`): the row sums taken by P·V, whose
+  transposed V gets a row of ones (`mgpu_attention_fp8`). Seventeenth session, H100: the main loop
+  890 → 825 instructions a thread and step (the 136 FADDs of the row sums gone, 73 register moves
+  for the wider accumulator come back), 888 → 942 / 931 → 984 TFLOP/s at 12 h × 32,760 / 40 h ×
+  75,600. Tried there and not kept for the 8-bit kernel: `stale_max` (at 64×256 the scores, P's
+  bytes and the accumulator spill, 647 / 620; at 64×128 it gains 3-5% over 64×128 but stays under
+  64×256), FA4's exp2 on the FMA units for 2-6 of a row's 32 register groups (4-5% slower), and
+  the int8 scores converted by an integer add instead of I2FP (the same instruction count).
 Measured on an H200 (eleventh session, docs/PERFORMANCE.md): the overlap took cross-attention
 (4-7 kv steps a tile) past cuDNN as a persistent 64×128×3 walk (the tuned cross choice), and
 `fa3_turns` made the 8-bit path 2-5% faster while its P went through shared memory, and equals
@@ -391,9 +399,9 @@ def fp8_operands(q, k, v, qk_int8=False, v_operand_order=False):
 
 
 @functools.partial(jax.jit, static_argnames=("block_q", "block_kv", "stages", "persistent", "q_major", "qk_int8",
-                                             "pv_two_level", "fa3_turns", "cluster", "ceiling"))
+                                             "pv_two_level", "fa3_turns", "cluster", "pv_row_sums", "ceiling"))
 def mgpu_attention_fp8(q, k, v, block_q=64, block_kv=256, stages=2, persistent=0, q_major=False, qk_int8=False,
-                       pv_two_level=True, fa3_turns=False, cluster=1, ceiling=None):
+                       pv_two_level=True, fa3_turns=False, cluster=1, pv_row_sums=None, ceiling=None):
     """(B, S, H, D) bf16 → (B, Sq, H, D) bf16, both matrix products on the FP8 tensor cores (FA3's
     FP8 path), operands from `fp8_operands` (one XLA pass per tensor). The per-row factors fold into
     the softmax's exp2 argument and the output's 1/l, so the kernel adds no multiply per score. e4m3
@@ -409,16 +417,46 @@ def mgpu_attention_fp8(q, k, v, block_q=64, block_kv=256, stages=2, persistent=0
     8.5e-3 on an H200, and the kernel 3% faster (the rescale became the add's multiply).
     `fa3_turns` (on in `tuning.GPU_FP8_BLOCKS`): FA3's turn hand-over (module docstring); 2-5% faster
     while P went through shared memory, equal since.
-    `cluster=2` (on there too): CTA pairs sharing each K/V tile (module docstring), 0.6-1.6% faster."""
+    `cluster=2` (on there too): CTA pairs sharing each K/V tile (module docstring), 0.6-1.6% faster.
+    `pv_row_sums` (default: with `pv_two_level`; on in `tuning.GPU_FP8_BLOCKS`): the row sums l come
+    from P·V itself. V's transposed tile gets 8 more rows in shared memory, loaded once: ones, then
+    zeros (`_ones_rows`). The product's column D is then Σ P, rescaled and carried with the output,
+    and the softmax's one FADD a weight is gone. It sums the e4m3 P that the output sums, where the
+    FADDs summed P before rounding. The accumulator is 8 columns wider (P·V +6%). With one running
+    FP8 accumulator the growing sums would lose bits, hence two-level only. `ceiling` as in
+    `mgpu_attention`."""
+    if pv_row_sums is None:
+        pv_row_sums = pv_two_level
     q8, k8, vt8, scales = fp8_operands(q, k, v, qk_int8, v_operand_order=True)
     out = _kernel_call(q8, k8, vt8, scales, skv=k.shape[1], block_q=block_q, block_kv=block_kv,
                        stages=stages, persistent=persistent, q_major=q_major, pv_two_level=pv_two_level,
-                       fa3_turns=fa3_turns, cluster=cluster, ceiling=ceiling)
+                       fa3_turns=fa3_turns, cluster=cluster, pv_row_sums=pv_row_sums, ceiling=ceiling)
     return out[:, :q.shape[1]]
 
 
+def _ones_rows(block_kv):
+    """`pv_row_sums`' 8 extra rows of transposed V: ones, then seven rows of zeros (e4m3)."""
+    return jnp.zeros((8, block_kv), F8).at[0].set(1.0)
+
+
+def _split_row_sums(acc, d):
+    """(64·m, d + 8) f32 accumulator whose column d holds the row sums (`pv_row_sums`; the other 7
+    extra columns are 0) → (the (64·m, d) output, the (64·m, 8) extra columns: `.sum(axis=1)` is l)."""
+    @plgpu.inline_mgpu(arg_types=(plgpu.Layout.WGMMA,),
+                       return_type=(plgpu.ShapeDtypeStruct((acc.shape[0], d), jnp.float32, layout=plgpu.Layout.WGMMA),
+                                    plgpu.ShapeDtypeStruct((acc.shape[0], 8), jnp.float32, layout=plgpu.Layout.WGMMA)))
+    def split(ctx, acc):
+        del ctx
+        regs = acc.registers  # axis 1: 8-column groups
+        return (mgpu.FragmentedArray(_registers=regs[:, :d // 8], _layout=mgpu.WGMMA_LAYOUT, _is_signed=None),
+                mgpu.FragmentedArray(_registers=regs[:, d // 8:], _layout=mgpu.WGMMA_LAYOUT, _is_signed=None))
+
+    return split(acc)
+
+
 def _kernel_call(q, k, v, scales, skv, block_q, block_kv, stages, persistent, q_major, pv_two_level=False,
-                 overlap=False, fa3_turns=False, cluster=1, half_p=False, stale_max=False, ceiling=None):
+                 overlap=False, fa3_turns=False, cluster=1, half_p=False, stale_max=False, pv_row_sums=False,
+                 ceiling=None):
     """`scales` None: q, k, v in bf16 / fp16, (B, S, H, D). Else FP8 (`mgpu_attention_fp8`): q, k
     e4m3 (B, S, H, D), v e4m3 transposed (B, H, D, S) with its keys in `KEY_ORDER_16` within every 16
     (`_v_in_operand_order`), and `scales` (B, H, 2, Sq) f32 holding per query row the exp2 argument's
@@ -442,6 +480,9 @@ def _kernel_call(q, k, v, scales, skv, block_q, block_kv, stages, persistent, q_
         raise WanInputError(f"ceiling must be None, 'no_exp2' or 'no_softmax' (the 8-bit kernel, or the bf16 one without half_p, overlap or pv_two_level), got {ceiling!r}")
     if stale_max and (not half_p or overlap or pv_two_level):
         raise WanInputError("stale_max is a half_p option, without overlap or pv_two_level")
+    if pv_row_sums and not (fp8 and pv_two_level):
+        raise WanInputError("pv_row_sums is an option of the 8-bit kernel with pv_two_level (a running FP8 "
+                            "accumulator would cut the growing row sums to its ~14 bits)")
     if overlap and (fp8 or pv_two_level):
         raise WanInputError("overlap (FA3's intra-warpgroup overlap) is a bf16 / fp16 option without pv_two_level")
     if persistent < 0:
@@ -454,18 +495,21 @@ def _kernel_call(q, k, v, scales, skv, block_q, block_kv, stages, persistent, q_
     ctas = min(persistent, num_tiles)
     # One CTA walks its tiles with one K/V ring: the ring may be deeper than one tile's kv steps.
     stages = min(stages, kv_steps * (pl.cdiv(num_tiles, ctas) if ctas else 1))
-    if _smem_bytes(block_q, block_kv, stages, d, q.dtype.itemsize, fp8) > SMEM_BYTES:
+    ones_rows = pv_row_sums * stages * 8 * block_kv  # bytes of `pv_row_sums`' extra V rows
+    if _smem_bytes(block_q, block_kv, stages, d, q.dtype.itemsize, fp8) + ones_rows > SMEM_BYTES:
         raise WanInputError(f"block_q {block_q}, block_kv {block_kv}, {stages} stages exceed {SMEM_BYTES} bytes of shared memory")
     last_valid = skv - (kv_steps - 1) * block_kv
     ragged_first = stale_max and last_valid < block_kv  # see `_stale_max_softmax`
     fa3_turns = fa3_turns or overlap
     c = LOG2E / math.sqrt(d)
+    dv = d + 8 if pv_row_sums else d  # V's rows (transposed) and the output accumulator's columns
 
-    def kernel(q_ref, k_ref, v_ref, s_ref, o_ref, smem, loaded, consumed, turn):
+    def kernel(q_ref, k_ref, v_ref, s_ref, ones_ref, o_ref, smem, loaded, consumed, turn):
         qo_tiles, k_ring, v_ring, *fp8_smem = smem  # FP8: + output and row-scale tiles
         o_tiles, sc_tiles = fp8_smem or (None,) * 2
         q_loaded, k_loaded, v_loaded, *fp8_loaded = loaded
         sc_loaded = fp8_loaded[0] if fp8 else None
+        ones_loaded = fp8_loaded[1] if pv_row_sums else None
         k_consumed, v_consumed, *done = consumed
         wg = lax.axis_index("wg")
 
@@ -504,6 +548,9 @@ def _kernel_call(q, k, v, scales, skv, block_q, block_kv, stages, persistent, q_
         @pl.when(wg < COMPUTE_WGS)
         def _compute():
             plgpu.set_max_registers(232, action="increase")
+            if pv_row_sums:
+                for slot in range(stages):
+                    plgpu.barrier_wait(ones_loaded.at[slot])
             qo = qo_tiles.at[wg]
             row_layout = plgpu.Layout.WGMMA.reduce(1)
 
@@ -517,12 +564,14 @@ def _kernel_call(q, k, v, scales, skv, block_q, block_kv, stages, persistent, q_
                     return m, None, s * lax.broadcast_in_dim(cs, s.shape, [0]), l  # int8's I2F unfolded)
                 if fp8:  # the per-row factor (scales > 0, so the row max commutes with it)
                     m_new = jnp.maximum(m, s.max(axis=1) * cs)
-                    alpha = jnp.exp2(m - m_new)
                     p = (s * lax.broadcast_in_dim(cs, s.shape, [0])
                          - lax.broadcast_in_dim(m_new - P_SHIFT, s.shape, [0]))
-                    if ceiling == "no_exp2":
-                        return m_new, m - m_new, p, l * (m - m_new) + p.sum(axis=1)
-                    p = jnp.exp2(p)
+                    if ceiling == "no_exp2":  # neither P's exp2 nor the rescale's
+                        alpha = m - m_new
+                    else:
+                        alpha, p = jnp.exp2(m - m_new), jnp.exp2(p)
+                    # `pv_row_sums`: P·V sums the rows (V's row of ones), l stays unused until then
+                    return m_new, alpha, p, l if pv_row_sums else l * alpha + p.sum(axis=1)
                 elif ceiling == "no_softmax":  # the scores go straight to P·V; no rescale either
                     return m, None, s, l
                 elif ceiling == "no_exp2":
@@ -592,7 +641,7 @@ def _kernel_call(q, k, v, scales, skv, block_q, block_kv, stages, persistent, q_
                         update(pv_ref)
                         return pv_ref[...]
 
-                    pv = pl.run_scoped(fresh, plgpu.ACC((block_q, d), jnp.float32))
+                    pv = pl.run_scoped(fresh, plgpu.ACC((block_q, dv), jnp.float32))
                     acc = acc + pv if alpha is None else acc * lax.broadcast_in_dim(alpha, acc.shape, [0]) + pv
                 else:
                     acc = pl.run_state(update)(plgpu.ACC.init(acc))
@@ -684,7 +733,7 @@ def _kernel_call(q, k, v, scales, skv, block_q, block_kv, stages, persistent, q_
                 plgpu.barrier_wait(q_loaded.at[wg])
                 m = plgpu.layout_cast(jnp.full((block_q,), -jnp.inf, jnp.float32), row_layout)
                 l = plgpu.layout_cast(jnp.full((block_q,), 0, jnp.float32), row_layout)
-                acc = plgpu.layout_cast(jnp.full((block_q, d), 0, jnp.float32), plgpu.Layout.WGMMA)
+                acc = plgpu.layout_cast(jnp.full((block_q, dv), 0, jnp.float32), plgpu.Layout.WGMMA)
                 base = i * kv_steps
                 plgpu.barrier_wait(k_loaded.at[slot_of(base)])
                 # The ragged step runs as a one-trip loop so that its index stays a loop variable:
@@ -707,6 +756,9 @@ def _kernel_call(q, k, v, scales, skv, block_q, block_kv, stages, persistent, q_
                     acc, _, l = carry
                     if stale_max:
                         l = l.sum(axis=1)
+                    if pv_row_sums:
+                        acc, l8 = _split_row_sums(acc, d)
+                        l = l8.sum(axis=1)
                 acc = acc * lax.broadcast_in_dim((os_ / l) if fp8 else (1.0 / l), acc.shape, [0])
                 out = o_tiles.at[wg] if fp8 else qo
                 out[...] = acc.astype(dtype)
@@ -748,7 +800,12 @@ def _kernel_call(q, k, v, scales, skv, block_q, block_kv, stages, persistent, q_
             def fetch_v(where, slot):
                 bi, hi, rows = where
                 src = v_ref.at[bi, hi, :, rows] if fp8 else v_ref.at[bi, rows, hi]
-                plgpu.copy_gmem_to_smem(src, v_ring.at[slot], v_loaded.at[slot], collective_axes=pair)
+                dst = v_ring.at[slot, pl.ds(0, d)] if pv_row_sums else v_ring.at[slot]
+                plgpu.copy_gmem_to_smem(src, dst, v_loaded.at[slot], collective_axes=pair)
+
+            if pv_row_sums:  # the row of ones (and 7 of zeros) under every slot's V, once
+                for slot in range(stages):
+                    plgpu.copy_gmem_to_smem(ones_ref, v_ring.at[slot, pl.ds(d, 8)], ones_loaded.at[slot])
 
             for slot in range(stages):
                 if ctas:
@@ -772,14 +829,15 @@ def _kernel_call(q, k, v, scales, skv, block_q, block_kv, stages, persistent, q_
             leave_together()
 
     def entry(q_ref, k_ref, v_ref, *refs):
-        s_ref, o_ref = refs if fp8 else (None, *refs)
+        s_ref, *ones, o_ref = refs if fp8 else (None, *refs)  # `pv_row_sums`: + the ones rows
+        ones_ref = ones[0] if ones else None
         # 128-byte swizzled rows: 64 bf16 or 128 e4m3 elements per tile column.
         transforms = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
         in_transforms = (plgpu.TilingTransform((8, 128)), plgpu.SwizzleTransform(128)) if fp8 else transforms
         smem = (
             plgpu.SMEM((COMPUTE_WGS, block_q, d), q.dtype, transforms=in_transforms),
             plgpu.SMEM((stages, block_kv, d), q.dtype, transforms=in_transforms),
-            plgpu.SMEM((stages, d, block_kv) if fp8 else (stages, block_kv, d), v.dtype, transforms=in_transforms),
+            plgpu.SMEM((stages, dv, block_kv) if fp8 else (stages, block_kv, d), v.dtype, transforms=in_transforms),
         )
         loaded = (
             plgpu.Barrier(num_barriers=COMPUTE_WGS),
@@ -792,6 +850,8 @@ def _kernel_call(q, k, v, scales, skv, block_q, block_kv, stages, persistent, q_
                 plgpu.SMEM((COMPUTE_WGS, 2, block_q), jnp.float32),
             )
             loaded += (plgpu.Barrier(num_barriers=COMPUTE_WGS),)
+            if pv_row_sums:
+                loaded += (plgpu.Barrier(num_barriers=stages),)
         if cluster > 1:  # a slot is free once every compute warpgroup of the cluster is done with it
             consumed = (plgpu.ClusterBarrier(collective_axes=("cluster",), num_arrivals=COMPUTE_WGS,
                                              num_barriers=stages),) * 2
@@ -802,7 +862,7 @@ def _kernel_call(q, k, v, scales, skv, block_q, block_kv, stages, persistent, q_
         # that the other arrives at once it has issued its products.
         turn = plgpu.Barrier(num_barriers=COMPUTE_WGS) if fa3_turns else plgpu.Barrier(num_arrivals=COMPUTE_WGS)
         pl.run_scoped(
-            lambda *scratch: kernel(q_ref, k_ref, v_ref, s_ref, o_ref, *scratch),
+            lambda *scratch: kernel(q_ref, k_ref, v_ref, s_ref, ones_ref, o_ref, *scratch),
             smem, loaded, consumed, turn,
             collective_axes="wg",
         )
@@ -824,4 +884,4 @@ def _kernel_call(q, k, v, scales, skv, block_q, block_kv, stages, persistent, q_
         num_threads=COMPUTE_WGS + 1,
         thread_name="wg",
         compiler_params=plgpu.CompilerParams(approx_math=True),
-    )(q, k, v, *(() if scales is None else (scales,)))
+    )(q, k, v, *(() if scales is None else (scales,)), *((_ones_rows(block_kv),) if pv_row_sums else ()))

@@ -173,8 +173,11 @@ GPU_FASTEST = {"self": "pallas_gpu", "cross": "pallas_gpu", "short": "cudnn"}
 # tile; twelfth session, two calls): 834 → 847 / 836 → 849 and 877 → 882 / 877 → 883 (four: 800 / 838).
 # P kept in registers as the 8-bit operand (FA3's key order; thirteenth session, two calls): 841 → 849 /
 # 879 → 893, then 852 / 902; without fa3_turns 851 / 902 and 855 / 902, so the hand-over stays (a tie).
+# pv_row_sums (the row sums taken by P·V, V's transposed tile with a row of ones; seventeenth session,
+# H100, one call): 888 → 942 / 931 → 984 TFLOP/s; at the 700 W cap (`bench_power.py`) 843.8 → 896.7 /
+# 902.6 → 961.4; the 1.3B forward with FP8 attention 381.7 → 369.1 ms (fresh processes, one each).
 GPU_FP8_BLOCKS = {"block_q": 64, "block_kv": 256, "stages": 2, "qk_int8": True, "pv_two_level": True,
-                  "fa3_turns": True, "cluster": 2}
+                  "fa3_turns": True, "cluster": 2, "pv_row_sums": True}
 
 
 def gpu_shape_class(sq: int, skv: int) -> str:

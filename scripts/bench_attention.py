@@ -18,7 +18,8 @@ at ≤ 6e-2 instead of 1e-2), `i` = the same with int8 Q·Kᵀ (`qk_int8=True`),
 from zero, then added in float32 (`pv_two_level=True`, either kernel: `64x256x2xixt`, `64x192x2xt`), `o` = FA3's intra-warpgroup
 overlap (`overlap=True`, bf16 kernel: `64x128x2xo`), `e` = P in f16, its row sums as packed f16 adds
 (one a pair of keys), P·V in f16 (`half_p=True`, bf16 kernel), `s` = with `e`, the row max kept from step to
-step unless the row sums pass a limit (`stale_max=True`). `--variants` replaces the default list of every
+step unless the row sums pass a limit (`stale_max=True`), `r` = the FP8 kernel's row sums taken by P·V
+(`pv_row_sums=True`: transposed V gets a row of ones). `--variants` replaces the default list of every
 shape class (`SELF_VARIANTS`, `CROSS_VARIANTS`).
 
 Every entry runs in its own try/except (a variant that fails to compile prints its error and the
@@ -63,16 +64,16 @@ TINY_SHAPES = {"self480": (2, 300, 300), "cross512": (2, 300, 40)}
 # What one sweep tries; the shared-memory limit (227 KiB) allows block_kv 192 only with 2 stages
 # and 128 with 3. Cross-attention has 4-7 kv steps per tile, so the persistent walk (no pipeline
 # fill or drain between tiles) with FA3's intra-warpgroup overlap (`o`) is its main candidate (the
-# shipped choice); `64x256x2xixtxhxc` is the shipped 8-bit kernel. The tuned row is the shipped
+# shipped choice); `64x256x2xixtxhxcxr` is the shipped 8-bit kernel. The tuned row is the shipped
 # self-attention kernel (64x192x2xc: CTA pairs); 64x192x2 shows it without pairs.
 # Persistent variants come last: if one ever hung on a device, the rows before it are already printed.
-SELF_VARIANTS = ("64x192x2", "64x128x3", "64x192x2xq", "64x128x2xo", "64x256x2xixtxhxc", "64x192x2xp", "64x128x3xp")
+SELF_VARIANTS = ("64x192x2", "64x128x3", "64x192x2xq", "64x128x2xo", "64x256x2xixtxhxcxr", "64x192x2xp", "64x128x3xp")
 CROSS_VARIANTS = ("64x128x2", "64x64x4", "64x128x2xq", "64x128x2xo", "64x128x3xp", "64x128x3xpxo", "64x64x4xp")
 D = 128
 SLICE_Q = 256
 TOL = 1e-2
 TOL_FP8 = 6e-2  # e4m3 Q, K, V and P: three mantissa bits (per-element rounding up to 6%)
-VARIANT = re.compile(r"^(\d+)x(\d+)x(\d+)((?:x(?:p\d*|q|f|i|t|o|h|e|s|c\d*))*)$")
+VARIANT = re.compile(r"^(\d+)x(\d+)x(\d+)((?:x(?:p\d*|q|f|i|t|o|h|e|s|r|c\d*))*)$")
 
 
 def parse_variant(spec: str, sms: int) -> dict:
@@ -80,7 +81,7 @@ def parse_variant(spec: str, sms: int) -> dict:
     kernel, `fp8=True` here, popped by the caller)."""
     m = VARIANT.match(spec)
     if not m:
-        raise SystemExit(f"bad variant {spec!r}: write BQxBKVxSTAGES[xp[N]][xq][xf|xi][xt][xo][xh][xe][xs][xc[N]], e.g. 64x192x2xp")
+        raise SystemExit(f"bad variant {spec!r}: write BQxBKVxSTAGES[xp[N]][xq][xf|xi][xt][xo][xh][xe][xs][xr][xc[N]], e.g. 64x192x2xp")
     kw = dict(block_q=int(m[1]), block_kv=int(m[2]), stages=int(m[3]))
     for flag in filter(None, m[4].split("x")):
         if flag == "q":
@@ -89,6 +90,7 @@ def parse_variant(spec: str, sms: int) -> dict:
             kw["fp8"] = True
             kw["qk_int8"] = kw.get("qk_int8", False) or flag == "i"
             kw.setdefault("pv_two_level", False)
+            kw.setdefault("pv_row_sums", False)  # only with r
         elif flag == "t":  # two-level P·V sums (either kernel)
             kw["pv_two_level"] = True
         elif flag == "o":  # FA3's intra-warpgroup overlap (bf16 kernel; implies h)
@@ -99,6 +101,8 @@ def parse_variant(spec: str, sms: int) -> dict:
             kw["half_p"] = True
         elif flag == "s":  # the running max kept unless the row sums pass a limit (with e)
             kw["stale_max"] = True
+        elif flag == "r":  # the row sums taken by P·V (V's row of ones; FP8 kernel)
+            kw["pv_row_sums"] = True
         elif flag[0] == "c":  # FA3's CTA pairs (c: 2, c4: 4 CTAs): each K/V tile loaded once for them all
             kw["cluster"] = int(flag[1:] or 2)
         else:

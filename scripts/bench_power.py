@@ -108,6 +108,7 @@ def main():
                 "ceiling: no softmax": functools.partial(mgpu_attention, **tiles, ceiling="no_softmax"),
                 "jax cuDNN": functools.partial(attention, impl="cudnn"),
                 "ours FP8 (pallas_gpu_fp8)": functools.partial(attention, impl="pallas_gpu_fp8"),
+                "ours FP8 without pv_row_sums": functools.partial(mgpu_attention_fp8, **{**GPU_FP8_BLOCKS, "pv_row_sums": False}),
                 "FP8 ceiling: no exp2": functools.partial(mgpu_attention_fp8, **GPU_FP8_BLOCKS, ceiling="no_exp2"),
                 "FP8 ceiling: no softmax": functools.partial(mgpu_attention_fp8, **GPU_FP8_BLOCKS, ceiling="no_softmax"),
             }

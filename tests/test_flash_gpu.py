@@ -292,7 +292,8 @@ def test_fp8_p_stays_on_its_threads():
 @pytest.mark.parametrize("kw", [dict(), dict(block_kv=128, stages=4), dict(persistent=132), dict(q_major=True),
                                 dict(qk_int8=True), dict(qk_int8=True, pv_two_level=False),
                                 dict(qk_int8=True, fa3_turns=True), dict(qk_int8=True, fa3_turns=True, cluster=2),
-                                dict(qk_int8=True, pv_two_level=False, block_kv=128, stages=4, persistent=132)])
+                                dict(qk_int8=True, pv_two_level=False, block_kv=128, stages=4, persistent=132),
+                                dict(qk_int8=True, fa3_turns=True, cluster=2, pv_row_sums=False)])
 @pytest.mark.parametrize("b, sq, skv, h", [(1, 32760, 32760, 12), (2, 1000, 769, 3)])
 def test_fp8_kernel_lowers_for_cuda(kw, b, sq, skv, h):
     from wan_tpu.kernels.flash_mgpu import mgpu_attention_fp8
@@ -320,7 +321,8 @@ def test_fp8_impl_refuses_without_hopper():
                                 dict(qk_int8=True, pv_two_level=False), dict(persistent=132, qk_int8=True),
                                 dict(qk_int8=True, fa3_turns=True), dict(qk_int8=True, fa3_turns=True, cluster=2),
                                 dict(qk_int8=True, fa3_turns=True, cluster=4),
-                                dict(qk_int8=True, pv_two_level=False, block_kv=128, stages=4, persistent=132)])
+                                dict(qk_int8=True, pv_two_level=False, block_kv=128, stages=4, persistent=132),
+                                dict(qk_int8=True, fa3_turns=True, cluster=2, pv_row_sums=False)])
 @pytest.mark.parametrize("b, sq, skv, h", [(1, 7, 7, 2), (1, 4100, 4100, 2), (2, 1000, 769, 3)])
 def test_fp8_kernel_on_device(kw, b, sq, skv, h):
     from wan_tpu.kernels.flash_mgpu import mgpu_attention_fp8
@@ -455,3 +457,18 @@ def test_ceilings_lower_and_bad_ones_are_refused(ceiling):
         lower(ceiling="no_max")
     with pytest.raises(WanInputError, match="ceiling"):
         lower(ceiling=ceiling, half_p=True)
+
+
+def test_pv_row_sums_needs_two_level():
+    """The 8-bit kernel's row sums from P·V (a row of ones under V) need each step's products in a fresh
+    accumulator: a running FP8 one keeps ~14 bits and the sums only grow. Off by itself without
+    `pv_two_level`, and an error asked for there."""
+    from wan_tpu.errors import WanInputError
+    from wan_tpu.kernels.flash_mgpu import mgpu_attention_fp8
+
+    q = jax.ShapeDtypeStruct((1, 1000, 2, 128), jnp.bfloat16)
+    lower = lambda fn, **kw: jax.jit(lambda q, k, v: fn(q, k, v, **kw)).trace(q, q, q).lower(  # noqa: E731
+        lowering_platforms=("cuda",))
+    assert lower(mgpu_attention_fp8, pv_two_level=False).as_text().count("mosaic_gpu") >= 1
+    with pytest.raises(WanInputError, match="pv_row_sums"):
+        lower(mgpu_attention_fp8, pv_two_level=False, pv_row_sums=True)
