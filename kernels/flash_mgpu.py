@@ -71,8 +71,8 @@ Scheduling variants (`scripts/bench_attention.py` sweeps them; `kernels/tuning.p
   wgmmas at 232 registers, and at 240 it gains 1%.
 - `pv_row_sums` (the 8-bit kernel; on in `tuning.GPU_FP8_BLOCKS`): the row sums taken by P·V, whose
   transposed V gets a row of ones (`mgpu_attention_fp8`). Seventeenth session, H100: the main loop
-  890 → 825 instructions a thread and step (the 136 FADDs of the row sums gone, 73 register moves
-  for the wider accumulator come back), 888 → 942 / 931 → 984 TFLOP/s at 12 h × 32,760 / 40 h ×
+  890 → 825 instructions a thread and step (the 136 FADDs of the row sums gone; 73 IMADs, presumably
+  register moves for the wider accumulator, come back), 888 → 942 / 931 → 984 TFLOP/s at 12 h × 32,760 / 40 h ×
   75,600. Tried there and not kept for the 8-bit kernel: `stale_max` (at 64×256 the scores, P's
   bytes and the accumulator spill, 647 / 620; at 64×128 it gains 3-5% over 64×128 but stays under
   64×256), FA4's exp2 on the FMA units for 2-6 of a row's 32 register groups (4-5% slower), and
