@@ -5,8 +5,8 @@ and torch SDPA, each variant checked against a float32 reference before it is ti
     python scripts/bench_attention.py --shapes self480,cross512 --variants 64x192x2,64x192x2xp
     python scripts/bench_attention.py --tiny               # the script's own CPU dry run (interpret mode)
 
-Shapes (B=1, D=128, bf16): self480 12 h × 32,760 (Wan 1.3B 480p), self720 40 h × 75,600 (14B 720p), self5b 24 h × 27,280 (TI2V 5B 704×1280),
-cross512 12 h × 32,760 q × 512 text keys, cross769 × 769 keys (257 image + 512 text). Short on both
+Shapes (B=1, D=128, bf16): self480 12 h × 32,760 (Wan 1.3B 480p), self720 40 h × 75,600 (14B 720p),
+self5b 24 h × 27,280 (TI2V 5B 704×1280), cross512 12 h × 32,760 q × 512 text keys, cross769 × 769 keys (257 image + 512 text). Short on both
 sides (`tuning.gpu_shape_class` "short", not in the default run): mg2640 12 h × 2,640 (Matrix-Game-2's
 first chunk over its own frames), wma_spatial B=16 × 5 h × 2,560, D=64 (UnifoLM-WMA at 320×512),
 wma_temporal B=2,560 × 5 h × 16 frames, D=64.
@@ -65,7 +65,7 @@ TINY_SHAPES = {"self480": (2, 300, 300), "cross512": (2, 300, 40)}
 # and 128 with 3. Cross-attention has 4-7 kv steps per tile, so the persistent walk (no pipeline
 # fill or drain between tiles) with FA3's intra-warpgroup overlap (`o`) is its main candidate (the
 # shipped choice); `64x256x2xixtxhxcxr` is the shipped 8-bit kernel. The tuned row is the shipped
-# self-attention kernel (64x192x2xc: CTA pairs); 64x192x2 shows it without pairs.
+# self-attention kernel (`tuning.GPU_BLOCKS["self"]`: 64x128x2xexsxhxc); 64x192x2 is the pre-`half_p` tiles.
 # Persistent variants come last: if one ever hung on a device, the rows before it are already printed.
 SELF_VARIANTS = ("64x192x2", "64x128x3", "64x192x2xq", "64x128x2xo", "64x256x2xixtxhxcxr", "64x192x2xp", "64x128x3xp")
 CROSS_VARIANTS = ("64x128x2", "64x64x4", "64x128x2xq", "64x128x2xo", "64x128x3xp", "64x128x3xpxo", "64x64x4xp")
