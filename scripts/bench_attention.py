@@ -7,8 +7,8 @@ and torch SDPA, each variant checked against a float32 reference before it is ti
 
 Shapes (B=1, D=128, bf16): self480 12 h × 32,760 (Wan 1.3B 480p), self720 40 h × 75,600 (14B 720p),
 self5b 24 h × 27,280 (TI2V 5B 704×1280), cross512 12 h × 32,760 q × 512 text keys, cross769 × 769 keys
-(257 image + 512 text). Short on both sides (`tuning.gpu_shape_class` "short", not in the default run): mg2640 12 h × 2,640 (Matrix-Game-2's
-first chunk over its own frames), wma_spatial B=16 × 5 h × 2,560, D=64 (UnifoLM-WMA at 320×512),
+(257 image + 512 text). Short on both sides (`tuning.gpu_shape_class` "short", not in the default run):
+mg2640 12 h × 2,640 (Matrix-Game-2's first chunk over its own frames), wma_spatial B=16 × 5 h × 2,560, D=64 (UnifoLM-WMA at 320×512),
 wma_temporal B=2,560 × 5 h × 16 frames, D=64.
 Variants of `kernels/flash_mgpu.py`, written `BQxBKVxSTAGES[xp[N]][xq]`: block_q rows per compute
 warpgroup × block_kv keys per step × K/V ring depth; `p` = persistent (one CTA per SM, or N CTAs,
