@@ -14,7 +14,9 @@ block linears in int8 instead). Attention is the library's choice
 (`--attention IMPL` to force one). Prints ms per forward (median of `--iters` after a warm-up),
 each entry's time relative to ours fused (bf16), and MFU = model FLOPs ÷ time ÷ the bf16 8192³
 matmul rate measured first in this run. Quantised rows give their relative error (Frobenius) against
-ours bf16 on the same inputs.
+ours bf16 on the same inputs. The last column is the SM clock and board power while each entry was
+timed (medians of `nvidia-smi` samples every 50 ms, `wan_tpu.profiling.GpuMonitor`): under dense
+work an H100 or H200 sits at its 700 W limit, and its clock is whatever that power allows.
 
 Options:
 - `--profile DIR --profile-configs 1.3b`: one traced forward per variant; prints the device time
@@ -64,7 +66,8 @@ import numpy as np  # noqa: E402
 
 from wan_tpu.configs.models import VARIANTS, config_to_json  # noqa: E402
 from wan_tpu.quantize import BLOCK_LINEARS  # noqa: E402
-from wan_tpu.profiling import dit_forward_flops, measured_peak_flops, op_class_table, trace  # noqa: E402
+from wan_tpu.profiling import (GpuMonitor, clock_summary, dit_forward_flops, measured_peak_flops,  # noqa: E402
+                               op_class_table, trace)
 
 CONFIGS = {  # name: (variant, latent (F, H, W))
     "1.3b": ("wan2.1-t2v-1.3b", (21, 60, 104)),
@@ -88,14 +91,22 @@ def model_flops(cfg, latent) -> float:
                              TEXT_LEN)
 
 
-def median_ms(call, sync, iters, warmup):
+# (config, entry) → the time.time() span of its timed calls: main's `GpuMonitor` gives the clock and
+# power there (a forward at the GPU's 700 W limit runs at whatever SM clock that power allows).
+TIMED = {}
+
+
+def median_ms(call, sync, iters, warmup, key=None):
     for _ in range(warmup):
         sync(call())
     times = []
+    t0 = time.time()
     for _ in range(iters):
         start = time.perf_counter()
         sync(call())
         times.append(time.perf_counter() - start)
+    if key is not None:
+        TIMED[key] = (t0, time.time())
     return statistics.median(times) * 1e3
 
 
@@ -162,14 +173,14 @@ def run_torch(cfg, latent, args, name, results):
     ref = folder = None
     with torch.inference_mode():
         call = lambda: model(x, t, c, return_dict=False)[0]  # noqa: E731
-        results["diffusers eager"] = median_ms(call, sync, args.iters, 1)
+        results["diffusers eager"] = median_ms(call, sync, args.iters, 1, (name, "diffusers eager"))
         if name in args.check:
             ref = call().float().cpu().numpy()
             folder = tempfile.mkdtemp(prefix=f"bench_dit_{name}_")
             model.save_pretrained(folder)
         if name in args.compile:
             model.compile_repeated_blocks(fullgraph=True)
-            results["diffusers torch.compile"] = median_ms(call, sync, args.iters, 2)
+            results["diffusers torch.compile"] = median_ms(call, sync, args.iters, 2, (name, "diffusers torch.compile"))
     del model, x, c
     gc.collect()
     if torch.cuda.is_available():
@@ -243,7 +254,7 @@ def run_jax(cfg, latent, args, name, folder, results, notes):
             print(f"{name}: ours {variant} compiled (at {time.perf_counter() - START:.0f} s)", flush=True)
         call = lambda: compiled(state, x, t, c)  # noqa: E731
         label = f"ours {variant}"
-        results[label] = median_ms(call, jax.block_until_ready, args.iters, 1)
+        results[label] = median_ms(call, jax.block_until_ready, args.iters, 1, (name, label))
         if not args.json:  # as it comes: a run killed at a time limit still leaves its rows
             print(f"{name}: {label} {results[label]:.1f} ms (at {time.perf_counter() - START:.0f} s)", flush=True)
         outs[variant] = np.asarray(call().astype(jnp.float32))
@@ -279,8 +290,8 @@ def run_jax(cfg, latent, args, name, folder, results, notes):
     q, k, v = (jax.random.normal(jax.random.key(i), (1, seq, cfg.num_attention_heads, cfg.attention_head_dim),
                                  jnp.bfloat16) for i in range(3))
     attn = jax.jit(functools.partial(attention, impl=None if args.attention == "None" else args.attention))
-    results["self-attention only ×layers"] = cfg.num_layers * median_ms(lambda: attn(q, k, v), jax.block_until_ready,
-                                                                         args.iters, 1)
+    only = "self-attention only ×layers"
+    results[only] = cfg.num_layers * median_ms(lambda: attn(q, k, v), jax.block_until_ready, args.iters, 1, (name, only))
     del dit
     gc.collect()
     return outs.get("fused")
@@ -341,16 +352,17 @@ def main():
         print(f"device {jax.devices()[0].device_kind}; jax {jax.__version__}; torch {torch.__version__}; "
               f"bf16 {n}^3 matmul {peak:.0f} TFLOP/s; XLA_FLAGS={os.environ.get('XLA_FLAGS', '')!r}", flush=True)
     rows, notes, errs = {}, [], {}
-    for name in args.configs.split(","):
-        variant, latent = CONFIGS[name]
-        cfg = VARIANTS[variant].transformer
-        results = rows[name] = {}
-        ref, folder = run_torch(cfg, latent, args, name, results) if args.diffusers else (None, None)
-        out = run_jax(cfg, latent, args, name, folder, results, notes)
-        if ref is not None:
-            errs[name] = f"{rel(out, ref):.2e}"
-        if not args.json:
-            print(f"{name}: {results}", flush=True)
+    with GpuMonitor() as monitor:
+        for name in args.configs.split(","):
+            variant, latent = CONFIGS[name]
+            cfg = VARIANTS[variant].transformer
+            results = rows[name] = {}
+            ref, folder = run_torch(cfg, latent, args, name, results) if args.diffusers else (None, None)
+            out = run_jax(cfg, latent, args, name, folder, results, notes)
+            if ref is not None:
+                errs[name] = f"{rel(out, ref):.2e}"
+            if not args.json:
+                print(f"{name}: {results}", flush=True)
     if args.json:
         print("RESULT " + json.dumps({name: r["ours fused"] for name, r in rows.items()}), flush=True)
         return
@@ -360,8 +372,9 @@ def main():
     print()
     print("\n".join(notes))
     print(f"\nbf16 {n}^3 matmul in this run: {peak:.0f} TFLOP/s")
-    print("| config | latent F×H×W | model FLOPs | entry | ms/forward | entry ÷ ours fused | MFU | rel err vs diffusers |")
-    print("|---|---|---|---|---|---|---|---|")
+    print("| config | latent F×H×W | model FLOPs | entry | ms/forward | entry ÷ ours fused | MFU | rel err vs diffusers "
+          "| while timed (medians) |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for name, results in rows.items():
         variant, latent = CONFIGS[name]
         flops = model_flops(VARIANTS[variant].transformer, latent)
@@ -370,7 +383,9 @@ def main():
             mfu = "" if "only" in entry else f"{flops / (ms * 1e-3) / (peak * 1e12):.1%}"
             ratio = f"{ms / ours:.3f}" if ours else ""
             err = errs.get(name, "") if entry == OURS else ""
-            print(f"| {name} | {'×'.join(map(str, latent))} | {flops:.3g} | {entry} | {ms:.1f} | {ratio} | {mfu} | {err} |")
+            clocks = clock_summary(monitor.window(*TIMED[name, entry])) if (name, entry) in TIMED else ""
+            print(f"| {name} | {'×'.join(map(str, latent))} | {flops:.3g} | {entry} | {ms:.1f} | {ratio} | {mfu} | {err} "
+                  f"| {clocks} |")
 
 
 if __name__ == "__main__":

@@ -23,14 +23,11 @@ softmax at all (scores straight into P·V); jax cuDNN; `attention(impl="pallas_g
 from __future__ import annotations
 
 import argparse
-import datetime
 import functools
 import os
 import shutil
 import statistics
-import subprocess
 import sys
-import tempfile
 import time
 
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
@@ -39,10 +36,10 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
 from wan_tpu.layers.attention import attention  # noqa: E402
+from wan_tpu.profiling import GpuMonitor  # noqa: E402
 
 SHAPES = {"self480": (12, 32760), "self720": (40, 75600)}
 FLOPS_PER_CLOCK = 132 * 4096  # H100 / H200 SXM dense bf16, per clock
-QUERY = "timestamp,clocks.sm,power.draw,temperature.gpu,clocks_event_reasons.active"
 
 
 def run_entry(fn, args, seconds):
@@ -64,18 +61,6 @@ def run_entry(fn, args, seconds):
     return (time.perf_counter() - start) / n, first, (t0 + min(1.0, seconds / 4), time.time())
 
 
-def read_samples(path):
-    rows = []
-    for line in open(path):
-        parts = [p.strip() for p in line.split(",")]
-        try:
-            ts = datetime.datetime.strptime(parts[0], "%Y/%m/%d %H:%M:%S.%f").timestamp()
-            rows.append((ts, float(parts[1]), float(parts[2]), float(parts[3]), parts[4]))
-        except (ValueError, IndexError):
-            continue  # a header or a line cut by the sampler's exit
-    return rows
-
-
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shapes", default="self480,self720", help=f"comma separated, from {list(SHAPES)}")
@@ -89,10 +74,8 @@ def main():
 
     tuned = GPU_BLOCKS["self"]
     tiles = {k: v for k, v in tuned.items() if k not in ("half_p", "stale_max")}
-    log = os.path.join(tempfile.mkdtemp(), "smi.csv")
-    smi = subprocess.Popen(["nvidia-smi", f"--query-gpu={QUERY}", "--format=csv,noheader,nounits", "-lms", "50", "-f", log])
     results = []
-    try:
+    with GpuMonitor() as monitor:
         a = jax.random.normal(jax.random.PRNGKey(0), (16384, 16384), jnp.bfloat16)
         results.append(("matmul 16384³", 2 * 16384**3, 1, *run_entry(lambda x, y: x @ y, (a, a), args.seconds)))
         del a
@@ -117,16 +100,12 @@ def main():
                 print(f"{shape}: {name}", flush=True)
                 results.append((f"{shape} {name}", flops, 2 if "FP8" in name else 1, *run_entry(fn, qkv, args.seconds)))
             del qkv
-    finally:
-        time.sleep(0.5)
-        smi.terminate()
-        smi.wait()
-    samples = read_samples(log)
+    samples = monitor.samples()
     print(f"\n{jax.devices()[0].device_kind}; jax {jax.__version__}; {len(samples)} nvidia-smi samples")
     print("| entry | TFLOP/s | first call after 2 s idle | SM MHz median (min) | per clock | W median | °C | throttle |")
     print("|---|---|---|---|---|---|---|---|")
     for name, flops, rate, per_call, first, (t0, t1) in results:
-        window = [r for r in samples if t0 <= r[0] <= t1]
+        window = monitor.window(t0, t1)
         tflops = flops / per_call / 1e12
         if not window:
             print(f"| {name} | {tflops:.1f} | {flops / first / 1e12:.1f} | no samples | | | | |")

@@ -35,3 +35,31 @@ def test_op_classes_of_a_gpu_forward():
     assert op_kind("loop_dynamic_slice_fusion.23") == "loop_dynamic_slice_fusion"
     assert op_class("loop_dynamic_slice_fusion").startswith("weight slices")
     assert op_class("triton_softmax").startswith("fusions") and op_class("loop_convert_fusion").startswith("fusions")
+
+
+def test_gpu_monitor_log_and_summary(tmp_path):
+    """`GpuMonitor`'s nvidia-smi log read back (a header, an unavailable field and a line cut by the
+    sampler's exit skipped), a window of it summarised by medians; off NVIDIA GPUs it samples nothing."""
+    import datetime
+
+    from wan_tpu.profiling import GpuMonitor, clock_summary, read_smi_samples
+
+    log = tmp_path / "smi.csv"
+    log.write_text("timestamp, clocks.sm [MHz], power.draw [W], temperature.gpu, clocks_event_reasons.active\n"
+                   "2026/11/26 16:16:00.000, 1980, 120.50, 40, 0x0000000000000000\n"
+                   "2026/11/26 16:16:00.050, 1500, 697.10, 58, 0x0000000000000004\n"
+                   "2026/11/26 16:16:00.100, [N/A], 690.00, 58, 0x0000000000000004\n"
+                   "2026/11/26 16:16:00.150, 1490, 698.90, 59, 0x0000000000000004\n"
+                   "2026/11/26 16:16:00.200, 14")
+    rows = read_smi_samples(str(log))
+    t0 = datetime.datetime(2026, 11, 26, 16, 16, 0).timestamp()
+    assert [r[1] for r in rows] == [1980.0, 1500.0, 1490.0] and abs(rows[1][0] - (t0 + 0.05)) < 1e-6
+    monitor = GpuMonitor()
+    monitor.log = str(log)
+    window = monitor.window(t0 + 0.01, t0 + 0.2)
+    assert clock_summary(window, min_seconds=0.1) == "SM 1495 MHz, 698 W"
+    assert clock_summary(window) == "" and clock_summary([]) == ""  # under a second: the power reading lags
+    if jax.default_backend() != "gpu":
+        with GpuMonitor() as idle:
+            pass
+        assert idle.samples() == []

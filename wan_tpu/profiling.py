@@ -10,9 +10,14 @@ inside `jit` uses `jax.named_scope`, which names the HLO ops and so the device k
 from __future__ import annotations
 
 import contextlib
+import datetime
 import glob
 import os
 import re
+import shutil
+import statistics
+import subprocess
+import tempfile
 import time
 from dataclasses import dataclass, field
 
@@ -172,6 +177,71 @@ def scope(name: str):
     """A named region on the host timeline of a trace (cheap when no trace is running)."""
     with jax.profiler.TraceAnnotation(name):
         yield
+
+
+class GpuMonitor:
+    """The GPU's SM clock, board power, temperature and throttle reasons, sampled by `nvidia-smi` every
+    `interval_ms` in a process of its own while the `with` block runs (nothing off NVIDIA GPUs).
+
+    H100 and H200 cards run under a 700 W limit and under dense work they reach it: the SM clock then
+    falls from 1980 MHz to whatever holds the power there, so a timing means little without the
+    clock it ran at. `window(t0, t1)` (`time.time()` values) is what was sampled in between.
+    """
+
+    QUERY = "timestamp,clocks.sm,power.draw,temperature.gpu,clocks_event_reasons.active"
+
+    def __init__(self, interval_ms: int = 50):
+        self.interval_ms = interval_ms
+        self.log = None
+        self._proc = None
+
+    def __enter__(self):
+        if jax.default_backend() == "gpu" and shutil.which("nvidia-smi"):
+            self.log = os.path.join(tempfile.mkdtemp(prefix="gpu_monitor_"), "smi.csv")
+            # nvidia-smi numbers GPUs as the machine does; JAX's first is CUDA_VISIBLE_DEVICES' first.
+            first = (os.environ.get("CUDA_VISIBLE_DEVICES") or "0").split(",")[0]
+            self._proc = subprocess.Popen(["nvidia-smi", f"--query-gpu={self.QUERY}", "--format=csv,noheader,nounits",
+                                           "-i", first if first.isdigit() else "0", "-lms", str(self.interval_ms),
+                                           "-f", self.log])
+        return self
+
+    def __exit__(self, *exc):
+        if self._proc is not None:
+            time.sleep(2 * self.interval_ms / 1e3)  # the last window's samples
+            self._proc.terminate()
+            self._proc.wait()
+            self._proc = None
+
+    def samples(self) -> list[tuple]:
+        """(time.time(), SM MHz, W, °C, throttle reasons) per sample so far."""
+        return read_smi_samples(self.log) if self.log and os.path.exists(self.log) else []
+
+    def window(self, t0: float, t1: float) -> list[tuple]:
+        return [r for r in self.samples() if t0 <= r[0] <= t1]
+
+
+def read_smi_samples(path: str) -> list[tuple]:
+    """`GpuMonitor`'s log: (time.time(), SM MHz, W, °C, throttle reasons) rows."""
+    rows = []
+    with open(path) as f:
+        for line in f:
+            parts = [p.strip() for p in line.split(",")]
+            try:
+                ts = datetime.datetime.strptime(parts[0], "%Y/%m/%d %H:%M:%S.%f").timestamp()
+                rows.append((ts, float(parts[1]), float(parts[2]), float(parts[3]), parts[4]))
+            except (ValueError, IndexError):
+                continue  # a header, "[N/A]", or a line cut by the sampler's exit
+    return rows
+
+
+def clock_summary(samples: list[tuple], min_seconds: float = 1.0) -> str:
+    """"SM 1500 MHz, 697 W" (medians) for a `GpuMonitor.window`; "" for a window under `min_seconds`:
+    nvidia-smi's power.draw is a one-second average on Hopper cards, so a short window's reading is
+    mostly the work before it, and the power limiter needs a moment to pull the clock down."""
+    if not samples or samples[-1][0] - samples[0][0] < min_seconds:
+        return ""
+    return (f"SM {statistics.median(r[1] for r in samples):.0f} MHz, "
+            f"{statistics.median(r[2] for r in samples):.0f} W")
 
 
 _IMPORTED = time.perf_counter()
