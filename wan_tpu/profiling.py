@@ -1,4 +1,4 @@
-"""Stage timing, named trace scopes and MFU.
+"""Stage timing, named trace scopes, MFU, and the GPU's clock and power while work runs (`GpuMonitor`).
 
 Trace hierarchy (what `--profile DIR` shows in Perfetto / TensorBoard):
   data_preparation (text encode, image encode) → pipeline → denoise/step_i → dit_forward → dit_block
