@@ -9,7 +9,7 @@ tokens; the base model without heads), the action head, one DDIM step, 4-step sa
 decision-making and world-model mode (eta 1 with injected noise) and a guided 2-step sampling.
 Weights and large inputs are not stored: `tests/unifolm_weights.py` regenerates them from their names.
 
-Reduced config (`configs/unifolm.py` "unifolm-tiny"/"unifolm-tiny-base"): the shipped YAMLs with few
+Reduced config (`wan_tpu/configs/unifolm.py` "unifolm-tiny"/"unifolm-tiny-base"): the shipped YAMLs with few
 channels; every structural number their code hard-codes kept (4 UNet levels, 16 frames, 77 text
 tokens, 16 image tokens and 16 actions per frame, ResNet18 observation encoder).
 

@@ -14,7 +14,7 @@ nn.Module) and, where its wheel cannot load beside a CPU torch, `torchvision` ar
 
 Weights are not stored: every tensor is `golden_param(name, shape)` (seeded by its name), and the file
 records each component's tensor names and shapes, so `tests/test_unifolm_encoders.py` rebuilds the
-same state dicts, converts them as `scripts/convert_unifolm_checkpoint.py` does and compares.
+same state dicts, converts them as `wan_tpu/unifolm/convert_cli.py` does and compares.
 """
 
 from __future__ import annotations

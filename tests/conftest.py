@@ -11,7 +11,7 @@ os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 if "--xla_force_host_platform_device_count" not in os.environ["XLA_FLAGS"]:
     os.environ["XLA_FLAGS"] += " --xla_force_host_platform_device_count=8"
 
-# The persistent compilation cache is on by default (wan_tpu.compile_cache): tests keep theirs in a
+# The persistent compilation cache is on by default (wan_tpu.runtime.compile_cache): tests keep theirs in a
 # folder of their own per process, not in the user's ~/.cache.
 if "WAN_TPU_CACHE_DIR" not in os.environ:
     import atexit

@@ -3,9 +3,9 @@
 Softmax scale is 1/sqrt(D), non-causal, any Sq, Skv ≥ 1. Kernels:
 
 - `"reference"`: plain XLA, logits and softmax in float32; runs everywhere.
-- `"splash_exp2"`: our TPU Pallas kernel (`kernels/splash_exp2.py`); `interpret=True` runs it on
+- `"splash_exp2"`: our TPU Pallas kernel (`wan_tpu/kernels/splash_exp2.py`); `interpret=True` runs it on
   CPU (slowly, for tests).
-- `"pallas_gpu"`: our GPU Pallas kernel (`kernels/flash_gpu.py`): the Hopper kernel for bf16/fp16
+- `"pallas_gpu"`: our GPU Pallas kernel (`wan_tpu/kernels/flash_gpu.py`): the Hopper kernel for bf16/fp16
   with D % 64 == 0, the Triton fallback otherwise; `interpret=True` runs the latter on CPU.
 - `"pallas_gpu_fp8"`: the Hopper kernel on the 8-bit tensor cores (`flash_mgpu.mgpu_attention_fp8`:
   int8 Q·Kᵀ, e4m3 P·V, scaled, each step's P·V summed in float32, FA3's turn hand-over). On an
@@ -19,7 +19,7 @@ Softmax scale is 1/sqrt(D), non-causal, any Sq, Skv ≥ 1. Kernels:
   has no sequence-length constraint.
 
 `block_sizes` (keys block_q, block_kv, block_kv_compute, block_kv_compute_in; missing keys take the
-tuned defaults of `kernels/tuning.py`, unknown keys are an error) tunes the Pallas kernels; the GPU
+tuned defaults of `wan_tpu/kernels/tuning.py`, unknown keys are an error) tunes the Pallas kernels; the GPU
 kernels read only block_q and block_kv.
 
 `kv_len` ((B,) integers ≥ 1, optional): row b attends only to keys [0, kv_len[b]) (UniFoLM's block-causal
@@ -28,7 +28,7 @@ action tokens). Only `"reference"` and `"cudnn"` (its padding mask, `key_value_s
 else the reference.
 
 `impl=None` picks by backend: TPU → splash_exp2; Hopper GPU → the faster of pallas_gpu and cuDNN
-for the shape class, as measured (`kernels/tuning.py`: ours for self-attention and, since FA3's
+for the shape class, as measured (`wan_tpu/kernels/tuning.py`: ours for self-attention and, since FA3's
 intra-warpgroup overlap, for a video's cross-attention to a short context; cuDNN where both
 sequences are short), other GPUs → cuDNN, float32 on GPU → reference; CPU → reference. The
 environment variable `WAN_TPU_ATTENTION` names an impl that `impl=None` uses instead.
@@ -117,7 +117,7 @@ _IMPLS = {
     "pallas_gpu_fp8": (_pallas_gpu_fp8, ("gpu",)),
     "cudnn": (lambda q, k, v, bs, interpret: cudnn_attention(q, k, v), ("gpu",)),
 }
-# The impls that hold a (Sq, Skv) logits array in memory (`wan_tpu.memory` budgets it); every other
+# The impls that hold a (Sq, Skv) logits array in memory (`wan_tpu.runtime.memory` budgets it); every other
 # one is a flash kernel, so a new kernel is budgeted right without being listed anywhere else.
 MATERIALISES_LOGITS = ("reference",)
 # Pallas interpret mode runs these on any backend.

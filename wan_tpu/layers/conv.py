@@ -9,7 +9,7 @@ Two kernel layouts, chosen when the module is built:
 With the other layout on a GPU, XLA copies every kernel into OHWI before its convolution, and inside a
 loop (a sampler's `lax.scan` over steps) it makes those copies once, before the loop, and keeps them
 for all of it: UnifoLM's DDIM loop held 3.2 GB of copied kernels (2.95 of its 3.58 GiB of temporaries,
-H100, `scripts/profile_unifolm_memory.py`) beside the 5 GB of weights they copy.
+H100, `benchmarks/profile_unifolm_memory.py`) beside the 5 GB of weights they copy.
 
 The default follows the backend (`jax.default_backend()`, out-first on "gpu"); `kernel_layout(...)`
 sets it for the modules built inside it (a sharded load builds spatial-first, the layout the sharding

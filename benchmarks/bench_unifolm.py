@@ -1,0 +1,412 @@
+"""UnifoLM-WMA speed and memory: the authors' code and ours, in one process, on the same random weights.
+
+    # device (H100/H200): the authors' checkout carried as third_party/ (ignored by git)
+    XLA_PYTHON_CLIENT_PREALLOCATE=false python benchmarks/bench_unifolm.py --ref third_party/unifolm-world-model-action \
+        --workdir /tmp/unifolm-bench --variants theirs-fp32,ours-bf16,ours-fp32 --steps 50,16
+    # torch.compile compiles for minutes: its comparison in a second call (same converted weights)
+    XLA_PYTHON_CLIENT_PREALLOCATE=false python benchmarks/bench_unifolm.py --ref third_party/unifolm-world-model-action \
+        --workdir /tmp/unifolm-bench --variants theirs-bf16-compile,ours-bf16 --steps 16
+    # CPU smoke test (reduced configs, 2 steps, no torch.compile)
+    python benchmarks/bench_unifolm.py --ref /work/refs/unifolm-world-model-action --size tiny --steps 2 \
+        --variants theirs-fp32,theirs-bf16,ours-fp32,ours-bf16
+
+Variants: `theirs-fp32` is their code as shipped (float32), except that xformers (not installed on the
+device) is replaced by `torch.nn.functional.scaled_dot_product_attention` with the same additive
+bias (and, on newer diffusers, three typing names their lr_scheduler.py imports from
+`diffusers.optimization` are put back); `theirs-bf16-compile` adds `torch.autocast(bfloat16)` and `torch.compile` of the UNet (the
+fixes the seed suggested); `ours-fp32` / `ours-bf16` are `UnifolmPipeline` with the UNet and heads in
+that dtype (VAE float32, the CLIP towers `--encoder-dtype`, float32 by default); `ours-bf16-fresh` is
+`ours-bf16` again in a new process after the first `ours-*` filled the compile cache (a fresh folder per
+run of this script), as a user's second run: its first sampling loads the compiled programs, and its peak
+memory holds no compile-time autotuning (JAX's peak is cumulative over a process). `--size real` builds their model from
+`wan_tpu/configs/inference/world_model_interaction.yaml` (OpenCLIP ViT-H-14 created without downloading:
+random weights), converts its state dict with `wan_tpu.unifolm.convert` and loads ours from that
+folder, so both run the same weights. `--size tiny` uses the reduced configs of the golden tests
+(their CLIP towers replaced by random embeddings, ours the `unifolm-tiny` preset: timings only).
+
+Measured per variant (batch 1, 2 observed frames, 16 frames, eta 1, uniform_trailing): model load;
+one decision-making sampling at each `--steps` (first call, which compiles, and the median of
+`--repeats` warm calls) and s/step = sampling / steps; VAE decode of the 16 latents; one interaction
+iteration (decide + world model, encoders and decodes included) at the first `--steps`; peak device
+memory (torch: `max_memory_allocated` per variant; JAX: `peak_bytes_in_use`, cumulative over the
+process, so `ours-bf16` runs before `ours-fp32`; for ours also the memory in use after the load, the
+weights, the peak by then, and the peak when each stage (encode, sampling, decode; each mode) first
+finishes, which shows the stage that set the peak; the fresh process's row also gives the time from its start to the end of
+its first sampling). Everything prints as one table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import importlib.machinery
+import importlib.util
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import types
+import typing
+
+import numpy as np
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+VARIANTS = ("theirs-fp32", "theirs-bf16-compile", "ours-bf16", "ours-bf16-fresh", "ours-fp32")
+
+
+def _module(name: str) -> types.ModuleType:
+    module = types.ModuleType(name)
+    module.__spec__ = importlib.machinery.ModuleSpec(name, None)  # importlib.util.find_spec probes it
+    return module
+
+
+def install_stubs():
+    """Imports their code needs that the device lacks: xformers (→ SDPA), and on a bare CPU box
+    cv2 / decord / pytorch_lightning placeholders and torchvision without its C ops."""
+    import torch
+
+    try:
+        import torchvision  # noqa: F401
+    except RuntimeError:  # PyPI's torchvision beside a CPU torch: skip its fake-kernel registrations
+        register_fake = torch.library.register_fake
+        torch.library.register_fake = lambda *a, **k: (lambda f: f)
+        for name in [m for m in sys.modules if m.split(".")[0] == "torchvision"]:
+            del sys.modules[name]
+        import torchvision  # noqa: F401
+
+        torch.library.register_fake = register_fake
+    import diffusers.optimization
+    import open_clip  # noqa: F401  (before the stubs: it probes optional modules)
+    import transformers  # noqa: F401
+
+    # Their lr_scheduler.py imports typing names through diffusers.optimization, which newer diffusers
+    # no longer re-exports (0.30.2 did); the scheduler code itself is unchanged.
+    for name, value in (("Union", typing.Union), ("Optional", typing.Optional), ("Optimizer", torch.optim.Optimizer)):
+        if not hasattr(diffusers.optimization, name):
+            setattr(diffusers.optimization, name, value)
+
+    for name in ("cv2", "decord"):
+        if importlib.util.find_spec(name) is None:
+            sys.modules[name] = _module(name)
+    if importlib.util.find_spec("pytorch_lightning") is None:
+        pl = _module("pytorch_lightning")
+
+        class LightningModule(torch.nn.Module):
+            @property
+            def device(self):
+                return next(self.parameters()).device
+
+        pl.LightningModule, pl.seed_everything = LightningModule, torch.manual_seed
+        utilities = _module("pytorch_lightning.utilities")
+        utilities.rank_zero_only = lambda f: f
+        pl.utilities = utilities
+        sys.modules["pytorch_lightning"], sys.modules["pytorch_lightning.utilities"] = pl, utilities
+
+    def memory_efficient_attention(q, k, v, attn_bias=None, op=None):
+        mask = None if attn_bias is None else attn_bias.to(q.dtype)
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+
+    xformers, ops = _module("xformers"), _module("xformers.ops")
+    ops.memory_efficient_attention = memory_efficient_attention
+    xformers.ops = ops
+    sys.modules["xformers"], sys.modules["xformers.ops"] = xformers, ops
+
+
+def build_theirs(ref: str, size: str, device):
+    """Their `LatentVisualDiffusion` with random weights (no download), on `device`, eval mode."""
+    import open_clip
+    from omegaconf import OmegaConf
+
+    sys.path.insert(0, os.path.join(ref, "src"))
+    if size == "tiny":
+        spec = importlib.util.spec_from_file_location("golden", os.path.join(REPO, "scripts", "make_golden_unifolm.py"))
+        golden = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(golden)
+        meta = os.path.join(tempfile.mkdtemp(), "meta.json")
+        with open(meta, "w") as f:
+            json.dump({"obs": {"image": {"shape": [3, 128, 128], "type": "rgb"},
+                               "agent_pos": {"shape": [16], "type": "low_dim"}}, "action": {"shape": [16]}}, f)
+        model = golden.build(ref, meta, base=False)
+    else:
+        create = open_clip.create_model_and_transforms
+        open_clip.create_model_and_transforms = lambda arch, device=None, pretrained=None, **kw: create(arch, device=device)
+        from unifolm_wma.utils.utils import instantiate_from_config
+
+        cfg = OmegaConf.load(os.path.join(ref, "configs", "inference", "world_model_interaction.yaml"))
+        cfg.model.params.wma_config.params.use_checkpoint = False
+        model = instantiate_from_config(cfg.model)
+        model.perframe_ae = True
+    return model.eval().to(device)
+
+
+class Theirs:
+    """Their sampling glue (`image_guided_synthesis_sim_mode` of world_model_interaction.py), batch 1."""
+
+    def __init__(self, model, size, device, dtype=None):
+        import torch
+
+        self.model, self.size, self.device, self.autocast = model, size, device, dtype
+        u = model.model.diffusion_model
+        self.d = model.global_emb_dim
+        h, w = model.image_size
+        self.noise_shape = [1, u.out_channels, 16, h, w]
+        self.frame = (h * 8, w * 8)
+        g = torch.Generator().manual_seed(0)
+        self.images = (torch.rand(1, 3, 2, *self.frame, generator=g) * 2 - 1).to(device)
+        self.states = (torch.rand(1, 2, 16, generator=g) * 2 - 1).to(device)
+        self.actions = (torch.rand(1, 16, 16, generator=g) * 2 - 1).to(device)
+
+    def _ctx(self):
+        import torch
+
+        return torch.autocast(self.device.type, dtype=torch.bfloat16) if self.autocast else contextlib.nullcontext()
+
+    def sample(self, steps: int, world: bool):
+        import torch
+        from einops import rearrange, repeat
+        from unifolm_wma.models.samplers.ddim import DDIMSampler
+
+        m = self.model
+        with torch.no_grad(), self._ctx():
+            img = self.images.permute(0, 2, 1, 3, 4)
+            last = rearrange(img, "b o c h w -> (b o) c h w")[-1:]
+            if self.size == "tiny":  # their CLIP towers are not in the reduced model: random embeddings
+                img_emb = m.image_proj_model(torch.randn(1, 257, 32, device=self.device))
+                text = torch.randn(1, 77, self.d, device=self.device)
+            else:
+                img_emb = m.image_proj_model(m.embedder(last))
+                text = m.get_learned_conditioning(["" if world else "pick up the cup"])
+            z = m.encode_first_stage(self.images)
+            cond = {"c_concat": [repeat(z[:, :, -1:], "b c t h w -> b c (repeat t) h w", repeat=16)]}
+            state = m.state_projector(self.states) + m.agent_state_pos_emb
+            action = m.action_projector(self.actions) + m.agent_action_pos_emb
+            if not world:
+                action = torch.zeros_like(action)
+            cond["c_crossattn"] = [torch.cat([state, action, text, img_emb], dim=1)]
+            cond["c_crossattn_action"] = [self.images[:, :, -m.n_obs_steps_acting:], self.states[:, -m.n_obs_steps_acting:], world, False]
+            fs = torch.tensor([7], dtype=torch.long, device=self.device)
+            sampler = DDIMSampler(m)
+            if self.device.type != "cuda":  # theirs moves its schedule buffers to CUDA unconditionally
+                sampler.register_buffer = lambda name, attr: setattr(sampler, name, attr)
+            samples, actions, states, _ = sampler.sample(
+                S=steps, conditioning=cond, batch_size=1, shape=self.noise_shape[1:], verbose=False,
+                unconditional_guidance_scale=1.0, unconditional_conditioning=None, eta=1.0, cfg_img=None, mask=None,
+                x0=None, fs=fs, timestep_spacing="uniform_trailing", guidance_rescale=0.7,
+                unconditional_conditioning_img_nonetext=None)
+        return samples, actions, states
+
+    def decode(self, samples):
+        import torch
+
+        with torch.no_grad(), self._ctx():
+            return self.model.decode_first_stage(samples)
+
+    def sync(self, x=None):
+        import torch
+
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()
+        return x
+
+
+class Ours:
+    def __init__(self, pipe):
+        import jax
+
+        self.pipe, self.jax = pipe, jax
+        rng = np.random.default_rng(0)
+        self.images = jax.numpy.asarray(rng.uniform(-1, 1, (1, 3, 2, pipe.height, pipe.width)).astype(np.float32))
+        self.states = jax.numpy.asarray(rng.uniform(-1, 1, (1, 2, 16)).astype(np.float32))
+        self.actions = jax.numpy.asarray(rng.uniform(-1, 1, (1, 16, 16)).astype(np.float32))
+        self.peaks = {}
+
+    def _peak(self, stage: str, out):
+        """The process's peak device memory when `stage` first finishes (JAX's peak only grows, so the
+        first stage whose row jumps is the one that set it)."""
+        label = f"peak after first {stage} (GB)"
+        if label not in self.peaks:
+            self.jax.block_until_ready(out)
+            self.peaks[label] = (self.jax.devices()[0].memory_stats() or {}).get("peak_bytes_in_use", float("nan")) / 1e9
+        return out
+
+    def sample(self, steps: int, world: bool):
+        p, key = self.pipe, self.jax.random.key(0)
+        mode = "world-model" if world else "decision"
+        cond = self._peak(f"{mode} encode", p.encode_conditions("" if world else "pick up the cup", self.images,
+                                                                 self.states, self.actions if world else None, 7, key=key))
+        return self._peak(f"{mode} sampling", p.sample(cond, steps, 1.0, key=key))
+
+    def decode(self, samples):
+        return self._peak("decode", self.pipe.decode(samples))
+
+    def sync(self, x=None):
+        return self.jax.block_until_ready(x)
+
+
+def timed(fn):
+    start = time.perf_counter()
+    out = fn()
+    return out, time.perf_counter() - start
+
+
+def measure(runner, steps_list, repeats: int) -> dict:
+    row = {}
+    for steps in steps_list:
+        out, first = timed(lambda: runner.sync(runner.sample(steps, world=False)))
+        row.setdefault("_first_done", time.time())
+        warm = [timed(lambda: runner.sync(runner.sample(steps, world=False)))[1] for _ in range(repeats)]
+        row[f"first sampling {steps} (s)"] = first
+        row[f"sampling {steps} (s)"] = statistics.median(warm)
+        row[f"s/step @{steps}"] = statistics.median(warm) / steps
+    samples = out[0]
+    runner.sync(runner.decode(samples))
+    row["VAE decode 16 frames (s)"] = statistics.median(timed(lambda: runner.sync(runner.decode(samples)))[1] for _ in range(repeats))
+
+    def iteration():
+        s, _, _ = runner.sample(steps_list[0], world=False)
+        runner.sync(runner.decode(s))
+        s, _, _ = runner.sample(steps_list[0], world=True)
+        return runner.sync(runner.decode(s))
+
+    runner.sync(iteration())  # the world-model trace compiles here
+    row[f"interaction iteration @{steps_list[0]} (s)"] = timed(iteration)[1]
+    return row
+
+
+def fresh_process_row(args, folder) -> dict:
+    """`ours-bf16` in a new process of this script, its compile cache the one this process filled."""
+    cmd = [sys.executable, os.path.abspath(__file__), "--ref", args.ref, "--size", args.size, "--steps", args.steps,
+           "--variants", "ours-bf16", "--repeats", str(args.repeats), "--encoder-dtype", args.encoder_dtype, "--json"]
+    cmd += ["--workdir", folder] if folder else []
+    result = subprocess.run(cmd, capture_output=True, text=True, env=dict(os.environ, UNIFOLM_BENCH_T0=repr(time.time())))
+    rows = [line for line in result.stdout.splitlines() if line.startswith("RESULT ")]
+    if result.returncode or not rows:
+        raise SystemExit(f"ours-bf16-fresh failed (status {result.returncode}):\n{result.stderr[-4000:]}")
+    return json.loads(rows[-1][len("RESULT "):])["ours-bf16"]
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--ref", required=True, help="the authors' checkout (e.g. third_party/unifolm-world-model-action)")
+    ap.add_argument("--size", choices=("real", "tiny"), default="real")
+    ap.add_argument("--steps", default="50,16", help="comma-separated DDIM step counts (first: the interaction's)")
+    ap.add_argument("--variants", default=",".join(VARIANTS))
+    ap.add_argument("--repeats", type=int, default=1, help="warm repetitions (median)")
+    ap.add_argument("--encoder-dtype", choices=("float32", "bfloat16"), default="float32",
+                    help="our CLIP towers' dtype (ours-* variants)")
+    ap.add_argument("--json", action="store_true", help="also print the rows as one RESULT line of JSON")
+    ap.add_argument("--workdir", default=None,
+                    help="where the converted checkpoint goes (default: a temp folder); an existing one is reused, "
+                         "and with only ours-* variants their model is not even built")
+    args = ap.parse_args(argv)
+    os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # torch and JAX share the GPU
+    # ours as a command line runs it (wan_tpu.runtime.xla_defaults); a flag set in XLA_FLAGS wins
+    from wan_tpu.runtime.xla_defaults import apply_xla_defaults
+
+    apply_xla_defaults()
+    # A compile cache of this run's own: the first ours-* compiles (cold), ours-bf16-fresh loads (warm).
+    os.environ.setdefault("WAN_TPU_CACHE_DIR", tempfile.mkdtemp(prefix="unifolm-bench-cache-"))
+    steps_list = [int(s) for s in args.steps.split(",")]
+    variants = args.variants.split(",")
+    unknown = sorted(set(variants) - set(VARIANTS) - {"theirs-bf16"})
+    if unknown:
+        ap.error(f"unknown variants {unknown}; choose from {VARIANTS} (theirs-bf16: autocast without compile)")
+
+    import jax
+    import jax.numpy as jnp
+    import torch
+
+    torch.set_grad_enabled(False)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    results, notes = {}, []
+    folder = args.workdir if args.size == "real" else None
+    reuse = folder is not None and os.path.isfile(os.path.join(folder, "config.json"))
+    model = None
+    # Their model: for their variants, and to convert its weights for ours (unless converted already).
+    if any(v.startswith("theirs") for v in variants) or (args.size == "real" and not reuse):
+        cwd = os.getcwd()
+        os.chdir(args.ref)  # their obs encoder reads wan_tpu/configs/train/meta.json from the working directory
+        try:
+            install_stubs()
+            torch.manual_seed(0)  # their init runs on the CPU: the same weights in every run (and --workdir reuse)
+            model, load_theirs = timed(lambda: build_theirs(os.path.abspath("."), args.size, device))
+            notes.append("their load = instantiate + .to(device) (random init; a .ckpt read would add torch.load)")
+        finally:
+            os.chdir(cwd)
+    if reuse:
+        notes.append(f"ours loaded the converted folder {folder} of an earlier run (the same weights as that run's)")
+
+    if args.size == "real" and not reuse:
+        from wan_tpu.unifolm.convert import split_components, write_image_encoder, write_text_encoder, write_tokenizer, write_vae
+        from wan_tpu.unifolm.convert import save_safetensors_shards
+        from wan_tpu.configs.unifolm import CONFIGS, config_to_json
+
+        folder = args.workdir or tempfile.mkdtemp(prefix="unifolm-bench-")
+        os.makedirs(folder, exist_ok=True)
+        parts = split_components({k: v.detach().cpu() for k, v in model.state_dict().items()})
+        with open(os.path.join(folder, "config.json"), "w") as f:
+            json.dump(config_to_json(CONFIGS["unifolm-wma-0"]), f)
+        save_safetensors_shards(parts["unet"], folder, "unet")
+        save_safetensors_shards(parts["conditioning"], folder, "conditioning")
+        write_vae(os.path.join(folder, "vae"), parts["vae"], 0.18215)
+        write_image_encoder(os.path.join(folder, "image_encoder"), parts["image"])
+        write_text_encoder(os.path.join(folder, "text_encoder"), parts["text"])
+        write_tokenizer(os.path.join(folder, "tokenizer"), parts["text"]["token_embedding.weight"].shape[0])
+        del parts
+
+    for variant in variants:
+        if variant == "ours-bf16-fresh":
+            row = fresh_process_row(args, folder)
+        elif variant.startswith("theirs"):
+            if device.type == "cuda":
+                torch.cuda.reset_peak_memory_stats()
+            runner = Theirs(model, args.size, device, dtype=None if variant == "theirs-fp32" else torch.bfloat16)
+            if variant == "theirs-bf16-compile":
+                model.model.diffusion_model = torch.compile(model.model.diffusion_model)
+            row = measure(runner, steps_list, args.repeats)
+            row.pop("_first_done")
+            row["model load (s)"] = load_theirs
+            if device.type == "cuda":
+                row["peak memory (GB)"] = torch.cuda.max_memory_allocated() / 1e9
+        else:
+            from wan_tpu.unifolm.pipeline import UnifolmPipeline
+
+            dtype = jnp.float32 if variant == "ours-fp32" else jnp.bfloat16
+            pipe, load = timed(lambda: UnifolmPipeline.from_pretrained(folder or "unifolm-tiny", dtype=dtype,
+                                                                       encoder_dtype=jnp.dtype(args.encoder_dtype)))
+            loaded = jax.devices()[0].memory_stats() or {}  # what the weights hold, and the load's own peak
+            runner = Ours(pipe)
+            row = measure(runner, steps_list, args.repeats)
+            row.update({k: v for k, v in runner.peaks.items() if v == v})  # none on a CPU
+            for label, key in (("in use after load (GB)", "bytes_in_use"), ("peak by the end of load (GB)", "peak_bytes_in_use")):
+                if key in loaded:
+                    row[label] = loaded[key] / 1e9
+            row["model load (s)"] = load
+            if "UNIFOLM_BENCH_T0" in os.environ:  # a fresh process (ours-bf16-fresh): its start to here
+                row["process start → first sampling done (s)"] = row.pop("_first_done") - float(os.environ["UNIFOLM_BENCH_T0"])
+            row.pop("_first_done", None)
+            stats = jax.devices()[0].memory_stats() or {}
+            if "peak_bytes_in_use" in stats:
+                row["peak memory (GB)"] = stats["peak_bytes_in_use"] / 1e9
+            del pipe
+        results[variant] = row
+        print(f"{variant}: " + ", ".join(f"{k} {v:.3f}" for k, v in row.items()), flush=True)
+
+    keys = list(dict.fromkeys(k for row in results.values() for k in row))
+    width = max(len(k) for k in keys)
+    print(f"\nUnifoLM-WMA ({args.size}), {torch.cuda.get_device_name() if device.type == 'cuda' else 'CPU'}, "
+          f"torch {torch.__version__}, jax {jax.__version__}")
+    print(" " * width + "".join(f"{v:>22}" for v in results))
+    for k in keys:
+        print(f"{k:<{width}}" + "".join(f"{results[v].get(k, float('nan')):>22.3f}" for v in results))
+    for note in notes:
+        print("note:", note)
+    if args.json:
+        print("RESULT " + json.dumps(results))
+
+
+if __name__ == "__main__":
+    main()

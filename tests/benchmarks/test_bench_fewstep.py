@@ -1,0 +1,52 @@
+"""`benchmarks/bench_fewstep.py`: the random kohya-format LoRA it writes is what both loaders take — every
+key of every block (ours: `check_lora`; diffusers: its Wan converter leaves no key unconverted) — and
+the table prints every run, failed ones with their reason. (Whole runs are device benchmarks; the
+script's docstring gives the CPU smoke commands.)"""
+
+import importlib.util
+import os
+import sys
+
+import numpy as np
+
+SCRIPTS = os.path.join(os.path.dirname(__file__), os.pardir, os.pardir, "benchmarks")
+
+
+def _load(name):
+    sys.path.insert(0, SCRIPTS)
+    try:
+        spec = importlib.util.spec_from_file_location(name, os.path.join(SCRIPTS, f"{name}.py"))
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module  # dataclasses look their module up by name
+        spec.loader.exec_module(module)
+        return module
+    finally:
+        sys.path.remove(SCRIPTS)
+
+
+bench = _load("bench_fewstep")
+
+
+def test_random_lora_loads_in_both_loaders(tmp_path):
+    from diffusers import WanPipeline
+
+    from wan_tpu.configs.models import VARIANTS
+    from wan_tpu.wan.lora import check_lora
+
+    cfg = VARIANTS["tiny"].transformer
+    path = bench.write_lora(str(tmp_path / "lora.safetensors"), "tiny", rank=4)
+    assert check_lora(cfg, path) == cfg.num_layers * 10
+    converted = WanPipeline.lora_state_dict(path)
+    assert len(converted) == cfg.num_layers * 10 * 2
+    a = converted["transformer.blocks.1.ffn.net.0.proj.lora_A.weight"].float().numpy()
+    assert a.shape == (4, cfg.inner_dim) and 0.5 < np.std(a) * cfg.inner_dim ** 0.5 < 2
+
+
+def test_table_lists_every_run():
+    row = dict(load=10.0, lora=1.5, text=2.0, denoise=30.0, excl_compile=20.0, steps=4, skipped=1, decode=3.0,
+               peak_bytes=2**31, device="cpu")
+    text = bench.format_table([{"run": "wan_tpu fbcache (0.05)", **row}, {"run": "diffusers", "status": "failed"}])
+    lines = text.splitlines()
+    assert lines[1].split() == ["wan_tpu", "fbcache", "(0.05)", "10.0", "1.5", "2.0", "30.0", "20.0", "5.000", "1/4",
+                                "3.0", "36.5", "46.5", "2.0"]
+    assert lines[2].split() == ["diffusers", "failed"]

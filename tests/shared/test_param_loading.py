@@ -1,0 +1,117 @@
+"""`wan_tpu.loading.params` and `TensorSource.read_into`: device-side layout + cast equal to the host's, bit for bit.
+
+Reference: the same tensors converted in numpy (transpose, reshape, `astype` with ml_dtypes' round to
+nearest even) — what the loaders did on the host before.
+"""
+
+import jax
+import ml_dtypes
+import numpy as np
+import pytest
+from safetensors.numpy import save_file
+
+from wan_tpu.loading.checkpoint import TensorSource
+from wan_tpu.errors import WanInputError
+from wan_tpu.loading import params as param_loading
+from wan_tpu.loading.params import TRANSPOSE, Layout, StoredParam, load_params
+
+
+@pytest.fixture
+def source(tmp_path):
+    rng = np.random.default_rng(0)
+    tensors = {f"blocks.{i}.w": rng.standard_normal((6, 4)).astype(np.float32) for i in range(3)}
+    tensors["conv"] = rng.standard_normal((5, 2, 1, 3, 3)).astype(np.float32)
+    tensors["gamma"] = rng.standard_normal((7, 1, 1, 1)).astype(np.float32)
+    tensors["bias"] = rng.standard_normal((9,)).astype(np.float32)
+    save_file(tensors, str(tmp_path / "a.safetensors"))
+    return TensorSource([str(tmp_path / "a.safetensors")]), tensors
+
+
+def cases(src):
+    bf16 = np.dtype(ml_dtypes.bfloat16)
+    return [
+        StoredParam(src, [f"blocks.{i}.w" for i in range(3)], TRANSPOSE, bf16, stacked=True),
+        StoredParam(src, ["conv"], Layout(perm=(2, 3, 4, 1, 0)), np.dtype(np.float32)),
+        StoredParam(src, ["conv"], Layout(reshape=(5, 18), perm=(1, 0)), bf16),
+        StoredParam(src, ["gamma"], Layout(reshape=(7,)), np.dtype(np.float32)),
+        StoredParam(src, ["bias"], Layout(), np.dtype(np.float32)),
+        StoredParam(src, [f"blocks.{i}.w" for i in range(3)], Layout(), np.dtype(np.float32), stacked=True),
+    ]
+
+
+def host_reference(p: StoredParam, tensors) -> np.ndarray:
+    layers = [tensors[n] for n in p.names]
+    a = np.stack(layers) if p.stacked else layers[0]
+    if p.layout.reshape is not None:
+        a = a.reshape(*a.shape[: int(p.stacked)], *p.layout.reshape)
+    if p.layout.perm is not None:
+        lead = int(p.stacked)
+        a = a.transpose(*range(lead), *(q + lead for q in p.layout.perm))
+    return np.ascontiguousarray(a.astype(p.dtype))
+
+
+@pytest.mark.parametrize("threads", [1, 3])
+@pytest.mark.parametrize("device_layout_bytes", [0, 1 << 30])  # every layout change on the device; all on the host
+def test_device_layout_matches_host_bitwise(source, monkeypatch, threads, device_layout_bytes):
+    src, tensors = source
+    monkeypatch.setattr(param_loading, "DEVICE_LAYOUT_BYTES", device_layout_bytes)
+    params = cases(src)
+    for p, out in zip(params, load_params(params, threads=threads)):
+        ref = host_reference(p, tensors)
+        assert isinstance(out, jax.Array) and out.dtype == ref.dtype and out.shape == ref.shape
+        np.testing.assert_array_equal(np.asarray(out).view(np.uint8), ref.view(np.uint8))
+        np.testing.assert_array_equal(p.read_host().view(np.uint8), ref.view(np.uint8))
+
+
+def test_a_warm_start_loads_the_layout_programs_instead_of_lowering_them(source, monkeypatch, tmp_path):
+    """With the compile cache on, each layout program is stored whole and a fresh process (here: an empty
+    in-process table) loads it from the executable cache, with results identical to the host's."""
+    from wan_tpu.runtime import compile_cache, executable_cache
+
+    src, tensors = source
+    monkeypatch.setattr(param_loading, "DEVICE_LAYOUT_BYTES", 0)
+    before = compile_cache.cache_dir()
+    compile_cache.enable(str(tmp_path / "cache"))
+    try:
+        params = cases(src)[:4]  # the ones with a layout change or a cast: a program each
+        monkeypatch.setattr(executable_cache, "_CALLED", {})
+        stored = compile_cache.stats().programs_stored
+        load_params(params)
+        assert compile_cache.stats().programs_stored - stored == len(params)
+        monkeypatch.setattr(executable_cache, "_CALLED", {})
+        monkeypatch.setattr(param_loading, "_to_ours", None)  # nothing may trace or lower it now
+        loaded = compile_cache.stats().programs_loaded
+        outs = load_params(params)
+        assert compile_cache.stats().programs_loaded - loaded == len(params)
+    finally:
+        compile_cache.enable(before) if before else compile_cache.disable()
+    for p, out in zip(params, outs):
+        np.testing.assert_array_equal(np.asarray(out).view(np.uint8), host_reference(p, tensors).view(np.uint8))
+
+
+def test_place_gets_final_host_arrays_in_order(source):
+    src, tensors = source
+    params = cases(src)
+    seen = []
+    out = load_params(params, place=lambda i, host: seen.append(i) or jax.device_put(host))
+    assert seen == list(range(len(params)))
+    for p, o in zip(params, out):
+        np.testing.assert_array_equal(np.asarray(o).view(np.uint8), host_reference(p, tensors).view(np.uint8))
+
+
+def test_read_into(source, tmp_path):
+    src, tensors = source
+    out = np.empty((6, 4), np.float32)
+    src.read_into("blocks.1.w", out)
+    np.testing.assert_array_equal(out, tensors["blocks.1.w"])
+    with pytest.raises(ValueError, match="does not fit"):
+        src.read_into("blocks.1.w", np.empty((5, 4), np.float32))
+    with pytest.raises(ValueError, match="does not fit"):
+        src.read_into("blocks.1.w", np.empty((4, 12), np.float32)[:, :6])  # not contiguous
+    # A file cut short after its header was read: the read names the tensor.
+    path = tmp_path / "a.safetensors"
+    data = path.read_bytes()
+    path.write_bytes(data[:-8])
+    last = max(src, key=lambda n: src._entries[n].end)  # the tensor the cut falls in
+    with pytest.raises(WanInputError, match=f"truncated.*|{last}"):
+        src.read_into(last, np.empty(src.shape(last), src.dtype(last)))

@@ -1,0 +1,47 @@
+"""`wan_tpu.runtime.xla_defaults`: the XLA flags a command line sets for its own process."""
+
+import os
+import subprocess
+import sys
+
+from wan_tpu.runtime.xla_defaults import XLA_DEFAULTS, apply_xla_defaults
+
+
+def test_defaults_join_the_users_flags_and_never_override_them(monkeypatch):
+    monkeypatch.delenv("XLA_FLAGS", raising=False)
+    assert apply_xla_defaults() == ["--xla_gpu_enable_triton_gemm=false"]
+    assert os.environ["XLA_FLAGS"] == "--xla_gpu_enable_triton_gemm=false"
+    assert apply_xla_defaults() == []  # twice: no duplicate
+    monkeypatch.setenv("XLA_FLAGS", "--xla_dump_to=/tmp/d --xla_gpu_enable_triton_gemm=true")
+    assert apply_xla_defaults() == []
+    assert os.environ["XLA_FLAGS"] == "--xla_dump_to=/tmp/d --xla_gpu_enable_triton_gemm=true"
+    monkeypatch.setenv("XLA_FLAGS", "--xla_gpu_enable_triton_gemm_any=true")  # another flag sharing the prefix
+    assert apply_xla_defaults() == ["--xla_gpu_enable_triton_gemm=false"]
+    monkeypatch.setenv("XLA_FLAGS", "--xla_dump_to=/tmp/d")
+    apply_xla_defaults()
+    assert os.environ["XLA_FLAGS"].split() == ["--xla_dump_to=/tmp/d", *(f"--{k}={v}" for k, v in XLA_DEFAULTS.items())]
+
+
+def test_every_platform_parses_the_defaults():
+    """XLA aborts the process on a flag it does not know: the GPU flags must parse on a CPU backend too."""
+    code = ("from wan_tpu.runtime.xla_defaults import apply_xla_defaults; apply_xla_defaults(); import jax; "
+            "print(float(jax.numpy.ones(3).sum()))")
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and done.stdout.strip() == "3.0", done.stderr[-2000:]
+
+
+def test_a_command_line_applies_them_and_a_python_call_does_not(monkeypatch):
+    """`wan_tpu.wan.cli.cli` (every command line's entry) sets the defaults only when the process is
+    its own (argv from the command line), as it does for the GPU memory fraction."""
+    import argparse
+
+    from wan_tpu.wan.cli import cli
+
+    monkeypatch.setattr(sys, "argv", ["generate"])
+    seen = []
+    for argv, applied in ((None, True), ([], False)):
+        for name in ("XLA_FLAGS", "XLA_PYTHON_CLIENT_MEM_FRACTION"):  # restored after the test
+            monkeypatch.delenv(name, raising=False)
+        assert cli(lambda args: seen.append(os.environ.get("XLA_FLAGS", "")), argparse.ArgumentParser(), argv) == 0
+        assert ("--xla_gpu_enable_triton_gemm=false" in seen[-1]) == applied, (argv, seen)

@@ -1,0 +1,225 @@
+"""The UnifoLM pipeline, CLI and server (`wan_tpu/unifolm/pipeline.py`, `unifolm_cli.py`, `unifolm_server.py`) on the
+`unifolm-tiny` preset (random weights, 128×128 frames), 2 DDIM steps.
+
+No numerical reference here (the models have their own golden tests): these check the modes' data
+flow (the authors' queues and masks), the files the CLI writes, min-max (un)normalisation, and that
+bad inputs are one-line user errors (exit status 2) that leave no file behind.
+"""
+
+import json
+import os
+import re
+import subprocess
+import sys
+import threading
+import urllib.request
+
+import numpy as np
+import pytest
+from safetensors.numpy import save_file
+
+from wan_tpu.errors import WanInputError
+from wan_tpu.unifolm.pipeline import MinMaxTable, UnifolmPipeline
+from wan_tpu.unifolm.cli import main
+from wan_tpu.unifolm.server import make_server
+from wan_tpu.runtime.video import read_video
+
+DOF = 7
+STEPS = ["--steps", "2"]
+
+
+@pytest.fixture(scope="module")
+def pipe():
+    return UnifolmPipeline.from_pretrained("unifolm-tiny")
+
+
+@pytest.fixture(scope="module")
+def stats_file(tmp_path_factory):
+    path = tmp_path_factory.mktemp("stats") / "stats.safetensors"
+    save_file({"action/min": np.full(DOF, -2.0, np.float32), "action/max": np.full(DOF, 3.0, np.float32),
+               "observation.state/min": np.zeros(DOF, np.float32), "observation.state/max": np.full(DOF, 10.0, np.float32)},
+              str(path))
+    return path
+
+
+def observation(n=2, size=128, seed=0):
+    rng = np.random.default_rng(seed)
+    return rng.integers(0, 256, (n, size, size, 3), dtype=np.uint8), rng.uniform(0, 10, (n, DOF)).astype(np.float32)
+
+
+def test_min_max_table_is_the_authors_normalize(stats_file):
+    table = MinMaxTable.from_file(str(stats_file))
+    x = np.array([0.0, 5.0, 10.0] + [1.0] * (DOF - 3), np.float32)
+    np.testing.assert_allclose(table.normalize(x, "state")[:3], [-1, 0, 1], atol=1e-6)
+    np.testing.assert_allclose(table.unnormalize(np.full(DOF, 1.0), "action"), np.full(DOF, 3.0), atol=1e-6)
+    np.testing.assert_allclose(table.unnormalize(table.normalize(x, "action"), "action"), x, atol=1e-5)
+
+
+def test_stage_programs_return_no_weights(pipe):
+    """The prepare and decode programs return only their results: a program handed whole modules
+    (`nnx.jit`) also returns every weight, a second copy of the model at the memory peak."""
+    import jax
+    from flax import nnx
+
+    from wan_tpu.unifolm.pipeline import _decode_program, _prepare_program
+
+    images, states = observation()
+    imgs = pipe.check_images(images)
+    st, _ = pipe.check_vectors(states / 10, "state", imgs.shape[2], pad_rows=True)
+    h, w = pipe.config.latent_size
+    args = (pipe.encode_text("x"), pipe.image_encoder.encode(imgs[:, :, -1]), imgs[:, :, -1],
+            jax.numpy.zeros((1, pipe.vae.config.latent_channels, h, w)), imgs, st, None, jax.numpy.int32(7))
+    (mg, ms), (vg, vs) = nnx.split(pipe.model), nnx.split(pipe.vae)
+    weights = sum(x.nbytes for x in jax.tree.leaves((ms, vs)))
+    prep = _prepare_program.lower(mg, vg, ms, vs, *args, keep_action_tokens=True).compile().memory_analysis()
+    cond = pipe.encode_conditions("x", imgs, st, key=jax.random.key(0))
+    results = sum(x.nbytes for x in jax.tree.leaves(cond))
+    assert results <= prep.output_size_in_bytes <= results + 1024 < weights / 10  # + the tuple's pointer table
+    z = jax.numpy.zeros((1, pipe.vae.config.latent_channels, 2, h, w))
+    dec = _decode_program.lower(vg, vs, z).compile().memory_analysis()
+    assert dec.output_size_in_bytes <= 3 * 2 * imgs.shape[-2] * imgs.shape[-1] * 4 + 1024
+
+
+@pytest.mark.slow
+def test_modes_and_queues(pipe):
+    images, states = observation()
+    out = pipe.decide("pick up the cup", images, states / 10, num_steps=2)
+    assert out.video.shape == (16, 128, 128, 3) and out.video.dtype == np.uint8
+    assert out.actions.shape == (16, DOF) and out.actions_raw.shape == (16, 16) and np.isfinite(out.actions).all()
+    world = pipe.predict(images, states / 10, out.actions, num_steps=2)
+    assert world.states.shape == (16, DOF) and world.states_raw.shape == (16, 16)
+    # One observed frame is repeated to fill the queue, exactly as two copies of it.
+    one = pipe.decide("x", images[:1], states[:1] / 10, num_steps=2, seed=5)
+    two = pipe.decide("x", np.repeat(images[:1], 2, 0), np.repeat(states[:1], 2, 0) / 10, num_steps=2, seed=5)
+    np.testing.assert_array_equal(one.actions_raw, two.actions_raw)
+    episode = pipe.interact("pick up the cup", images[:1], states[:1] / 10, iterations=2, num_steps=2)
+    assert episode.video.shape == (32, 128, 128, 3) and len(episode.decisions) == len(episode.predictions) == 2
+    np.testing.assert_array_equal(episode.video[16:], episode.predictions[1].video)
+    with pytest.raises(WanInputError, match="needs a base checkpoint"):
+        UnifolmPipeline.generate(pipe, "x", images[:1])
+
+
+def test_bad_inputs_are_user_errors(pipe, stats_file):
+    images, states = observation()
+    with pytest.raises(WanInputError, match="takes 128x128"):
+        pipe.decide("x", observation(size=96)[0], states / 10, num_steps=2)
+    with pytest.raises(WanInputError, match="1 ≤ n ≤ 2"):
+        pipe.decide("x", observation(n=3)[0], states / 10, num_steps=2)
+    with pytest.raises(WanInputError, match=r"states must be \(n ≤ 2, dof ≤ 16\)"):
+        pipe.decide("x", images, np.zeros((2, 17)), num_steps=2)
+    with pytest.raises(WanInputError, match=r"actions must be \(16, dof ≤ 16\)"):
+        pipe.predict(images, states / 10, np.zeros((8, DOF)), num_steps=2)
+    pipe.stats = MinMaxTable.from_file(str(stats_file))
+    try:
+        with pytest.raises(WanInputError, match="states have 6 dims but the min-max table has 7"):
+            pipe.decide("x", images, states[:, :6], num_steps=2)
+    finally:
+        pipe.stats = None
+
+
+def _obs_file(tmp_path, n=1, size=128, name="obs.npz"):
+    images, states = observation(n, size)
+    np.savez(tmp_path / name, images=images, states=states)
+    return str(tmp_path / name)
+
+
+@pytest.mark.slow
+def test_cli_interact_writes_video_and_unnormalised_vectors(tmp_path, stats_file, capsys):
+    obs = _obs_file(tmp_path)
+    out = tmp_path / "episode.mp4"
+    assert main(["--model", "unifolm-tiny", "--mode", "interact", "--instruction", "stack the cups", "--observation", obs,
+                 "--stats", str(stats_file), "--iterations", "2", "--output", str(out), *STEPS]) == 0
+    frames, fps = read_video(str(out))
+    assert frames.shape == (32, 128, 128, 3) and fps == 8
+    vectors = np.load(tmp_path / "episode.npz")
+    assert vectors["actions"].shape == (2, 16, DOF) and vectors["states"].shape == (2, 16, DOF)
+    meta = json.loads((tmp_path / "episode.json").read_text())
+    assert meta["unnormalised"] and meta["mode"] == "interact"
+    np.testing.assert_allclose(np.asarray(meta["actions"]), vectors["actions"], rtol=1e-6)
+    printed = capsys.readouterr().out
+    assert "sample" in printed and "total" in printed  # the timing table
+    # Outputs are never replaced without --overwrite.
+    assert main(["--mode", "interact", "--observation", obs, "--output", str(out), *STEPS]) == 2
+
+
+def test_cli_bad_inputs_exit_2_and_write_nothing(tmp_path, capsys):
+    obs = _obs_file(tmp_path)
+    (tmp_path / "model.ckpt").write_bytes(b"PK\x03\x04 not really")
+    (tmp_path / "empty").mkdir()
+    cases = [
+        (["--model", str(tmp_path / "model.ckpt"), "--mode", "decision", "--observation", obs], "pickle checkpoint; convert it first"),
+        (["--model", str(tmp_path / "empty"), "--mode", "decision", "--observation", obs], "no config.json"),
+        (["--model", "nope", "--mode", "decision", "--observation", obs], "neither a converted UnifoLM folder nor a preset"),
+        (["--mode", "world", "--observation", obs], "pass --actions FILE"),
+        (["--mode", "decision", "--observation", str(tmp_path / "missing.npz")], "does not exist"),
+        (["--mode", "decision", "--observation", obs, "--output", str(tmp_path / "out.gif")], "must end in .mp4"),
+        (["--mode", "dance", "--observation", obs], "invalid choice"),
+    ]
+    for argv, message in cases:
+        out = tmp_path / "out.mp4"
+        assert main(argv if "--output" in argv else [*argv, "--output", str(out)]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and message in err, (argv, err)
+        assert not list(tmp_path.glob("out.*"))
+
+
+@pytest.mark.slow
+def test_cli_wrong_image_size_exits_2(tmp_path, capsys):
+    obs = _obs_file(tmp_path, size=64)
+    assert main(["--mode", "decision", "--observation", obs, "--output", str(tmp_path / "out.mp4"), *STEPS]) == 2
+    assert "takes 128x128" in capsys.readouterr().err and not list(tmp_path.glob("out.*"))
+
+
+@pytest.mark.slow
+def test_server_speaks_the_authors_protocol(pipe):
+    images, states = observation(n=2, size=160)
+    server = make_server(pipe, 0, num_steps=2)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        url = f"http://127.0.0.1:{server.server_address[1]}/predict_action"
+
+        def post(payload):
+            request = urllib.request.Request(url, json.dumps(payload).encode(), {"Content-Type": "application/json"})
+            with urllib.request.urlopen(request, timeout=600) as response:
+                return json.loads(response.read())
+
+        ok = post({"observation.images.top": images.transpose(0, 3, 1, 2).tolist(), "observation.state": (states / 10).tolist(),
+                   "action": np.zeros((16, DOF)).tolist(), "language_instruction": "pick up the cup"})
+        assert ok["result"] == "ok" and np.asarray(ok["action"]).shape == (16, DOF)
+        bad = post({"observation.images.top": [[1, 2, 3]], "observation.state": [], "language_instruction": ""})
+        assert bad["result"] == "error" and "observation.images.top" in bad["desc"]
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+@pytest.mark.slow
+def test_cli_generate_with_a_base_model(tmp_path):
+    obs = _obs_file(tmp_path)
+    out = tmp_path / "gen.mp4"
+    assert main(["--model", "unifolm-tiny-base", "--mode", "generate", "--instruction", "open the drawer",
+                 "--observation", obs, "--output", str(out), *STEPS]) == 0
+    frames, _ = read_video(str(out))
+    assert frames.shape == (16, 128, 128, 3) and not list(tmp_path.glob("gen.npz"))
+    assert main(["--model", "unifolm-tiny-base", "--mode", "decision", "--observation", obs,
+                 "--output", str(tmp_path / "d.mp4"), *STEPS]) == 2
+
+
+def test_a_second_process_loads_the_stage_programs_whole(tmp_path):
+    """Two fresh processes, one cache folder: the first compiles and stores the prepare, sampling and
+    decode programs (`wan_tpu.runtime.executable_cache`, keyed by `UnifolmPipeline.program_key`), the second
+    loads all three without tracing them, and its actions are bit-identical (XLA:CPU once failed to
+    run such loaded programs; `executable_cache.store` compiles afresh what JAX's cache served)."""
+    np.savez(tmp_path / "obs.npz", **dict(zip(("images", "states"), observation(1))))
+    env = dict(os.environ, WAN_TPU_CACHE_DIR=str(tmp_path / "cache"))
+    loaded = []
+    for run in ("first", "second"):
+        done = subprocess.run([sys.executable, "-m", "wan_tpu.unifolm", "--model", "unifolm-tiny", "--mode", "decision",
+                               *STEPS, "--observation", str(tmp_path / "obs.npz"), "--output", str(tmp_path / f"{run}.mp4")],
+                              env=env, capture_output=True, text=True, timeout=600)
+        assert done.returncode == 0, done.stderr[-2000:]
+        loaded.append(re.search(r"whole programs: (\d+) loaded, (\d+) stored", done.stdout).groups())
+    assert loaded == [("0", "3"), ("3", "0")], loaded
+    first, second = np.load(tmp_path / "first.npz"), np.load(tmp_path / "second.npz")
+    np.testing.assert_array_equal(first["actions"], second["actions"])

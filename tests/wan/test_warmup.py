@@ -1,0 +1,133 @@
+"""`WanPipeline.prepare` (`wan_tpu.runtime.compile_ahead`): components load and the text encoder (from its config
+alone), the denoise step and the VAE decode compile in background threads, so the calls compile none
+of the big programs themselves; latents and frames are bit-identical to a run without `prepare` in a fresh process (reference: that run; tolerance:
+none). Load errors surface where the component is used; a failed ahead-of-time compile is a warning;
+no thread outlives the `with` block."""
+
+import json
+import os
+import subprocess
+import sys
+import threading
+
+import jax
+import numpy as np
+import pytest
+
+import wan_tpu
+from wan_tpu.runtime import compile_ahead as warmup
+from wan_tpu.errors import WanInputError
+
+# A size no other test uses, so this process has compiled none of its programs before.
+RUN = dict(height=48, width=80, num_frames=9, num_inference_steps=3, guidance_scale=4.0, seed=5)
+BIG = ("jit(_embed)", "jit(_step)", "jit(_decode_stem)", "jit(_decode_strip)", "jit(_to_uint8)", "jit(_normal)")
+
+REFERENCE = """
+import json, sys, numpy as np, wan_tpu
+pipe = wan_tpu.WanPipeline.from_pretrained("tiny", compile_cache=False)
+run = json.loads(sys.argv[1])
+latents = pipe("a red kite", **run, output_type="latent", progress=False)
+np.save(sys.argv[2], np.asarray(latents))
+np.save(sys.argv[3], pipe.decode(latents))
+"""
+
+
+def _compiles():
+    """(function, thread name) of every backend compile from now on."""
+    seen = []
+
+    def listen(event, duration, **kw):
+        if event == "/jax/core/compile/backend_compile_duration":
+            seen.append((kw.get("fun_name"), threading.current_thread().name))
+
+    jax.monitoring.register_event_duration_secs_listener(listen)
+    return seen
+
+
+def test_prepare_compiles_ahead_and_changes_no_bit(tmp_path):
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    ref = subprocess.run([sys.executable, "-c", REFERENCE, json.dumps(RUN), str(tmp_path / "l.npy"),
+                          str(tmp_path / "f.npy")], env=env, capture_output=True, text=True, timeout=600)
+    assert ref.returncode == 0, ref.stderr[-3000:]
+
+    jax.clear_caches()  # the text program depends on no size: an earlier test may have compiled it here
+    seen = _compiles()
+    pipe = wan_tpu.WanPipeline.from_pretrained("tiny")
+    s = pipe.settings(**{k: RUN[k] for k in ("height", "width", "num_frames", "num_inference_steps", "guidance_scale")})
+    with pipe.prepare(s) as prepared:
+        assert set(prepared.loads) == {"text_encoder", "transformer", "vae"}
+        assert set(prepared.compiles) == {"text", "denoise", "decode"}
+        latents = pipe("a red kite", **RUN, output_type="latent", progress=False)
+        frames = pipe.decode(latents)
+
+    main = [f for f, thread in seen if thread == threading.main_thread().name and f in BIG]
+    assert not main, f"compiled on the caller's thread: {main}"
+    ahead = {f for f, thread in seen if thread.startswith("wan_tpu-compile-")}
+    assert {"jit(_embed)", "jit(_step)", "jit(_decode_stem)", "jit(_decode_strip)", "jit(_to_uint8)"} <= ahead
+    assert np.array_equal(np.asarray(latents), np.load(tmp_path / "l.npy"))
+    assert np.array_equal(frames, np.load(tmp_path / "f.npy"))
+
+
+def test_load_errors_surface_where_the_component_is_used():
+    pipe = wan_tpu.WanPipeline.from_pretrained("tiny")
+
+    def broken():
+        raise WanInputError("vae/ is damaged; re-download it")
+
+    pipe._loaders["vae"] = broken
+    with pytest.warns(UserWarning, match="compiling decode ahead of time failed"):
+        with pipe.prepare(pipe.settings(height=32, width=32, num_frames=5, num_inference_steps=2)) as prepared:
+            with pytest.raises(WanInputError, match="damaged"):
+                pipe.vae
+            prepared.wait_compiled("decode")
+    assert not [t for t in threading.enumerate() if t.name.startswith("wan_tpu-")]  # none outlives the block
+
+
+def test_weights_fit_against_free_device_memory(monkeypatch):
+    class Device:
+        def memory_stats(self):
+            return {"bytes_limit": 100, "bytes_in_use": 20}
+
+    monkeypatch.setattr(warmup.jax, "devices", lambda: [Device()])
+    sizes = {"text_encoder": 40, "transformer": 31, "vae": 2}
+    assert warmup.weights_fit(sizes, ["text_encoder", "vae"], None)  # 42 <= 0.9 * 80 free
+    assert not warmup.weights_fit(sizes, ["text_encoder", "transformer", "vae"], None)  # 73 > 72
+    mesh = type("Mesh", (), {"devices": np.zeros(2)})()
+    assert warmup.weights_fit(sizes, ["text_encoder", "transformer", "vae"], mesh)  # 36.5 per device
+    assert warmup.weights_fit({}, ["transformer"], None)  # sizes unknown (a preset)
+
+
+def test_decode_compiles_before_the_denoise_where_both_do_not_fit(monkeypatch):
+    """On a GPU whose memory holds the denoise's and the decode's working sets together the decode compiles
+    while the DiT denoises; else `denoise()` waits for that compile first (the autotuner's buffers)."""
+    from wan_tpu.runtime.memory import stage_bytes
+
+    pipe = wan_tpu.WanPipeline.from_pretrained("tiny")
+    s = pipe.settings(height=32, width=32, num_frames=5, num_inference_steps=2)
+    need = sum(b for b, _ in stage_bytes(pipe, s, ("denoise", "decode")).values())
+    devices = jax.devices
+
+    class GPU:
+        platform = "gpu"
+
+        def __init__(self, limit):
+            self.limit = limit
+
+        def memory_stats(self):
+            return {"bytes_limit": self.limit, "bytes_in_use": 0}
+
+    monkeypatch.setattr(warmup.jax, "devices", lambda *a: [GPU(2 * need)])
+    assert warmup.decode_compiles_beside_denoise(pipe, s)
+    monkeypatch.setattr(warmup.jax, "devices", lambda *a: [GPU(need)])
+    assert not warmup.decode_compiles_beside_denoise(pipe, s)
+    monkeypatch.setattr(warmup.jax, "devices", devices)
+    assert warmup.decode_compiles_beside_denoise(pipe, s)  # this CPU: no autotuner, nothing to wait for
+
+    for beside in (True, False):
+        with pipe.prepare(s) as prepared:
+            pipe._decode_beside_denoise = beside
+            latents = pipe("a cat", height=32, width=32, num_frames=5, num_inference_steps=2, output_type="latent",
+                           progress=False)
+            # `wait_compiled` takes the future it waited for: gone once the denoise waited for the decode.
+            assert ("decode" in prepared.compiles) == beside
+            pipe.decode(latents)

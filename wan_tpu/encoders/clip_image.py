@@ -1,0 +1,226 @@
+"""The CLIP vision encoder of Wan 2.1 I2V and Matrix-Game-2, native JAX (`wan_tpu.encoders.clip`).
+
+As diffusers' `WanImageToVideoPipeline.encode_image`: the image processor of the checkpoint's
+`image_processor/` folder prepares the image and the DiT's image branch takes the penultimate hidden
+state (`hidden_states[-2]`, 257 tokens at 224 px), not the pooled output; the tower is loaded without its
+last block, whose output nobody reads. Weights go file → device (`load_clip_vision`); neither torch nor
+transformers is imported.
+
+    encoder = CLIPImageEncoder.from_pretrained("ckpt/image_encoder", "ckpt/image_processor")
+    tokens = encoder.encode([pil_image])          # (B, 257, 1280)
+
+`ImageProcessor` is transformers' `CLIPImageProcessor` (its PIL backend, which diffusers' pipelines
+get without torchvision) bit for bit: RGB (transparency onto white), a PIL resize of the shortest edge
+(`int(size · long / short)` for the other), a centre crop, ·rescale_factor in float64 then float32, and
+(x − mean) / std in float32.
+
+Wan's own CLIP (`models_clip_open-clip-xlm-roberta-large-vit-huge-14.pth`, which Matrix-Game-2 uses
+with `use_31_block`) is the same vision transformer: `clip_vision_from_original` maps its visual tower
+onto a `CLIPVisionModel` folder (no image processor), and `preprocess_tensor` prepares images the way
+that code does (a bicubic resize of the [-1, 1] tensor, no antialiasing); `encode_pixels` takes them.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from wan_tpu.loading.checkpoint import require_file
+from wan_tpu.errors import WanInputError
+
+CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
+CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
+
+
+class ImageProcessor:
+    """`processor(images) -> (B, 3, H, W)` float32 pixel values, as transformers' `CLIPImageProcessor` makes them."""
+
+    def __init__(self, config: dict | None = None):
+        c = {"do_resize": True, "size": {"shortest_edge": 224}, "resample": 3, "do_center_crop": True,
+             "crop_size": {"height": 224, "width": 224}, "do_rescale": True, "rescale_factor": 1 / 255,
+             "do_normalize": True, "image_mean": list(CLIP_MEAN), "image_std": list(CLIP_STD), **(config or {})}
+        for key in ("size", "crop_size"):
+            if isinstance(c[key], int):  # old configs: one int, a square for crop_size, the shortest edge for size
+                c[key] = {"shortest_edge": c[key]} if key == "size" else {"height": c[key], "width": c[key]}
+        if c["do_resize"] and set(c["size"]) not in ({"shortest_edge"}, {"height", "width"}):
+            raise WanInputError(f"image processor size {c['size']} is not supported; use shortest_edge or height/width")
+        self.config = c
+
+    @classmethod
+    def from_pretrained(cls, folder) -> ImageProcessor:
+        require_file(folder, "preprocessor_config.json", "image_processor")
+        path = os.path.join(os.fspath(folder), "preprocessor_config.json")
+        try:
+            with open(path) as f:
+                return cls(json.load(f))
+        except json.JSONDecodeError as e:
+            raise WanInputError(f"{path}: not valid JSON ({e}); re-download it") from None
+
+    def __call__(self, images) -> np.ndarray:
+        return np.stack([self.one(image) for image in images])
+
+    def one(self, image) -> np.ndarray:
+        from PIL import Image
+
+        c = self.config
+        if isinstance(image, np.ndarray):
+            image = Image.fromarray(np.asarray(image, np.uint8))
+        if "A" in image.getbands() or image.info.get("transparency") is not None:
+            image = image.convert("RGBA")
+            image = Image.alpha_composite(Image.new("RGBA", image.size, (255, 255, 255, 255)), image)
+        image = image.convert("RGB")
+        if c["do_resize"]:
+            w, h = image.size
+            if "shortest_edge" in c["size"]:
+                short, long = (w, h) if w <= h else (h, w)
+                new_short, new_long = c["size"]["shortest_edge"], int(c["size"]["shortest_edge"] * long / short)
+                new_h, new_w = (new_long, new_short) if w <= h else (new_short, new_long)
+            else:
+                new_h, new_w = c["size"]["height"], c["size"]["width"]
+            image = image.resize((new_w, new_h), resample=c["resample"])
+        x = np.asarray(image).transpose(2, 0, 1)
+        if c["do_center_crop"]:
+            x = _center_crop(x, c["crop_size"]["height"], c["crop_size"]["width"])
+        if c["do_rescale"]:
+            x = (x.astype(np.float64) * c["rescale_factor"]).astype(np.float32)
+        if c["do_normalize"]:
+            x = x if np.issubdtype(x.dtype, np.floating) else x.astype(np.float32)
+            mean, std = (np.asarray(c[k], x.dtype)[:, None, None] for k in ("image_mean", "image_std"))
+            x = (x - mean) / std
+        return x.astype(np.float32)
+
+
+def _center_crop(x: np.ndarray, height: int, width: int) -> np.ndarray:
+    """(C, H, W) centre crop, zero-padding an image smaller than the crop (as transformers' `center_crop`)."""
+    h, w = x.shape[1:]
+    if h < height or w < width:
+        nh, nw = max(h, height), max(w, width)
+        padded = np.zeros((x.shape[0], nh, nw), x.dtype)
+        top, left = math.ceil((nh - h) / 2), math.ceil((nw - w) / 2)
+        padded[:, top : top + h, left : left + w] = x
+        x, h, w = padded, nh, nw
+    top, left = (h - height) // 2, (w - width) // 2
+    return x[:, top : top + height, left : left + width]
+
+
+class CLIPImageEncoder:
+    """`encode(images) -> (B, tokens, hidden_size)` jax array: CLIP's penultimate hidden state."""
+
+    def __init__(self, model, image_processor: ImageProcessor | None = None):
+        self.model = model  # a `CLIPVisionTransformer` without the checkpoint's last block
+        self.image_processor = image_processor
+        self.config = model.config
+
+    @classmethod
+    def from_pretrained(
+        cls, image_encoder_dir, image_processor_dir=None, dtype=jnp.float32, mesh=None, attention_impl=None
+    ) -> CLIPImageEncoder:
+        """diffusers' I2V layout: `image_encoder/` (weights) and `image_processor/` (preprocessing; None:
+        only `encode_pixels`, for callers that prepare the pixels themselves)."""
+        from wan_tpu.encoders.clip_loading import load_clip_vision
+
+        require_file(image_encoder_dir, "config.json", "image_encoder")
+        image_processor = None if image_processor_dir is None else ImageProcessor.from_pretrained(image_processor_dir)
+        model = load_clip_vision(image_encoder_dir, dtype=dtype, mesh=mesh, num_layers=-1, attention_impl=attention_impl)
+        return cls(model, image_processor)
+
+    def preprocess(self, images) -> np.ndarray:
+        """Pixel values (B, 3, H, W) float32 from PIL images or uint8 HWC arrays, as the processor makes them."""
+        if self.image_processor is None:
+            raise WanInputError("this CLIP encoder was loaded without an image_processor/ folder; prepare the pixels "
+                                "(e.g. with preprocess_tensor) and call encode_pixels")
+        return self.image_processor(images)
+
+    def encode(self, images) -> jax.Array:
+        # float32 pixels, as diffusers passes them: CLIP casts them to its weight dtype itself.
+        return self.encode_pixels(self.preprocess(images))
+
+    def encode_pixels(self, pixel_values) -> jax.Array:
+        """Prepared pixel values (B, 3, S, S), S the model's image size → the penultimate hidden state."""
+        return self.model(jnp.asarray(pixel_values, jnp.float32))
+
+
+def preprocess_tensor(images, size: int) -> np.ndarray:
+    """(B, 3, H, W) in [-1, 1] → CLIP pixel values (B, 3, size, size) float32, as Wan's own CLIP code
+    prepares them (`CLIPModel.visual` / `encode_video`): torch's bicubic resize (`F.interpolate`,
+    align_corners False, no antialiasing) of the tensor, then [0, 1] and the CLIP mean/std."""
+    x = np.asarray(images, np.float32)
+    rows, cols = _bicubic_matrix(x.shape[2], size), _bicubic_matrix(x.shape[3], size)
+    x = np.einsum("sh,bchw,tw->bcst", rows, x, cols, optimize=True) * 0.5 + 0.5
+    mean, std = (np.asarray(v, np.float32).reshape(1, 3, 1, 1) for v in (CLIP_MEAN, CLIP_STD))
+    return ((x - mean) / std).astype(np.float32)
+
+
+def _bicubic_matrix(n_in: int, n_out: int, a: float = -0.75) -> np.ndarray:
+    """(n_out, n_in) weights of torch's bicubic interpolation along one axis: Keys' kernel with a = -0.75,
+    source coordinate (i + 0.5)·n_in/n_out - 0.5, the four taps' indices clamped to the edge."""
+    m = np.zeros((n_out, n_in), np.float64)
+    for i in range(n_out):
+        src = (i + 0.5) * n_in / n_out - 0.5
+        base = math.floor(src)
+        t = src - base
+        for k, d in enumerate((t + 1, t, 1 - t, 2 - t)):
+            w = ((a + 2) * d - (a + 3)) * d * d + 1 if d <= 1 else ((a * d - 5 * a) * d + 8 * a) * d - 4 * a
+            m[i, min(max(base - 1 + k, 0), n_in - 1)] += w
+    return m.astype(np.float32)
+
+
+_ORIGINAL_LAYER = {"norm1.": "layer_norm1.", "norm2.": "layer_norm2.", "attn.proj.": "self_attn.out_proj.",
+                   "mlp.0.": "mlp.fc1.", "mlp.2.": "mlp.fc2."}
+_ORIGINAL_TOP = {"visual.pre_norm.": "vision_model.pre_layrnorm.", "visual.post_norm.": "vision_model.post_layernorm.",
+                 "visual.patch_embedding.": "vision_model.embeddings.patch_embedding."}
+VIT_H_HEADS = {1280: 16}  # heads by width of the towers Wan ships (ViT-H/14); the weights do not tell
+
+
+def clip_vision_from_original(state_dict, num_heads: int | None = None) -> tuple[dict, dict]:
+    """Wan's original CLIP state dict (`visual.*`, `textual.*`, `log_scale`) → (a transformers
+    `CLIPVisionModel` config.json dict, its tensors in transformers' names). Tensors keep their type
+    and dtype (torch tensors or numpy arrays: only reshapes and slices).
+
+    The visual tower is transformers' CLIP vision transformer: pre-norm blocks with a fused `to_qkv`
+    (q, k, v in that order), exact GELU, LayerNorm eps 1e-5, a patch conv without bias, a class token.
+    The text tower, the projection head and `log_scale` are not part of it and are left out."""
+    visual = {k: v for k, v in state_dict.items() if k.startswith("visual.")}
+    if "visual.pos_embedding" not in visual or "visual.patch_embedding.weight" not in visual:
+        raise WanInputError("the CLIP state dict has no visual.pos_embedding / visual.patch_embedding; "
+                            "is this models_clip_open-clip-xlm-roberta-large-vit-huge-14.pth?")
+    dim, patch = visual["visual.pos_embedding"].shape[-1], visual["visual.patch_embedding.weight"].shape[-1]
+    grid = math.isqrt(visual["visual.pos_embedding"].shape[1] - 1)
+    layers = 1 + max(int(k.split(".")[2]) for k in visual if k.startswith("visual.transformer."))
+    heads = num_heads or VIT_H_HEADS.get(dim)
+    if heads is None or dim % heads:
+        raise WanInputError(f"cannot tell the head count of a {dim}-wide CLIP tower; pass num_heads")
+    config = {
+        "architectures": ["CLIPVisionModel"], "model_type": "clip_vision_model", "hidden_size": dim,
+        "intermediate_size": int(visual["visual.transformer.0.mlp.0.weight"].shape[0]), "num_hidden_layers": layers,
+        "num_attention_heads": heads, "image_size": grid * patch, "patch_size": patch, "num_channels": 3,
+        "hidden_act": "gelu", "layer_norm_eps": 1e-5,
+        "projection_dim": int(visual["visual.head"].shape[1]) if "visual.head" in visual else dim,
+    }
+    out = {"vision_model.embeddings.class_embedding": visual.pop("visual.cls_embedding").reshape(dim),
+           "vision_model.embeddings.position_embedding.weight": visual.pop("visual.pos_embedding")[0]}
+    visual.pop("visual.head", None)
+    for name, value in visual.items():
+        top = next((k for k in _ORIGINAL_TOP if name.startswith(k)), None)
+        if top is not None:
+            out[_ORIGINAL_TOP[top] + name[len(top):]] = value
+            continue
+        if not name.startswith("visual.transformer."):
+            raise WanInputError(f"unexpected CLIP tensor {name!r}; is this Wan's CLIP checkpoint?")
+        index, rest = name[len("visual.transformer."):].split(".", 1)
+        layer = f"vision_model.encoder.layers.{index}."
+        if rest.startswith("attn.to_qkv."):
+            kind = rest[len("attn.to_qkv."):]
+            for i, proj in enumerate(("q_proj", "k_proj", "v_proj")):
+                out[f"{layer}self_attn.{proj}.{kind}"] = value[i * dim : (i + 1) * dim]
+            continue
+        old = next((k for k in _ORIGINAL_LAYER if rest.startswith(k)), None)
+        if old is None:
+            raise WanInputError(f"unexpected CLIP tensor {name!r}; is this Wan's CLIP checkpoint?")
+        out[layer + _ORIGINAL_LAYER[old] + rest[len(old):]] = value
+    return config, out

@@ -1,0 +1,231 @@
+"""Reading diffusers-format checkpoint folders (config.json + safetensors) tensor by tensor.
+
+The safetensors container is parsed here directly (an 8-byte header length, a JSON header, then
+raw little-endian data) and every tensor is a read-only `np.memmap` view, so a 57 GB checkpoint is
+never held twice in host memory: callers convert and place one tensor at a time. Parsing the header
+ourselves also lets a corrupt or truncated file fail with a message that names it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+
+import ml_dtypes
+import numpy as np
+
+from wan_tpu.errors import WanInputError
+
+SAFETENSORS_DTYPES = {
+    "F64": np.float64,
+    "F32": np.float32,
+    "F16": np.float16,
+    "BF16": ml_dtypes.bfloat16,
+    "I64": np.int64,
+    "I32": np.int32,
+    "I16": np.int16,
+    "I8": np.int8,
+    "U8": np.uint8,
+    "BOOL": np.bool_,
+}
+
+
+@dataclass(frozen=True)
+class _Entry:
+    file: str
+    dtype: np.dtype
+    shape: tuple[int, ...]
+    begin: int
+    end: int
+
+
+def _read_header(path: str) -> dict[str, _Entry]:
+    size = os.path.getsize(path)
+    with open(path, "rb") as f:
+        raw = f.read(8)
+        if len(raw) < 8:
+            raise WanInputError(f"{path}: not a safetensors file (shorter than its 8-byte header length); re-download or re-save it")
+        (n,) = struct.unpack("<Q", raw)
+        if n <= 0 or 8 + n > size:
+            raise WanInputError(f"{path}: corrupt safetensors header (length {n} for a {size}-byte file); re-download or re-save it")
+        try:
+            header = json.loads(f.read(n))
+        except (UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise WanInputError(f"{path}: corrupt safetensors header ({e}); re-download or re-save it") from None
+    if not isinstance(header, dict):
+        raise WanInputError(f"{path}: corrupt safetensors header (not a JSON object); re-download or re-save it")
+    start = 8 + n
+    entries = {}
+    for name, info in header.items():
+        if name == "__metadata__":
+            continue
+        try:
+            dtype = np.dtype(SAFETENSORS_DTYPES[info["dtype"]])
+            shape = tuple(int(d) for d in info["shape"])
+            begin, end = (start + int(o) for o in info["data_offsets"])
+        except (KeyError, TypeError, ValueError):
+            raise WanInputError(f"{path}: corrupt safetensors entry for tensor {name!r}; re-download or re-save it") from None
+        if end > size or end - begin != dtype.itemsize * int(np.prod(shape, dtype=np.int64)):
+            raise WanInputError(
+                f"{path}: tensor {name!r} lies outside the file or has the wrong byte count (truncated download?); re-download it"
+            )
+        entries[name] = _Entry(path, dtype, shape, begin, end)
+    return entries
+
+
+def read_metadata(path: str) -> dict[str, str]:
+    """The `__metadata__` string map of one safetensors file (empty when absent)."""
+    with open(path, "rb") as f:
+        (n,) = struct.unpack("<Q", f.read(8))
+        return dict(json.loads(f.read(n)).get("__metadata__", {}) or {})
+
+
+class TensorSource(Mapping):
+    """Name → lazily memory-mapped numpy array over one or more safetensors files."""
+
+    def __init__(self, files: list[str]):
+        self._entries: dict[str, _Entry] = {}
+        for path in files:
+            self._entries.update(_read_header(path))
+
+    def __getitem__(self, name: str) -> np.ndarray:
+        e = self._entries[name]
+        count = int(np.prod(e.shape, dtype=np.int64))
+        return np.memmap(e.file, dtype=e.dtype, mode="r", offset=e.begin, shape=(count,)).reshape(e.shape)
+
+    def read_into(self, name: str, out: np.ndarray) -> None:
+        """Read tensor `name` into `out` (C-contiguous, its shape's element count, its dtype's itemsize).
+
+        Plain positioned reads straight into the destination: no memory map faulted in page by page,
+        and the GIL is released while the bytes move, so several threads read at once."""
+        e = self._entries[name]
+        view = memoryview(out.reshape(-1).view(np.uint8)) if out.flags.c_contiguous else memoryview(b"")
+        if not out.flags.c_contiguous or view.nbytes != e.end - e.begin or out.dtype.itemsize != e.dtype.itemsize:
+            raise ValueError(f"read_into({name!r}): a {out.dtype} buffer of {out.nbytes} bytes does not fit the "
+                             f"{e.dtype} tensor of {e.end - e.begin} bytes")
+        fd = os.open(e.file, os.O_RDONLY)
+        try:
+            done = 0
+            while done < view.nbytes:
+                n = os.preadv(fd, [view[done:]], e.begin + done)
+                if n <= 0:
+                    raise WanInputError(f"{e.file}: ends inside tensor {name!r} (truncated download?); re-download it")
+                done += n
+        finally:
+            os.close(fd)
+
+    @property
+    def files(self) -> list[str]:
+        """The safetensors files the tensors live in."""
+        return sorted({e.file for e in self._entries.values()})
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return self._entries[name].shape
+
+    def dtype(self, name: str) -> np.dtype:
+        return self._entries[name].dtype
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._entries)
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+
+def component_files(path: str, what: str = "model") -> list[str]:
+    """The safetensors files of a component folder: the shards its `*.safetensors.index.json` names
+    (each must exist), else every `*.safetensors` in it."""
+    if not os.path.isdir(path):
+        raise WanInputError(f"{what} checkpoint folder {path!r} does not exist; pass a diffusers-format folder")
+    indexes = sorted(n for n in os.listdir(path) if n.endswith(".safetensors.index.json"))
+    if indexes:
+        return _index_shards(path, indexes[0], "re-download the checkpoint")
+    files = sorted(os.path.join(path, n) for n in os.listdir(path) if n.endswith(".safetensors"))
+    if not files:
+        raise WanInputError(f"{path}: no *.safetensors weights; save the {what} with save_pretrained(safe_serialization=True)")
+    return files
+
+
+def _index_shards(folder: str, index_name: str, fix: str) -> list[str]:
+    """The shard files a `*.safetensors.index.json` in `folder` names (each must exist)."""
+    index = os.path.join(folder, index_name)
+    try:
+        with open(index) as f:
+            shards = sorted(set(json.load(f)["weight_map"].values()))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError, AttributeError) as e:
+        raise WanInputError(f"{index}: not a valid safetensors index ({type(e).__name__}: {e}); {fix}") from None
+    missing = [s for s in shards if not os.path.isfile(os.path.join(folder, s))]
+    if missing:
+        raise WanInputError(f"{folder}: shard {missing[0]} named by {index_name} is missing; {fix}")
+    return [os.path.join(folder, s) for s in shards]
+
+
+def check_component(path: str, what: str = "model") -> dict[str, tuple[tuple[int, ...], np.dtype]]:
+    """Check a component folder's weights without reading them: every header parses, every tensor lies
+    inside its file with the byte count its shape and dtype need (a truncated download fails here),
+    and every tensor an index names is in its shard. Returns name → (shape, stored dtype).
+
+    Reads only the headers (kilobytes), so a whole checkpoint is checked in milliseconds."""
+    files = component_files(path, what)
+    entries: dict[str, _Entry] = {}
+    for file in files:
+        entries.update(_read_header(file))
+    indexes = sorted(n for n in os.listdir(path) if n.endswith(".safetensors.index.json"))
+    if indexes:
+        with open(os.path.join(path, indexes[0])) as f:
+            weight_map = json.load(f)["weight_map"]
+        for name, shard in weight_map.items():
+            entry = entries.get(name)
+            if entry is None or os.path.basename(entry.file) != shard:
+                raise WanInputError(
+                    f"{path}: tensor {name!r} is not in shard {shard} as {indexes[0]} says; re-download the checkpoint"
+                )
+    return {name: (e.shape, e.dtype) for name, e in entries.items()}
+
+
+def open_checkpoint(path: str, what: str = "model") -> tuple[dict, TensorSource]:
+    """Open a diffusers-format component folder: returns (config.json as a dict, its tensors).
+
+    Accepts one `*.safetensors` file or shards listed by `*.safetensors.index.json`.
+    """
+    return read_config(path, what), TensorSource(component_files(path, what))
+
+
+def read_config(path: str, what: str = "model") -> dict:
+    """The config.json of a diffusers-format component folder as a dict, reading no tensor (what
+    `open_checkpoint` checks first: a missing folder or config.json is named in one line)."""
+    if not os.path.isdir(path):
+        raise WanInputError(f"{what} checkpoint folder {path!r} does not exist; pass a diffusers-format folder")
+    cfg_path = os.path.join(path, "config.json")
+    if not os.path.isfile(cfg_path):
+        raise WanInputError(f"{path}: no config.json; pass the {what}'s diffusers folder (it holds config.json and *.safetensors)")
+    try:
+        with open(cfg_path) as f:
+            config = json.load(f)
+    except json.JSONDecodeError as e:
+        raise WanInputError(f"{cfg_path}: not valid JSON ({e}); re-download it") from None
+    return config
+
+
+def require_file(folder, filename: str, component: str) -> None:
+    """Raise `WanInputError` unless `folder` (a diffusers `component/` folder) holds `filename`."""
+    if not os.path.isfile(os.path.join(os.fspath(folder), filename)):
+        raise WanInputError(
+            f"{component} folder {os.fspath(folder)!r} has no {filename}; "
+            f"pass the {component}/ folder of a diffusers-format Wan checkpoint"
+        )
+
+
+def open_component(folder: str, name: str) -> TensorSource:
+    """The tensors of one component of a multi-component folder: `folder/NAME.safetensors`, or shards
+    listed by `folder/NAME.safetensors.index.json` (UniFoLM: unet, conditioning, vae, ...)."""
+    index = f"{name}.safetensors.index.json"
+    if os.path.isfile(os.path.join(folder, index)):
+        return TensorSource(_index_shards(folder, index, "re-convert the checkpoint"))
+    path = os.path.join(folder, f"{name}.safetensors")
+    if not os.path.isfile(path):
+        raise WanInputError(f"{folder}: no {name}.safetensors; convert the checkpoint with wan_tpu/unifolm/convert_cli.py")
+    return TensorSource([path])

@@ -1,0 +1,168 @@
+"""Checkpoint tensors → device parameters, at the host's copy speed: the one placement path of every loader.
+
+    params = [StoredParam(tensors, ["blocks.0.attn1.to_q.weight", ...], Layout(perm=(1, 0)), jnp.bfloat16), ...]
+    arrays = load_params(params)                 # one jax.Array per StoredParam, in order
+
+Measured on an H100 host (`benchmarks/profile_load.py`, 2026-11-23): the page cache reads at 5–6 GB/s;
+`jax.device_put` straight from a memory map reaches 3.8 GB/s for UMT5's large tensors with one thread
+and 5.8 GB/s with four, while copying into fresh host buffers first (1.7 GB/s: the kernel zeroes every
+new page) or one batched `device_put` of them all (1.3 GB/s) is slower; and transposing and casting
+bf16 weights in numpy took the DiT loader down to 0.43 GB/s. So here:
+  * a few threads put parameters on the device at once, each large one as stored (dtype and layout),
+    layer by layer straight from the checkpoint's memory map: no host copy at all;
+  * the layout change (`Layout`: a reshape and a transpose, e.g. torch's (out, in) → (in, out)), the
+    stacking of per-layer tensors on a leading axis and the cast to the model's dtype run on the device,
+    where they cost microseconds, in one small program per distinct (layers, shape, layout, dtype) that
+    a GPU's or TPU's executable cache keeps whole (a warm start loads it without tracing or lowering);
+  * a small parameter (under `DEVICE_LAYOUT_BYTES`, e.g. the VAE's many convolutions, a layer norm's
+    stacked gains) is built on the host, where that is cheap, rather than compiling a program for each
+    of its shapes.
+Results are bit-identical to converting on the host: a transpose moves bits and both sides round
+float32 → bfloat16 to nearest even.
+
+With a mesh, the host builds each parameter in its final layout and dtype and `place` puts it on the
+devices slice by slice (`wan_tpu.parallel.sharding.place_param`), so a device never holds more than its shard.
+"""
+
+from __future__ import annotations
+
+import collections
+import concurrent.futures
+import dataclasses
+import functools
+from collections.abc import Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from wan_tpu.loading.checkpoint import TensorSource
+
+READ_THREADS = 4
+DEVICE_LAYOUT_BYTES = 16 << 20  # at least this many stored bytes: layout and cast on the device
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    """Stored layout → ours: `reshape` (None: keep) then `perm` (None: keep), per layer of a stacked parameter."""
+
+    reshape: tuple[int, ...] | None = None
+    perm: tuple[int, ...] | None = None
+
+    def apply(self, a, stacked: bool = False):
+        """`a` (numpy or jax; with a leading layer axis when `stacked`) in our layout."""
+        lead = a.shape[:1] if stacked else ()
+        if self.reshape is not None:
+            a = a.reshape(*lead, *self.reshape)
+        if self.perm is not None:
+            a = a.transpose(*range(len(lead)), *(p + len(lead) for p in self.perm))
+        return a
+
+    @property
+    def identity(self) -> bool:
+        return self.reshape is None and self.perm is None
+
+
+TRANSPOSE = Layout(perm=(1, 0))  # torch Linear (out, in) → (in, out)
+
+
+@dataclasses.dataclass(frozen=True)
+class StoredParam:
+    """One parameter as the checkpoint stores it: `names` (one per layer, stacked on a new leading axis,
+    when `stacked`), its `layout` change and the `dtype` it is placed in."""
+
+    tensors: TensorSource
+    names: Sequence[str]
+    layout: Layout
+    dtype: np.dtype
+    stacked: bool = False
+
+    @property
+    def stored_shape(self) -> tuple[int, ...]:
+        shape = tuple(self.tensors.shape(self.names[0]))
+        return (len(self.names), *shape) if self.stacked else shape
+
+    @property
+    def stored_dtype(self) -> np.dtype:
+        return self.tensors.dtype(self.names[0])
+
+    def read_stored(self) -> np.ndarray:
+        """The stored bytes in one contiguous host array (stored dtype and layout)."""
+        out = np.empty(self.stored_shape, self.stored_dtype)
+        if self.stacked:
+            for i, name in enumerate(self.names):
+                self.tensors.read_into(name, out[i])
+        else:
+            self.tensors.read_into(self.names[0], out)
+        return out
+
+    @property
+    def stored_bytes(self) -> int:
+        return int(np.prod(self.stored_shape, dtype=np.int64)) * self.stored_dtype.itemsize
+
+    @property
+    def as_stored(self) -> bool:
+        """Placed exactly as stored (no layout change, no cast)."""
+        return self.layout.identity and np.dtype(self.dtype) == self.stored_dtype
+
+    def read_host(self) -> np.ndarray:
+        """The parameter as placed (our layout and dtype), built on the host."""
+        return np.ascontiguousarray(self.layout.apply(self.read_stored(), self.stacked).astype(self.dtype, copy=False))
+
+
+@functools.partial(jax.jit, static_argnames=("layout", "stacked", "dtype"))
+def _to_ours(layers, layout: Layout, stacked: bool, dtype):
+    stored = jnp.stack(layers) if stacked else layers[0]
+    return layout.apply(stored, stacked).astype(dtype)
+
+
+def _layout_program(layers: tuple, layout: Layout, stacked: bool, dtype):
+    """`_to_ours(layers, ...)` through a program loaded whole from the executable cache when the compile
+    cache holds it (`executable_cache.cached_call`): a warm start then traces and lowers
+    nothing. Lowering the Matrix-Game DiT's 10 layout programs took 1.3 s of its 1.7 s warm load on an
+    H100 (its transfers 0.25 s). Without CUDA graphs (`executable_cache.GRAPHLESS`): the loads of several
+    components run theirs at once, each in its thread, beside the others' transfers."""
+    from wan_tpu.runtime import executable_cache
+
+    return executable_cache.cached_call("param-layout", "param-layout", _to_ours, (layers,),
+                                        dict(layout=layout, stacked=stacked, dtype=np.dtype(dtype)),
+                                        static_argnames=("layout", "stacked", "dtype"),
+                                        compiler_options=executable_cache.graphless())
+
+
+def _ordered(pool, fn, items, ahead: int):
+    """`fn` over `items` in `pool`, results in order, at most `ahead` of them pending beyond the consumer."""
+    pending = collections.deque()
+    items = iter(items)
+    for item in items:
+        pending.append(pool.submit(fn, item))
+        if len(pending) > ahead:
+            yield pending.popleft().result()
+    while pending:
+        yield pending.popleft().result()
+
+
+def load_params(params: Sequence[StoredParam], place: Callable[[int, np.ndarray], jax.Array] | None = None,
+                threads: int = READ_THREADS) -> list[jax.Array]:
+    """Every parameter on the device, in order: the default device, or where `place(i, host)` puts
+    `params[i]` given in our layout and dtype (e.g. sharded over a mesh)."""
+    with concurrent.futures.ThreadPoolExecutor(threads) as pool:
+        if place is not None:
+            hosts = _ordered(pool, StoredParam.read_host, params, threads)
+            return [place(i, host) for i, host in enumerate(hosts)]
+        out = []
+        for p, on_device, arrays in _ordered(pool, _put, params, 2 * threads):
+            out.append(_layout_program(tuple(arrays), p.layout, p.stacked, p.dtype) if on_device else arrays[0])
+        return out
+
+
+def _put(p: StoredParam):
+    """`p` host → device: (p, whether its layout and cast are still to do on the device, the arrays put).
+
+    Large parameters go as stored, each layer straight from its memory map (no host copy); small ones
+    are converted on the host first, so that they compile no program of their own."""
+    if p.as_stored and not p.stacked:
+        return p, False, [jax.device_put(np.asarray(p.tensors[p.names[0]]))]
+    if p.stored_bytes < DEVICE_LAYOUT_BYTES:
+        return p, False, [jax.device_put(p.read_host())]
+    return p, True, [jax.device_put(np.asarray(p.tensors[n])) for n in p.names]

@@ -1,0 +1,197 @@
+"""Compiling Matrix-Game-2's programs from the components' configs, before any weight exists: what
+`MatrixGamePipeline.prepare` starts beside the loads.
+
+    pipe = wan_tpu.MatrixGamePipeline.from_pretrained("matrix-game-2-wan-tpu")
+    with pipe.prepare():                        # loads and compiles start; returns at once
+        session = pipe.stream("start.png")      # waits for the programs, not for the DiT's load
+        frames = session.step(keyboard=[1, 0, 0, 0], mouse=[0, 0.1])
+
+Every program a stream runs through its second chunk is loaded from the executable cache
+(`wan_tpu.runtime.executable_cache`, keyed by `MatrixGamePipeline.program_key`: the components' configs, dtypes,
+sizes), or else lowered from abstract modules (`nnx.eval_shape` of the very constructors the loaders use:
+`abstract_transformer`, `abstract_vae`, `abstract_clip_vision`, or the tiny preset's) and
+`jax.ShapeDtypeStruct` inputs, compiled and stored; each group in its own thread `wan_tpu-compile-NAME`
+(`Warmup.start(kind="compile")`):
+  * `condition`: the VAE's first-frame encode (`encode-first`), the condition buffer (`start-latents`),
+    `_gray_latents` (`gray-latents`), the normalisation (`normalized`);
+  * `clip`: CLIP's encode of one image; `cache`: `_init_cache` for its tokens; `key`: the stream's key;
+  * `chunk-0`: the first chunk's `_chunk_program`; `chunk-1`: the one every later chunk runs (its VAE
+    caches' shapes are chunk-0's outputs'). A later program takes an earlier one's output shapes
+    (`out_info`) instead of tracing it again.
+Each lands in `pipe._programs` by name, and the calls run it (`Programs.call`, without the jitted
+functions' static arguments): the very programs compiled ahead, so results are bit-identical with and
+without `prepare`. Warm, nothing is traced or lowered and no abstract module is built: a start reads its
+programs from disk while the weights load, instead of spending seconds of Python (the GIL the loads need
+too) re-deriving JAX's compile-cache keys. The first call that runs a program waits for all of them
+(`MatrixGamePipeline._wait_compiled` says why: on a GPU a program's first run must not overlap other CUDA
+work), but for one: a stored `chunk-1` is loaded only once the first chunk has run
+(`MatrixGamePipeline.first_chunk_ran`), so the first frame does not wait for its 0.7–1.2 s of deserialising
+(an H100 host) too; compiled (a miss), it starts at once, as on other devices. A compile that fails (a
+config that does not describe the weights, …) is a warning and the call compiles as without `prepare`.
+`Warmup.cancel` stops the threads at the next program.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import threading
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from wan_tpu.runtime import executable_cache
+from wan_tpu.runtime.compile_ahead import Cancelled
+
+COMPONENTS = ("transformer", "vae", "image_encoder")
+
+
+def compile_ahead(pipe, warmup) -> None:
+    """Start loading or compiling, in `warmup`'s threads, every program a stream of `pipe` runs (module
+    docstring). Nothing starts for a pipeline without abstract components (its calls compile on use)."""
+    if not all(name in pipe._abstracts for name in COMPONENTS):
+        return
+    abstract = _Abstracts(pipe._abstracts)
+    stop = warmup.cancelled
+    # A later program is lowered for an earlier one's output shapes, handed over as soon as they are known
+    # (`out_info` of the stored or lowered program) instead of tracing the earlier one again.
+    visual, cache, key, first = (concurrent.futures.Future() for _ in range(4))
+    warmup.start("condition", _condition, pipe, abstract, stop, kind="compile")
+    warmup.start("clip", _program, pipe, "clip", lambda: abstract("image_encoder").lower(1), visual, kind="compile")
+    warmup.start("cache", _program, pipe, "cache", lambda: _cache(pipe, abstract, _wait(visual, stop)), cache,
+                 kind="compile")
+    warmup.start("key", _program, pipe, "key", _key_lowered, key, kind="compile")
+
+    def chunk(vae_caches):
+        return lambda: _chunk(pipe, abstract, stop, _wait(cache, stop), _wait(key, stop), vae_caches())
+
+    warmup.start("chunk-0", _program, pipe, "chunk-0", chunk(lambda: None), first, kind="compile")
+    pipe.chunk_1_after_first = captures_graphs() and _stored(pipe, "chunk-1")
+    warmup.start("chunk-1", _later_chunks, pipe, chunk(lambda: _wait(first, stop)[2]), stop, kind="compile")
+
+
+def _stored(pipe, name: str) -> bool:
+    try:
+        return executable_cache.exists(name, pipe.program_key())
+    except Exception:  # noqa: BLE001 - unreadable configs: its thread reports that, as a failed compile
+        return False
+
+
+def _later_chunks(pipe, lower, stop) -> None:
+    """`chunk-1`: on a GPU, a stored one is loaded once the first chunk has run (module docstring)."""
+    while pipe.chunk_1_after_first and not pipe.first_chunk_ran.wait(0.05):
+        _check(stop)
+    _program(pipe, "chunk-1", lower)
+
+
+def captures_graphs() -> bool:
+    """Whether XLA records first runs as CUDA graphs here (NVIDIA GPUs)."""
+    return jax.devices()[0].platform == "gpu"
+
+
+def _wait(future: concurrent.futures.Future, stop: threading.Event):
+    """`future`'s result; `Cancelled` once `stop` is set (its thread may never have started)."""
+    while True:
+        try:
+            return future.result(timeout=0.05)
+        except concurrent.futures.TimeoutError:
+            _check(stop)
+
+
+def _program(pipe, name: str, lower, out: concurrent.futures.Future | None = None):
+    """Program `name` from the executable cache, or lowered by `lower()`, compiled and stored; registered on
+    `pipe` (`pipe._programs`) and its output shapes handed to whoever waits on `out` → its output shapes."""
+    try:
+        key = pipe.program_key()
+        compiled = executable_cache.load(name, key)
+        if compiled is None:
+            lowered = lower()
+            if out is not None:
+                out.set_result(_shapes(lowered.out_info))  # the next program lowers while this one compiles
+            compiled = executable_cache.store(name, key, lowered)
+    except BaseException as e:
+        if out is not None and not out.done():
+            out.set_exception(e)
+        raise
+    if out is not None and not out.done():
+        out.set_result(_shapes(compiled.out_info))
+    pipe._programs.put(name, compiled)
+    return _shapes(compiled.out_info)
+
+
+def _shapes(tree):
+    """Shapes and dtypes only: a compiled program's `out_info` also pins shardings and layouts, which would
+    make a program lowered from it differ from the one a call traces."""
+    return jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, weak_type=s.weak_type), tree)
+
+
+class _Abstracts:
+    """Each component's abstract module, built once whichever thread asks first (only on a miss)."""
+
+    def __init__(self, builds: dict):
+        self._builds = builds
+        self._made: dict = {}
+        self._locks = {name: threading.Lock() for name in builds}
+
+    def __call__(self, name: str):
+        with self._locks[name]:
+            if name not in self._made:
+                self._made[name] = self._builds[name]()
+        return self._made[name]
+
+
+def _check(stop: threading.Event) -> None:
+    if stop.is_set():
+        raise Cancelled()
+
+
+def _condition(pipe, abstract, stop) -> None:
+    """`ImageCondition.encode`'s programs, in the order it calls them."""
+    from wan_tpu.matrix_game.condition import (CONDITION_FRAMES, GRAY_RUN, _gray_latents, _normalized,
+                                                   _start_latents, gray_frame_shape)
+
+    def vae():
+        return abstract("vae")
+
+    config = pipe.configs["vae"] if pipe.configs else vae().config
+    h, w = pipe.size
+    image = (1, config.video_channels, 1, h, w)
+    caches, mu = _program(pipe, "encode-first", lambda: vae().lower_encode_chunk(image))
+    _check(stop)
+    latents = _program(pipe, "start-latents", lambda: _start_latents.lower(mu, CONDITION_FRAMES))
+    _check(stop)
+    offset = jax.ShapeDtypeStruct((), jnp.int32)
+    frame = gray_frame_shape(config, (1, config.video_channels, h, w))
+    _program(pipe, "gray-latents",
+             lambda: _gray_latents.lower(*nnx.split(vae()), caches, latents, offset, GRAY_RUN, frame))
+    _check(stop)
+    _program(pipe, "normalized", lambda: _normalized.lower(*nnx.split(vae()), latents))
+
+
+def _cache(pipe, abstract, visual):
+    from wan_tpu.matrix_game.pipeline import _init_cache
+
+    return _init_cache.lower(*nnx.split(abstract("transformer")), visual, tuple(pipe.variant.latent_size))
+
+
+def _key_lowered():
+    from wan_tpu.matrix_game.pipeline import _key
+
+    return _key.lower(jax.ShapeDtypeStruct((), np.uint32))
+
+
+def _chunk(pipe, abstract, stop, cache, key, vae_caches):
+    """The first chunk's `_chunk_program` (`vae_caches` None), or the one every later chunk runs (the VAE
+    caches the first one returns), lowered."""
+    from wan_tpu.matrix_game.pipeline import CONDITION_FRAMES, ImageCondition, _chunk_program, action_windows, chunk_args
+
+    dit, vae = nnx.split(abstract("transformer")), nnx.split(abstract("vae"))
+    z = abstract("vae").config.z_dim
+    # `ImageCondition.encode`'s normalized float32 latents; the repeat scalars are traced.
+    condition = ImageCondition(jax.ShapeDtypeStruct((1, z, CONDITION_FRAMES, *pipe.variant.latent_size), jnp.float32),
+                               0, 1)
+    index = jax.ShapeDtypeStruct((), jnp.int32)
+    args, kwargs = chunk_args(pipe, dit, vae, cache, vae_caches, condition, action_windows(pipe), index, key)
+    _check(stop)
+    return _chunk_program.lower(*args, **kwargs)

@@ -1,0 +1,587 @@
+"""`MatrixGamePipeline`: Matrix-Game-2, the action-driven streaming world model on Wan, from one image.
+
+    import wan_tpu
+    pipe = wan_tpu.MatrixGamePipeline.from_pretrained("matrix-game-2-wan-tpu")       # or "matrix-game-tiny"
+    video = pipe("start.png", keyboard=K, mouse=M, seed=0)      # K (frames, keys), M (frames, 2): uint8 (T, H, W, 3)
+
+    session = pipe.stream("start.png", seed=0)                 # interactive: one chunk per call
+    frames = session.step(keyboard=[1, 0, 0, 0], mouse=[0, 0.1])   # 9 frames first, then 12 per chunk
+
+`from_pretrained` takes a folder made by `wan_tpu/matrix_game/convert.py` from the
+Skywork/Matrix-Game-2.0 download, and `variant` (universal, gta_drive, templerun; default: universal
+if present, else the only one), or the `matrix-game-tiny` preset (random weights, CPU, seconds).
+Actions are per video frame (see `wan_tpu.matrix_game.actions`; `mouse=None` for templerun); a
+video of N frames has N = 12n - 3 (n chunks of 3 latent frames; the first latent frame gives one
+video frame, every later one four). `step` also takes a single action row, held for the whole chunk
+as the authors' streaming script does.
+
+As the authors' `inference.py`: the image is centre-cropped to the video's aspect, resized (bilinear)
+and scaled to [-1, 1]; the VAE encodes it followed by gray frames (the condition latents, with a
+4-channel mask on the first latent frame), CLIP encodes it (its first n-1 of n blocks). The gray
+frames' latents stop changing once the image has left the encoder's causal receptive field: they are
+encoded until the encoder's state repeats exactly (34 latent frames for Wan 2.1's VAE) and reused from
+there, instead of encoding 4·(N-1) gray frames up front, and only as the video reaches them (one run of
+3 latent frames before each chunk, so the first frame does not wait for the other ten); they are held
+padded to `CONDITION_FRAMES`, so the chunk program's inputs have one shape whatever the image.
+
+`pipe.prepare()` reads the three components at once and, meanwhile, loads every program a stream runs
+(image preparation, both chunk programs) from the executable cache or compiles it from the components'
+configs (`wan_tpu.matrix_game.compile_ahead`, `wan_tpu.runtime.executable_cache`);
+`stream()` encodes the image with the VAE and CLIP in the order their weights arrive, while the DiT
+may still load (not on a GPU, where a program's first run must not overlap other CUDA work: see
+`_wait_compiled`). Without `prepare`, each program compiles on its first call, the later chunks' one in a
+thread started by the session.
+
+Each chunk is one compiled program (`_chunk_program`): the DiT's whole chunk (its denoising steps,
+re-noising, the clean cache-update pass: `denoise_chunk`) and the VAE's streaming decode of the
+chunk, caches carried and donated, uint8 frames out; the first chunk of a stream compiles it once
+(the VAE's first latent frame is special, and its attention window holds only its own frames), every
+later chunk shares a second compilation. A stream
+and a one-shot call with the same image, seed and actions give identical frames: the one-shot call
+is a stream. Noise: chunk k draws its initial noise and its re-noising from `fold_in(key(seed), k)`.
+
+Trace scopes (`--profile`) follow the authors' PROFILING_TAGS_GUIDE: host regions `1_Data_Preparation`
+(`1.1_Image_Loading_Resize`, `1.2_VAE_Encode_FirstFrame`, `1.4_CLIP_Visual_Context`,
+`1.5_Noise_Sampling`, `1.6_Action_Conditions_Setup`; the mask and condition slicing of `1.3` happen
+inside the chunk program), `2_Pipeline_Inference`,
+`2.1_KV_Cache_Initialization`, `2.3_Block_{i}` per chunk, `3_Video_Postprocessing`, `4_Video_Export`;
+inside the compiled chunk (one program serves every chunk, so names carry no chunk index):
+`2.3_Denoise` (the DiT's steps and cache update), `2.3_VAE_Decode` → `VAE_Decode_Frame_0` (first
+chunk) / `VAE_Decode_Frame` (the scanned frames), `VAE_Decode_Postprocessing`.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import threading
+import time
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from wan_tpu.matrix_game import actions
+from wan_tpu.configs.matrix_game import MATRIX_GAME_VARIANTS, MatrixGameVariant, get_variant
+from wan_tpu.errors import WanInputError
+from wan_tpu.matrix_game.condition import CONDITION_FRAMES, ImageCondition
+from wan_tpu.runtime.profiling import scope
+
+PRESET = "matrix-game-tiny"
+INDEX_FILE = "matrix_game.json"
+MASK_CHANNELS = 4  # the temporal compression: one mask channel per video frame a latent frame stands for
+# The tiny preset's CLIP vision tower (its width is the tiny DiT's image_dim).
+TINY_CLIP = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=2, image_size=28,
+                 patch_size=14, hidden_act="gelu", layer_norm_eps=1e-5)
+
+
+class MatrixGamePipeline:
+    """A Matrix-Game-2 model ready to play; see the module docstring."""
+
+    def __init__(self, variant: MatrixGameVariant, loaders: dict, *, name: str, dtype, vae_dtype,
+                 abstracts: dict | None = None, configs=None, attention_impl: str | None = None):
+        self.variant = variant
+        self.name = name
+        self.dtype = dtype
+        self.vae_dtype = vae_dtype
+        self._loaders = loaders
+        # name → the component's module without weights (`nnx.eval_shape`), from its config alone: what
+        # `prepare` compiles the programs for (`wan_tpu.matrix_game.compile_ahead`).
+        self._abstracts = abstracts or {}
+        # () → each component's config, read without a tensor: with the dtypes and settings, what determines
+        # every compiled program (`program_key`, the executable cache's key).
+        self._configs = configs
+        self.attention_impl = attention_impl
+        from wan_tpu.runtime.executable_cache import Programs
+
+        self._programs = Programs()  # what `prepare` loaded or compiled, by name; calls fall back to jit
+        self._loaded: dict = {}
+        self._warmup = None
+        self.first_chunk_ran = threading.Event()  # set once a stream's first chunk is on the host
+        self.chunk_1_after_first = False  # set by `prepare`: whether its `chunk-1` loads only after that
+        from wan_tpu.matrix_game.sampling import chunk_schedule
+
+        v = variant
+        self.schedule = chunk_schedule(v.denoising_step_list, v.timestep_shift, v.warp_denoising_step, v.context_noise)
+        self.action_space = actions.action_space(v)
+
+    @classmethod
+    def from_pretrained(cls, path_or_preset: str, variant: str | None = None, dtype=jnp.bfloat16,
+                        vae_dtype=jnp.float32, attention_impl: str | None = None,
+                        compile_cache: bool = True) -> MatrixGamePipeline:
+        """A converted Matrix-Game-2 folder (`wan_tpu/matrix_game/convert.py`) or `matrix-game-tiny`.
+
+        `dtype`: the DiT and CLIP dtype (the authors run bfloat16); `vae_dtype`: the VAE's (float32 by
+        default; the authors decode in float16). Components load on first use. `compile_cache` turns the
+        persistent compilation cache (`wan_tpu.runtime.compile_cache`) and the executable cache `prepare` keeps in it
+        (`wan_tpu.runtime.executable_cache`) on (the default) or off for the whole process."""
+        from wan_tpu.runtime import compile_cache as cache
+
+        cache.enable() if compile_cache else cache.disable()
+        if path_or_preset == PRESET:
+            if variant not in (None, PRESET):
+                raise WanInputError(f"the {PRESET} preset has no variant {variant!r}; leave --variant out")
+            return _tiny(dtype, vae_dtype, attention_impl)
+        path = os.fspath(path_or_preset)
+        index = _read_index(path)
+        names = list(index["variants"])
+        if variant is None:
+            variant = "universal" if "universal" in names else names[0] if len(names) == 1 else None
+            if variant is None:
+                raise WanInputError(f"{path} holds the variants {', '.join(names)}; choose one with variant=/--variant")
+        if variant not in index["variants"]:
+            raise WanInputError(f"{path} has no {variant!r} model (it holds {', '.join(names)}); choose one of those "
+                                f"or convert a download that has it")
+        v = get_variant(variant)
+
+        def transformer():
+            from wan_tpu.matrix_game.loading import load_matrix_game_transformer
+
+            return load_matrix_game_transformer(os.path.join(path, index["variants"][variant]), v.name, dtype=dtype,
+                                                attention_impl=attention_impl)
+
+        def vae():
+            from wan_tpu.vae.loading import load_vae
+
+            return load_vae(os.path.join(path, index["vae"]), dtype=vae_dtype)
+
+        def image_encoder():
+            from wan_tpu.encoders.clip_image import CLIPImageEncoder
+
+            return CLIPImageEncoder.from_pretrained(os.path.join(path, index["image_encoder"]), None, dtype=dtype)
+
+        def abstract_transformer():
+            from wan_tpu.matrix_game.loading import abstract_transformer, transformer_config
+
+            return abstract_transformer(transformer_config(os.path.join(path, index["variants"][variant]), v.name),
+                                        dtype, attention_impl)
+
+        def abstract_vae():
+            from wan_tpu.vae.loading import abstract_vae, vae_config
+
+            return abstract_vae(vae_config(os.path.join(path, index["vae"])), vae_dtype)
+
+        def abstract_image_encoder():
+            from wan_tpu.encoders.clip_loading import abstract_clip_vision, clip_vision_config
+
+            # The penultimate hidden state: `CLIPImageEncoder.from_pretrained` keeps all blocks but the last.
+            return abstract_clip_vision(clip_vision_config(os.path.join(path, index["image_encoder"]), -1), dtype)
+
+        def configs():
+            from wan_tpu.encoders.clip_loading import clip_vision_config
+            from wan_tpu.matrix_game.loading import transformer_config
+            from wan_tpu.vae.loading import vae_config
+
+            return {"transformer": transformer_config(os.path.join(path, index["variants"][variant]), v.name),
+                    "vae": vae_config(os.path.join(path, index["vae"])),
+                    "image_encoder": clip_vision_config(os.path.join(path, index["image_encoder"]), -1)}
+
+        loaders = {"transformer": transformer, "vae": vae, "image_encoder": image_encoder}
+        abstracts = {"transformer": abstract_transformer, "vae": abstract_vae, "image_encoder": abstract_image_encoder}
+        return cls(v, loaders, name=os.path.abspath(path), dtype=dtype, vae_dtype=vae_dtype, abstracts=abstracts,
+                   configs=configs, attention_impl=attention_impl)
+
+    def prepare(self):
+        """Start reading every component at once, and compiling every program a stream runs, in background
+        threads; returns at once (a `wan_tpu.runtime.compile_ahead.Warmup`; as a context manager, leaving it waits for
+        the threads). `component()` then waits for the one it needs only, and the first call that runs a
+        program for the programs (`_wait_compiled`). The weights of one come off the disk while another's
+        are placed, and the programs are loaded from the executable cache, or compiled from the
+        components' configs, meanwhile, so a first
+        frame waits for the slowest load, not for their sum and the compiles after it
+        (`wan_tpu.matrix_game.compile_ahead`). A program whose compile ahead fails is a warning and compiles on use."""
+        from wan_tpu.matrix_game.compile_ahead import compile_ahead
+        from wan_tpu.runtime.compile_ahead import Warmup
+
+        warmup = self._warmup = Warmup()
+        for name, loader in self._loaders.items():
+            if name not in self._loaded:
+                warmup.start(name, loader)
+        compile_ahead(self, warmup)
+        return warmup
+
+    @functools.cached_property
+    def configs(self) -> dict:
+        """Each component's config ("transformer", "vae", "image_encoder"), read without loading a tensor."""
+        return self._configs() if self._configs is not None else {}
+
+    def program_key(self) -> tuple:
+        """What determines every program a stream runs, short of tracing one: the variant (sizes, steps),
+        the components' configs, dtypes and attention setting (`wan_tpu.runtime.executable_cache` adds versions,
+        devices and this package's sources). None without the configs: nothing is stored or found then."""
+        if not self.configs:
+            return None
+        dtypes = tuple(jnp.dtype(d).name for d in (self.dtype, self.vae_dtype))
+        return (self.variant, tuple(sorted(self.configs.items())), dtypes, self.attention_impl)
+
+    def _wait_compiled(self, name: str) -> None:
+        """Before running the program(s) `name`: wait for every program `prepare` started (a failure warns),
+        not only `name`'s, and on a GPU for every component's load too. XLA records a program's first run
+        on a GPU as a CUDA graph, and cuDNN captures one while it builds a fused kernel's plan on its first
+        run, even in a program without graphs; CUDA work from other threads meanwhile (a program's kernels
+        loading or autotuning, weights being placed) breaks that capture: `cudaErrorStreamCaptureUnjoined`,
+        seen on an H100 in the VAE's first encode while the DiT still loaded, and in `_init_cache` beside
+        the chunk programs' compiles. One exception: a stored `chunk-1` loads only once the first chunk has
+        run (`wan_tpu.matrix_game.compile_ahead`), so the first chunk does not wait for it."""
+        from wan_tpu.matrix_game.compile_ahead import captures_graphs
+
+        if self._warmup is None:
+            return
+        later = self.chunk_1_after_first and not self.first_chunk_ran.is_set()  # chunk-1 is not loading yet
+        for pending in [name, *self._warmup.compiles]:
+            if not (pending == "chunk-1" and later):
+                self._warmup.wait_compiled(pending)
+        if captures_graphs():
+            for component in self._loaders:
+                self.component(component)
+            self._warmup.first_transfer.join()
+
+    def component(self, name: str):
+        if name not in self._loaded:
+            with scope(f"load_{name}"):
+                loaded = self._warmup.take_load(name) if self._warmup is not None else None
+                self._loaded[name] = loaded if loaded is not None else self._loaders[name]()
+        return self._loaded[name]
+
+    def split(self, name: str):
+        """`nnx.split` of a component, made once: a new split is a new static argument of the compiled
+        chunk program, which would trace and compile it again for every stream."""
+        key = f"{name}/split"
+        if key not in self._loaded:
+            self._loaded[key] = nnx.split(self.component(name))
+        return self._loaded[key]
+
+    transformer = property(lambda self: self.component("transformer"))
+    vae = property(lambda self: self.component("vae"))
+    image_encoder = property(lambda self: self.component("image_encoder"))
+
+    @property
+    def frames_per_chunk(self) -> int:
+        return self.variant.num_frame_per_block
+
+    @property
+    def size(self) -> tuple[int, int]:
+        """(height, width) of the video."""
+        h, w = self.variant.latent_size
+        return 8 * h, 8 * w
+
+    def chunk_frames(self, chunk: int) -> int:
+        return actions.chunk_frames(chunk, self.frames_per_chunk)
+
+    # ---- data preparation ---------------------------------------------------------------------
+
+    def preprocess_image(self, image) -> np.ndarray:
+        """(1, 3, H, W) float32 in [-1, 1]: `inference.py`'s `_resizecrop` (centre crop to the video's
+        aspect), then a bilinear resize to the video size (torchvision `Resize` on a PIL image)."""
+        from PIL import Image
+
+        from wan_tpu.wan.conditioning import load_image
+
+        th, tw = self.size
+        pil = load_image(image)
+        w, h = pil.size
+        if h / w > th / tw:
+            new_w, new_h = int(w), int(int(w) * th / tw)
+        else:
+            new_h, new_w = int(h), int(int(h) * tw / th)
+        pil = pil.crop(((w - new_w) / 2, (h - new_h) / 2, (w + new_w) / 2, (h + new_h) / 2))
+        if pil.size != (tw, th):
+            pil = pil.resize((tw, th), Image.BILINEAR)
+        x = np.asarray(pil, np.float32) / np.float32(255)
+        return ((x - np.float32(0.5)) / np.float32(0.5)).transpose(2, 0, 1)[None]
+
+    def encode_image(self, image: np.ndarray, frames: int | None = None) -> ImageCondition:
+        """The condition latents of `image` (from `preprocess_image`) followed by gray frames, up to where
+        they repeat, whatever the video's length: so every stream of this model runs the same compiled
+        chunk program (the latents are one of its inputs) and a one-shot call equals a stream. `frames`:
+        encode only what the first `frames` latent frames need now (`ImageCondition.cover` the rest)."""
+        from wan_tpu.matrix_game.model import MAX_FRAMES
+
+        split = self.split("vae")
+        self._wait_compiled("condition")
+        return ImageCondition.encode(self.vae, split, image, MAX_FRAMES, self._programs, frames=frames)
+
+    def encode_clip(self, image: np.ndarray) -> jax.Array:
+        """CLIP tokens (1, N, image_dim) of `image` (from `preprocess_image`), as the authors' `encode_video`."""
+        from wan_tpu.encoders.clip_image import preprocess_tensor
+
+        encoder = self.image_encoder
+        pixels = preprocess_tensor(image, encoder.config.image_size)
+        self._wait_compiled("clip")
+        return self._programs.call("clip", (nnx.state(encoder.model), pixels),
+                                   lambda: encoder.encode_pixels(pixels))
+
+    # ---- generation ---------------------------------------------------------------------------
+
+    def stream(self, image, seed: int = 0, max_frames: int | None = None) -> MatrixGameSession:
+        """A new stream from `image` (a path, PIL image or uint8 (H, W, 3) array); `max_frames` bounds the
+        video (default: as long as the model's position table allows)."""
+        from wan_tpu.matrix_game.model import MAX_FRAMES
+
+        f = self.frames_per_chunk
+        max_latents = MAX_FRAMES // f * f
+        if max_frames is not None:
+            max_latents = min(max_latents, f * actions.check_frames(max_frames, f))
+        with scope("1_Data_Preparation"):
+            with scope("1.1_Image_Loading_Resize"):
+                pixels = self.preprocess_image(image)
+            # The VAE's and CLIP's encodes in the order their weights arrive (after `prepare`, the DiT is
+            # still loading meanwhile: the session's cache waits for it).
+            order = ("vae", "image_encoder")
+            for name in order if self._warmup is None else self._warmup.as_loaded(order, self._loaded):
+                if name == "vae":
+                    with scope("1.2_VAE_Encode_FirstFrame"):
+                        condition = self.encode_image(pixels, frames=f)
+                else:
+                    with scope("1.4_CLIP_Visual_Context"):
+                        visual = self.encode_clip(pixels)
+        return MatrixGameSession(self, condition, visual, seed, max_latents)
+
+    def __call__(self, image, keyboard, mouse=None, seed: int = 0, progress: bool = False) -> np.ndarray:
+        """The whole video for per-frame actions → uint8 (T, H, W, 3), T = len(keyboard) = 12n - 3."""
+        keyboard, mouse = actions.check_actions(keyboard, mouse, self.action_space)
+        chunks = actions.check_frames(len(keyboard), self.frames_per_chunk)
+        session = self.stream(image, seed=seed, max_frames=len(keyboard))
+        videos, start = [], 0
+        steps = range(chunks)
+        if progress:
+            from tqdm import tqdm
+
+            steps = tqdm(steps, desc="chunks", unit="chunk")
+        for k in steps:
+            n = self.chunk_frames(k)
+            videos.append(session.step(keyboard[start : start + n], None if mouse is None else mouse[start : start + n]))
+            start += n
+        return np.concatenate(videos)
+
+
+class MatrixGameSession:
+    """A stream in progress: `step(keyboard, mouse)` → the next chunk's uint8 frames (n, H, W, 3).
+
+    `chunk_seconds` holds each chunk's wall time (denoise + decode, frames on the host), and
+    `chunk_frames` their frame counts; `fps` is frames over time per chunk."""
+
+    def __init__(self, pipe: MatrixGamePipeline, condition: ImageCondition, visual_context, seed: int, max_latents: int):
+        self.pipe = pipe
+        self.condition = condition
+        self.max_latents = max_latents
+        self.chunk = 0
+        space = pipe.action_space
+        self.keyboard = np.zeros((0, space.keyboard_dim), np.float32)
+        self.mouse = np.zeros((0, 2), np.float32) if space.mouse else None
+        self.chunk_seconds: list[float] = []
+        self.chunk_frames: list[int] = []
+        with scope("1.5_Noise_Sampling"):
+            pipe._wait_compiled("key")
+            self.key = pipe._programs.call("key", (_seed(seed),), lambda: stream_key(seed))
+        with scope("2.1_KV_Cache_Initialization"):
+            self._dit = pipe.split("transformer")
+            pipe._wait_compiled("cache")
+            self.cache = pipe._programs.call("cache", (self._dit[1], visual_context), lambda: _init_cache(
+                *self._dit, visual_context, tuple(pipe.variant.latent_size)))
+        self._vae = pipe.split("vae")
+        self.vae_caches = None
+        # The first chunk's program compiles on its call (or in `prepare`); the one every later chunk runs
+        # (its VAE caches no longer empty) compiles meanwhile, so the second chunk does not stall the
+        # stream, unless `prepare` compiles it (for the condition's usual shape). Not a daemon thread: one
+        # killed inside XLA's compiler aborts the process.
+        self._steady = threading.Thread(target=self._compile_steady, name="wan_tpu-compile-chunk")
+        ahead = ("chunk-1" in pipe._programs or pipe._warmup is not None and "chunk-1" in pipe._warmup.compiles) \
+            and condition.latents.shape[2] == CONDITION_FRAMES
+        if max_latents > pipe.frames_per_chunk and not ahead:
+            self._steady.start()
+
+    def _chunk_args(self, keyboard_window, mouse_window, chunk_index):
+        return chunk_args(self.pipe, self._dit, self._vae, self.cache, self.vae_caches, self.condition,
+                          (keyboard_window, mouse_window), chunk_index, self.key)
+
+    def _compile_steady(self) -> None:
+        windows = action_windows(self.pipe)
+        args, kwargs = self._chunk_args(*windows, jax.ShapeDtypeStruct((), jnp.int32))
+        try:
+            _, _, vae_caches = _chunk_program.eval_shape(*args, **kwargs)
+            args = (*args[:5], vae_caches, *args[6:])
+            _chunk_program.lower(*args, **kwargs).compile()
+        except Exception as e:  # noqa: BLE001 - compiling ahead is an optimisation only; the call compiles
+            warnings.warn(f"compiling the chunk program ahead of time failed ({type(e).__name__}: {e}); it compiles "
+                          "on the second chunk", stacklevel=2)
+
+    @property
+    def fps(self) -> list[float]:
+        return [n / s for n, s in zip(self.chunk_frames, self.chunk_seconds)]
+
+    def step(self, keyboard, mouse=None) -> np.ndarray:
+        """The next chunk from its actions: one row per video frame of the chunk (9 for the first chunk,
+        12 after), or one row held for the whole chunk."""
+        from wan_tpu.matrix_game.action_module import chunk_action_window
+
+        pipe, k = self.pipe, self.chunk
+        f = pipe.frames_per_chunk
+        if f * (k + 1) > self.max_latents:
+            raise WanInputError(f"this stream is at its end ({self.max_latents} latent frames); start a new one")
+        n = pipe.chunk_frames(k)
+        with scope("1.6_Action_Conditions_Setup"):
+            keyboard, mouse = _chunk_rows(keyboard, mouse, n, pipe.action_space)
+            self.keyboard = np.concatenate([self.keyboard, keyboard])
+            windows = [chunk_action_window(self.keyboard, k, f)[None]]
+            if self.mouse is not None:
+                self.mouse = np.concatenate([self.mouse, mouse])
+                windows.append(chunk_action_window(self.mouse, k, f)[None])
+            else:
+                windows.append(None)
+        start = time.perf_counter()
+        if k == 1 and self._steady.is_alive():
+            self._steady.join()
+        if k < 2:
+            pipe._wait_compiled(f"chunk-{k}")
+        with scope(f"2.3_Block_{k}"):
+            self.condition.cover(f * (k + 1))  # this chunk's gray frames, until they repeat
+            args, kwargs = self._chunk_args(*windows, np.int32(k))
+            dynamic = (args[1], *args[3:])  # less the graphdefs (static, as `schedule` and `frames_per_chunk`)
+            frames, self.cache, self.vae_caches = pipe._programs.call(
+                f"chunk-{min(k, 1)}", dynamic, lambda: _chunk_program(*args, **kwargs))
+            with scope("3_Video_Postprocessing"):
+                frames = np.asarray(frames)[0]
+        pipe.first_chunk_ran.set()  # its CUDA-graph capture is over: `prepare` may load chunk-1 now
+        self.chunk_seconds.append(time.perf_counter() - start)
+        self.chunk_frames.append(n)
+        self.chunk += 1
+        return frames
+
+
+@functools.partial(jax.jit, static_argnums=(0, 3))
+def _init_cache(graphdef, state, visual_context, latent_size):
+    from wan_tpu.matrix_game.model import init_cache
+
+    return init_cache(graphdef, state, visual_context, latent_size)
+
+
+_key = jax.jit(jax.random.key)
+
+
+def stream_key(seed: int):
+    """`jax.random.key(seed)` as a compiled program (compiled ahead by `prepare`)."""
+    return _key(_seed(seed))
+
+
+def _seed(seed: int) -> np.uint32:
+    """The seed mod 2³², which is what `jax.random.key` keeps of a Python int with 32-bit keys (x64 off)."""
+    return np.uint32(seed % 2**32)
+
+
+def chunk_args(pipe, dit, vae, cache, vae_caches, condition: ImageCondition, windows, chunk_index, key):
+    """The arguments of `_chunk_program` for one chunk: (positional, keyword). With abstract values
+    (`jax.ShapeDtypeStruct`), what `prepare` compiles it for."""
+    repeat = (np.int32(condition.repeat_start), np.int32(condition.repeat_len))
+    return ((*dit, *vae, cache, vae_caches, condition.latents, *windows, chunk_index, key, repeat),
+            dict(schedule=pipe.schedule, frames_per_chunk=pipe.frames_per_chunk))
+
+
+def action_windows(pipe) -> list:
+    """Abstract (keyboard, mouse) action windows of a chunk (`chunk_action_window`; None without mouse)."""
+    from wan_tpu.matrix_game.action_module import chunk_action_window
+
+    f = pipe.frames_per_chunk
+    frames = pipe.chunk_frames(0) + pipe.chunk_frames(1)
+    space = pipe.action_space
+    dims = (space.keyboard_dim, 2 if space.mouse else None)
+    return [None if d is None else jax.ShapeDtypeStruct(
+        (1, *chunk_action_window(np.zeros((frames, d), np.float32), 1, f).shape), jnp.float32) for d in dims]
+
+
+def _chunk_rows(keyboard, mouse, n: int, space: actions.ActionSpace):
+    keyboard = np.asarray(keyboard, np.float32)
+    if keyboard.ndim == 1:
+        keyboard = np.repeat(keyboard[None], n, axis=0)
+        if mouse is not None and np.ndim(mouse) == 1:
+            mouse = np.repeat(np.asarray(mouse, np.float32)[None], n, axis=0)
+    keyboard, mouse = actions.check_actions(keyboard, mouse, space, frames=n)
+    return keyboard, mouse
+
+
+@functools.partial(jax.jit, static_argnums=(0, 2), static_argnames=("schedule", "frames_per_chunk"),
+         donate_argnums=(4, 5))
+def _chunk_program(dit_graph, dit_state, vae_graph, vae_state, cache, vae_caches, latents, keyboard, mouse,
+                   chunk_index, key, repeat, *, schedule, frames_per_chunk):
+    """One chunk: noise, condition, the DiT's denoising (`denoise_chunk`), the VAE's streaming decode and
+    uint8 frames (the authors' `((x + 1) · 127.5).clip(0, 255)`, truncated) → (frames (1, T, H, W, 3),
+    the DiT cache, the VAE caches). `repeat`: the condition's (repeat_start, repeat_len), int32 scalars.
+    `vae_caches` None is the stream's first chunk (chunk_index 0), else a later one."""
+    from wan_tpu.matrix_game.sampling import denoise_chunk
+
+    f = frames_per_chunk
+    b, z, _, h, w = latents.shape
+    k_noise, k_steps = jax.random.split(jax.random.fold_in(key, chunk_index))
+    noise = jax.random.normal(k_noise, (b, z, f, h, w), jnp.float32)
+    frame = chunk_index * f + jnp.arange(f)
+    condition = ImageCondition(latents, *repeat)
+    image = jnp.take(latents, condition.index(frame), axis=2)
+    mask = jnp.broadcast_to((frame == 0).astype(jnp.float32)[None, None, :, None, None], (b, MASK_CHANNELS, f, h, w))
+    with jax.named_scope("2.3_Denoise"):
+        x0, cache = denoise_chunk(dit_graph, dit_state, cache, noise, jnp.concatenate([mask, image], axis=1),
+                                  keyboard, mouse, chunk_index, k_steps, schedule=schedule,
+                                  first_chunk=vae_caches is None)
+    with jax.named_scope("2.3_VAE_Decode"):
+        vae = nnx.merge(vae_graph, vae_state)
+        video, vae_caches = vae.decode_chunk(vae.denormalize_latents(x0.astype(vae.dtype)), vae_caches)
+        with jax.named_scope("VAE_Decode_Postprocessing"):
+            frames = jnp.clip((video.astype(jnp.float32) + 1) * 127.5, 0, 255).astype(jnp.uint8)
+    return frames.transpose(0, 2, 3, 4, 1), cache, vae_caches
+
+
+def _read_index(path: str) -> dict:
+    if not os.path.isdir(path):
+        raise WanInputError(f"model {path!r} is neither a folder nor the preset {PRESET}; pass a folder made by "
+                            f"wan_tpu/matrix_game/convert.py or --model {PRESET}")
+    index_path = os.path.join(path, INDEX_FILE)
+    if not os.path.isfile(index_path):
+        hint = ("it looks like the Skywork/Matrix-Game-2.0 download: convert it once with "
+                f"python wan_tpu/matrix_game/convert.py {path} DST") if os.path.isfile(
+            os.path.join(path, "Wan2.1_VAE.pth")) else "pass a folder made by wan_tpu/matrix_game/convert.py"
+        raise WanInputError(f"{path} has no {INDEX_FILE}; {hint}")
+    try:
+        with open(index_path) as f:
+            index = json.load(f)
+        variants = dict(index["variants"])
+        index["vae"], index["image_encoder"]  # noqa: B018 - presence check
+    except (json.JSONDecodeError, KeyError, TypeError, ValueError) as e:
+        raise WanInputError(f"{index_path} is damaged ({type(e).__name__}); convert the download again") from None
+    unknown = sorted(set(variants) - set(MATRIX_GAME_VARIANTS))
+    if unknown or not variants:
+        raise WanInputError(f"{index_path} names unknown variants {unknown}; convert the download again")
+    return index
+
+
+@functools.lru_cache(maxsize=4)
+def _tiny(dtype, vae_dtype, attention_impl) -> MatrixGamePipeline:
+    """The `matrix-game-tiny` preset: random weights from fixed seeds (see `wan_tpu.wan.presets.random_module`).
+    One pipeline per setting and process, so its compiled chunk programs serve every later request."""
+    from wan_tpu.encoders.clip import CLIPVisionConfig, CLIPVisionTransformer, random_clip
+    from wan_tpu.matrix_game.model import MatrixGameTransformer
+    from wan_tpu.vae.model import WanVAE
+    from wan_tpu.wan.presets import TINY_SEED, TINY_VAE, random_module
+
+    variant = get_variant(PRESET)
+    # The penultimate hidden state: the tower without its last block.
+    clip = CLIPVisionConfig(**{**TINY_CLIP, "num_hidden_layers": TINY_CLIP["num_hidden_layers"] - 1})
+    builds = {
+        "transformer": lambda: MatrixGameTransformer(variant.transformer, dtype=dtype, rngs=nnx.Rngs(0),
+                                                     attention_impl=attention_impl),
+        "vae": lambda: WanVAE(TINY_VAE, dtype=vae_dtype, rngs=nnx.Rngs(0)),
+        "image_encoder": lambda: CLIPVisionTransformer(clip, dtype, attention_impl),
+    }
+
+    def image_encoder():
+        from wan_tpu.encoders.clip_image import CLIPImageEncoder
+
+        return CLIPImageEncoder(random_clip(builds["image_encoder"], TINY_SEED + 2))
+
+    loaders = {"transformer": lambda: random_module(builds["transformer"], TINY_SEED),
+               "vae": lambda: random_module(builds["vae"], TINY_SEED + 1), "image_encoder": image_encoder}
+    abstracts = {name: functools.partial(nnx.eval_shape, build) for name, build in builds.items()}
+    return MatrixGamePipeline(variant, loaders, name=PRESET, dtype=dtype, vae_dtype=vae_dtype, abstracts=abstracts,
+                              configs=lambda: {"transformer": variant.transformer, "vae": TINY_VAE, "image_encoder": clip},
+                              attention_impl=attention_impl)

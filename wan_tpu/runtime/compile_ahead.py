@@ -1,0 +1,211 @@
+"""Loading and compiling ahead of use: what `WanPipeline.prepare` starts in background threads.
+
+    pipe = wan_tpu.WanPipeline.from_pretrained("Wan2.1-T2V-1.3B-Diffusers")
+    s = pipe.settings(height=480, width=832, num_frames=81)
+    with pipe.prepare(s):                             # returns at once
+        frames = pipe("a cat walks on the grass", height=480, width=832, num_frames=81)   # waits only where needed
+
+What runs, each in its own thread:
+  * every component the run needs is read at the same time (text encoder, transformer(s), VAE, image
+    encoder): the weights of one come off the disk while another's are placed on the devices;
+  * at once, the text encoder's program is compiled from its config alone (`text_encoder.compile_encode`)
+    while its weights are read;
+  * once the transformer(s) are in, the denoise step is compiled (`denoise.compile_steps`) for the
+    run's latent and prompt shapes, while the text encoder loads and encodes;
+  * once the VAE is in, its decode programs (`WanVAE.compile_decode`) and the uint8 conversion are
+    compiled, typically while the DiT denoises (on a GPU only where both fit in memory beside each
+    other: `decode_compiles_beside_denoise`; else the denoise waits for that compile).
+On a device mesh only the reading runs ahead (the calls' shardings come from the previous stage, so
+programs compiled from shapes would not be theirs). `component()`, `denoise()` and `decode()` of the
+pipeline (and `encode_prompt`) wait for the piece they need and for nothing else; a compile that fails is reported as a warning and the call compiles as it always did. Leaving the
+`with` block (or `close()`) cancels what has not started and waits for what runs, so that no thread
+outlives it (an error or Ctrl-C then costs at most one load or one program's compile). Compiling
+ahead of time runs the very programs the calls would compile (same functions, same arguments' shapes
+and placements), so results are bit-identical with and without `prepare`.
+
+Memory: reading everything at once holds the text encoder's and the transformer's weights together
+while the prompt is encoded (the text encoder is still released before the first denoising step, so
+the denoising peak, the run's largest, is unchanged: DiT weights + activations, plus the VAE's
+weights, 0.5 GB for Wan 2.1). Where the devices report their memory and all weights do not fit in
+90% of what is free, only the text encoder and the VAE are read ahead and the transformer loads after
+the text encoder is released, as without `prepare`.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import functools
+import threading
+import warnings
+import weakref
+
+import jax
+
+
+@functools.cache
+def start_transfers() -> threading.Thread:
+    """Make this process's first host→device transfer now, in a background thread, once (→ that thread).
+    The first transfer sets up the runtime's transfer path: 1.1 s on an H100 host (a 4-byte `device_put`;
+    the next 64 MB took 0.04 s), which the first weights to load would otherwise wait for while the other
+    loads, already read from disk, queue behind it. Started beside the loads' abstract builds and header
+    reads, it is off their path (the Matrix-Game DiT's warm load: 2.1 s → 0.9 s with it done beforehand)."""
+    import numpy as np
+
+    def first_transfer():
+        try:
+            jax.device_put(np.zeros(1, np.float32)).block_until_ready()
+        except Exception:  # noqa: BLE001 - a warm-up only: the loads report a real device failure themselves
+            pass
+
+    thread = threading.Thread(target=first_transfer, name="wan_tpu-first-transfer", daemon=True)
+    thread.start()
+    return thread
+
+
+class Warmup:
+    """Background loads (`loads[name]`) and compiles (`compiles[name]`: "text", "denoise", "decode" for
+    `WanPipeline`; see `wan_tpu.matrix_game.compile_ahead` for `MatrixGamePipeline`) for one run.
+
+    `cancel()` (called by itself when the interpreter exits, e.g. after an error or Ctrl-C) lets the
+    threads stop at the next program boundary: the process then waits for one program's compile at
+    most, not for all of them.
+    """
+
+    def __init__(self):
+        self.loads: dict[str, concurrent.futures.Future] = {}
+        self.compiles: dict[str, concurrent.futures.Future] = {}
+        self.cancelled = threading.Event()
+        self._threads: list[threading.Thread] = []
+        self._lock = threading.Lock()
+        _live.add(self)
+        self.first_transfer = start_transfers()  # join it before a CUDA-graph capture (Matrix-Game's first chunk)
+        from wan_tpu.runtime.executable_cache import source_hash
+
+        source_hash()  # before the threads that all need it start (its docstring says why)
+
+    def cancel(self) -> None:
+        self.cancelled.set()
+
+    def close(self) -> None:
+        """Cancel what has not started and wait for what runs (one load or one program at most per thread)."""
+        self.cancel()
+        for thread in self._threads:
+            thread.join()
+
+    def __enter__(self) -> Warmup:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def start(self, name: str, fn, *args, kind: str = "load") -> concurrent.futures.Future:
+        """Run `fn(*args)` in a new thread; its future goes under `kind` ("load" or "compile").
+
+        Not a daemon thread: the interpreter waits for it at exit, since a thread killed inside XLA's
+        compiler aborts the process ("exception not rethrown")."""
+        future: concurrent.futures.Future = concurrent.futures.Future()
+
+        def target():
+            if not future.set_running_or_notify_cancel():
+                return
+            if self.cancelled.is_set():
+                future.set_exception(Cancelled())
+                return
+            try:
+                future.set_result(fn(*args))
+            except BaseException as e:  # noqa: BLE001 - handed to whoever waits on it
+                future.set_exception(e)
+
+        (self.loads if kind == "load" else self.compiles)[name] = future
+        thread = threading.Thread(target=target, name=f"wan_tpu-{kind}-{name}")
+        self._threads.append(thread)
+        thread.start()
+        return future
+
+    def take_load(self, name: str):
+        """The loaded component `name` (waiting for it; its error, if loading failed), or None if it is not
+        being loaded. Taken once: the pipeline holds it from then on."""
+        with self._lock:
+            future = self.loads.pop(name, None)
+        if future is None or isinstance(future.exception(), Cancelled):
+            return None  # the caller loads it itself
+        return future.result()
+
+    def as_loaded(self, names, loaded=()):
+        """`names`, yielded as their components become ready: those already `loaded` or not being loaded
+        first, then the others as their loads finish (whatever their outcome: `take_load` raises it)."""
+        with self._lock:
+            futures = {self.loads[n]: n for n in names if n in self.loads and n not in loaded}
+        yield from (n for n in names if n not in futures.values())
+        for future in concurrent.futures.as_completed(futures):
+            yield futures[future]
+
+    def wait_compiled(self, name: str) -> None:
+        """Wait for the compile `name` if one was started; a failure becomes a warning (the call compiles)."""
+        future = self.compiles.pop(name, None)
+        if future is None:
+            return
+        try:
+            future.result()
+        except Cancelled:
+            pass
+        except Exception as e:  # noqa: BLE001 - compiling ahead is an optimisation only
+            warnings.warn(f"compiling {name} ahead of time failed ({type(e).__name__}: {e}); it compiles on use",
+                          stacklevel=3)
+
+
+class Cancelled(Exception):
+    """Raised in a warmup thread that stops early (`Warmup.cancel`)."""
+
+
+_live: weakref.WeakSet = weakref.WeakSet()
+
+
+def _cancel_all() -> None:
+    for warmup in list(_live):
+        warmup.cancel()
+
+
+# Runs before the interpreter joins its threads at exit (public `atexit` handlers run after): what
+# concurrent.futures uses for the same purpose.
+getattr(threading, "_register_atexit", lambda fn: None)(_cancel_all)
+
+
+def weights_fit(weight_bytes: dict[str, int], names, mesh) -> bool:
+    """Whether the weights of `names` fit together in 90% of the free memory of a device (their bytes
+    split over the mesh's devices); True where the backend does not report memory (CPU) or sizes are unknown."""
+    stats = jax.devices()[0].memory_stats() or {}
+    if "bytes_limit" not in stats or not weight_bytes:
+        return True
+    free = stats["bytes_limit"] - stats.get("bytes_in_use", 0)
+    devices = 1 if mesh is None else mesh.devices.size
+    return sum(weight_bytes.get(n, 0) for n in names) / devices <= 0.9 * free
+
+
+def decode_compiles_beside_denoise(pipe, s) -> bool:
+    """Whether the VAE decode may compile while the DiT denoises. On a GPU, XLA's autotuner runs the
+    decode's convolutions on device buffers of their real sizes while it compiles, so that compile needs
+    about the decode's working set beside the denoise's; where both do not fit in 90% of a device's
+    memory, the decode compiles before the first step instead (a 14B 720p run from an empty compile
+    cache on an 80 GB H100 ran out of memory in its first steps otherwise). True off GPUs (TPU
+    compiles take no device memory) and where the memory is unknown."""
+    device = jax.devices()[0]
+    stats = device.memory_stats() or {}
+    if device.platform != "gpu" or "bytes_limit" not in stats:
+        return True
+    from wan_tpu.runtime.memory import stage_bytes
+
+    need = stage_bytes(pipe, s, ("denoise", "decode"))
+    return sum(b for b, _ in need.values()) <= 0.9 * stats["bytes_limit"]
+
+
+def free_bytes_after_release(vae) -> int | None:
+    """The free device memory `decode` will see once the encoders and the DiT are released: all of it
+    but the VAE's weights (None where the backend does not report memory)."""
+    stats = jax.devices()[0].memory_stats() or {}
+    if "bytes_limit" not in stats:
+        return None
+    from flax import nnx
+
+    weights = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(nnx.state(vae)))
+    return stats["bytes_limit"] - weights

@@ -1,0 +1,332 @@
+"""Compiled programs kept on disk whole and found by a key computed without tracing: a warm start loads
+its programs instead of tracing and lowering them.
+
+    compiled = executable_cache.load("chunk-1", key)            # None on a miss (or with the cache off)
+    if compiled is None:
+        compiled = executable_cache.store("chunk-1", key, jitted.lower(*abstract_args))   # compiles, writes
+    programs.put("chunk-1", compiled)
+    out = programs.call("chunk-1", dynamic_args, lambda: jitted(*args, **kwargs))
+
+    # or, at a call site whose arguments are at hand (the loaders' layout programs):
+    out = executable_cache.cached_call("param-layout", key, jitted, args, kwargs, static_argnames=(...))
+
+    # and a module without weights (`nnx.eval_shape`), its structure and parameter shapes pickled:
+    vae = executable_cache.cached_abstract("wan-vae", (config, "bfloat16"), lambda: WanVAE(config, ...))
+
+JAX's persistent compile cache (`wan_tpu.runtime.compile_cache`) is keyed by the lowered program, so even a hit
+first traces and lowers it: seconds of Python for a 30-block DiT, under the GIL that the weights' loads
+need too. Here the caller names what determines the program — the components' configs, dtypes, sizes,
+the attention settings — and the file key adds what the caller cannot see: jax, jaxlib, flax and numpy
+versions, the devices (platform, kind, count), `XLA_FLAGS`, every `WAN_TPU_*` setting but the cache
+folder, the `jax.config` values that change programs, and a hash of this package's source files. So an
+entry is never found by another version, device, setting or code; a key whose text holds an object
+address (not stable across processes) is never written.
+
+Entries live in `executables/` of the compile cache's folder and follow its switch
+(`compile_cache.is_enabled()`); off, `load` misses and `store` only compiles. An entry that cannot be
+read (a killed writer, another jaxlib's format) is deleted with a warning and the program recompiled and
+written again; a backend that cannot serialise its executables just keeps them in memory. Writes go to
+a temporary file renamed into place, so a reader never sees half an entry.
+
+`Programs` holds a pipeline's loaded programs by name. A call made with arguments the program was not
+compiled for (a `TypeError` from JAX's argument check, raised before anything runs or is donated) drops
+it with a warning and takes the jitted path, so an entry can cost a compile, never a wrong result.
+`jax.stages.Compiled` is called without the jitted function's static arguments.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import importlib
+import os
+import pickle
+import threading
+import warnings
+
+import jax
+
+from wan_tpu.runtime import compile_cache
+
+FOLDER = "executables"
+
+
+def load(name: str, key) -> jax.stages.Compiled | None:
+    """The program stored under (`name`, `key`), deserialised and loaded on this process's devices, or None."""
+    path = _path(name, key)
+    if path is None or not os.path.isfile(path):
+        return None
+    try:
+        from jax.experimental.serialize_executable import deserialize_and_load
+
+        _load_kernel_runtimes()
+        with open(path, "rb") as f:
+            payload, in_tree, out_tree, device_ids = pickle.load(f)
+        by_id = {d.id: d for d in jax.devices()}
+        compiled = deserialize_and_load(payload, in_tree, out_tree, execution_devices=[by_id[i] for i in device_ids])
+    except Exception as e:  # noqa: BLE001 - an unreadable entry is a miss, repaired by the next store
+        _remove(path)
+        warnings.warn(f"executable cache: dropped an unreadable entry for {name} ({type(e).__name__}); it is "
+                      "recompiled", stacklevel=2)
+        return None
+    jax.monitoring.record_event(compile_cache.PROGRAM_LOADED)  # counted in `compile_cache.stats()`
+    return compiled
+
+
+def exists(name: str, key) -> bool:
+    """Whether an entry for (`name`, `key`) is on disk (it may still prove unreadable when loaded)."""
+    path = _path(name, key)
+    return path is not None and os.path.isfile(path)
+
+
+def store(name: str, key, lowered: jax.stages.Lowered, compiler_options: dict | None = None) -> jax.stages.Compiled:
+    """Compile `lowered` (with XLA's `compiler_options`, which the key must name) and write it under (`name`,
+    `key`) when the cache is on; → the compiled program."""
+    hits = compile_cache.thread_hits()
+    compiled = lowered.compile(compiler_options)
+    path = _path(name, key)
+    if path is None:
+        return compiled
+    if compile_cache.thread_hits() > hits and jax.devices()[0].platform == "cpu":
+        # XLA:CPU (jax 0.10.2) serialises an executable that JAX's persistent cache served without all of
+        # its functions: a later process fails to run it ("Function bitcast_concatenate_fusion not found";
+        # seen after a change of this package's sources, whose programs JAX's cache still held). Compiled
+        # afresh for the store: with an option that changes nothing on a CPU but JAX's cache key (a GPU
+        # graph size), unique to this entry.
+        hits = compile_cache.thread_hits()
+        unique = 10**6 + int(os.path.basename(path)[-12:-4], 16) % 10**6  # from the entry's digest
+        compiled = lowered.compile({**(compiler_options or {}), "xla_gpu_graph_min_graph_size": unique})
+        if compile_cache.thread_hits() > hits:  # served again: kept in memory only
+            return compiled
+    try:
+        from jax.experimental.serialize_executable import serialize
+
+        # The devices it runs on, in its assignment's order: loading would otherwise spread it over all.
+        device_ids = [d.id for d in compiled.runtime_executable().local_devices()]
+        data = pickle.dumps((*serialize(compiled), device_ids), protocol=pickle.HIGHEST_PROTOCOL)
+    except (ValueError, NotImplementedError, TypeError, pickle.PicklingError):
+        return compiled  # this backend or program cannot be serialised: kept in memory only
+    if _write(name, path, data):
+        jax.monitoring.record_event(compile_cache.PROGRAM_STORED)
+    return compiled
+
+
+def _write(name: str, path: str, data: bytes) -> bool:
+    """`data` into `path` through a temporary file renamed into place → whether it was written."""
+    tmp = f"{path}.{os.getpid()}.{threading.get_ident()}.tmp"
+    try:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        with open(tmp, "wb") as f:
+            f.write(data)
+        os.replace(tmp, path)
+    except OSError as e:  # a full or read-only disk: the run goes on, uncached
+        _remove(tmp)
+        warnings.warn(f"executable cache: could not write {name} ({e.strerror or e})", stacklevel=3)
+        return False
+    return True
+
+
+def cached_abstract(name: str, key, build):
+    """`nnx.eval_shape(build)`, the module without weights (its structure and each parameter's shape,
+    dtype and metadata), read back from this cache when a process with the same code and `key` (what
+    `build` depends on: config, dtype, settings) built it before. Building one traces every layer's
+    constructor: 1.6 s for UnifoLM's UNet on a 2-core CPU, 0.2 s to read back. Without a key or with
+    the cache off: built."""
+    from flax import nnx
+
+    path = _path(f"abstract-{name}", key)
+    if path is not None and os.path.isfile(path):
+        try:
+            with open(path, "rb") as f:
+                return nnx.merge(*pickle.load(f))
+        except Exception as e:  # noqa: BLE001 - an unreadable entry is a miss, repaired below
+            _remove(path)
+            warnings.warn(f"executable cache: dropped an unreadable entry for {name} ({type(e).__name__}); it is "
+                          "built again", stacklevel=2)
+    module = nnx.eval_shape(build)
+    if path is not None:
+        try:
+            data = pickle.dumps(nnx.split(module), protocol=pickle.HIGHEST_PROTOCOL)
+        except (pickle.PicklingError, TypeError, AttributeError):
+            return module  # something in it does not pickle: built every time
+        _write(name, path, data)
+    return module
+
+
+class Programs:
+    """Compiled programs by name; `call` runs one, or the jitted fallback when there is none (or it refuses
+    the arguments: dropped, warned once)."""
+
+    def __init__(self):
+        self._compiled: dict[str, jax.stages.Compiled] = {}
+
+    def put(self, name: str, compiled: jax.stages.Compiled) -> None:
+        self._compiled[name] = compiled
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._compiled
+
+    def call(self, name: str, dynamic: tuple, fallback):
+        """`compiled(*dynamic)` (the jitted function's arguments less its static ones), else `fallback()`."""
+        compiled = self._compiled.get(name)
+        if compiled is not None:
+            try:
+                return compiled(*dynamic)
+            except TypeError as e:  # JAX checks the arguments before running or donating anything
+                self._compiled.pop(name, None)
+                warnings.warn(f"the stored program {name} does not take these arguments ({str(e).splitlines()[0]}); "
+                              "it is compiled again", stacklevel=2)
+        return fallback()
+
+
+# XLA's compiler option for a program without command buffers (no CUDA graphs), on NVIDIA GPUs. XLA
+# records a program's first run there as a CUDA graph, which CUDA work from another thread meanwhile can
+# break (`cudaErrorStreamCaptureUnjoined`); a program run once or a few times per load (the loaders'
+# layout programs, which several loads run at once in their threads) gains nothing from a graph.
+GRAPHLESS = {"xla_gpu_enable_command_buffer": ""}
+
+
+def graphless() -> dict | None:
+    """`GRAPHLESS` where XLA records first runs as CUDA graphs (NVIDIA GPUs), else None."""
+    return GRAPHLESS if jax.devices()[0].platform == "gpu" else None
+
+
+_CALLED: dict = {}  # full key → compiled program, for `cached_call`, once per process
+_CALLED_LOCK = threading.Lock()
+
+
+def cached_call(name: str, key, jitted, args: tuple, kwargs: dict | None = None, *, static_argnums: tuple = (),
+                static_argnames: tuple = (), compiler_options: dict | None = None, key_names_statics: bool = False):
+    """`jitted(*args, **kwargs)` (a `jax.jit` function and its static arguments' positions and names) run by
+    a program loaded whole from this cache, or compiled (with XLA's `compiler_options`) and stored on a
+    miss: a later process traces and lowers nothing for it. `key` names what the arguments do not (configs,
+    dtypes, settings); the static values' text, every dynamic leaf's shape and dtype and the options complete
+    it. With the cache off the program is compiled once per process. Without a key, or with arguments
+    spread over several devices (another program): the jitted path.
+    `key_names_statics`: `key` determines the static arguments, whose text is then left out (a module's
+    graphdef: megabytes of text holding function addresses, which no stored key may contain)."""
+    kwargs = kwargs or {}
+    if key is None:
+        return jitted(*args, **kwargs)
+    dynamic = tuple(a for i, a in enumerate(args) if i not in static_argnums)
+    dynamic_kw = {k: v for k, v in kwargs.items() if k not in static_argnames}
+    statics = [] if key_names_statics else (
+        [a for i, a in enumerate(args) if i in static_argnums] + [kwargs[k] for k in static_argnames if k in kwargs])
+    leaves, tree = jax.tree.flatten((dynamic, dynamic_kw))
+    signature = []
+    for leaf in leaves:
+        if isinstance(leaf, jax.Array) and len(leaf.sharding.device_set) > 1:
+            return jitted(*args, **kwargs)
+        signature.append((tuple(getattr(leaf, "shape", ())), str(getattr(leaf, "dtype", type(leaf).__name__)),
+                          bool(getattr(leaf, "weak_type", False))))
+    full = (key, tuple(repr(s) for s in statics), repr(tree), tuple(signature),
+            tuple(sorted((compiler_options or {}).items())))
+    with _CALLED_LOCK:
+        compiled = _CALLED.get((name, full))
+    if compiled is None:
+        compiled = load(name, full) or store(name, full, jitted.lower(*args, **kwargs), compiler_options)
+        with _CALLED_LOCK:
+            _CALLED[(name, full)] = compiled
+    try:
+        return compiled(*dynamic, **dynamic_kw)
+    except TypeError as e:  # JAX checks the arguments before running anything
+        with _CALLED_LOCK:
+            _CALLED.pop((name, full), None)
+        warnings.warn(f"the stored program {name} does not take these arguments ({str(e).splitlines()[0]}); "
+                      "it is compiled again", stacklevel=2)
+        return jitted(*args, **kwargs)
+
+
+@functools.cache
+def _load_kernel_runtimes() -> None:
+    """What a program's custom calls need at run time, which tracing would have set up. On NVIDIA GPUs, a
+    Mosaic GPU kernel (our attention) stored in a program links its host code against Mosaic GPU's runtime
+    library when the program loads: the library must be in the process, with its symbols global, and named
+    by `MOSAIC_GPU_RUNTIME_LIB_PATH` (tracing a kernel imports `jax.experimental.mosaic.gpu`, which does
+    both; loading a stored program does not). Without it the kernel is rebuilt on its first run, inside
+    XLA's CUDA-graph capture, which fails (`cudaErrorStreamCaptureUnjoined`) or takes seconds. The library
+    sits beside the GPU plugin's Mosaic GPU extension, found as that package finds it, without importing
+    the package: 0.17 s alone, but 1 s while the loads' threads held the GIL (an H100 host's warm start)."""
+    if jax.devices()[0].platform != "gpu":
+        return
+    runtime = os.environ.get("MOSAIC_GPU_RUNTIME_LIB_PATH")
+    if not runtime:
+        try:
+            from jax._src.lib import mosaic_gpu
+
+            runtime = os.path.join(os.path.dirname(mosaic_gpu._mosaic_gpu_ext.__file__), "libmosaic_gpu_runtime.so")
+        except (ImportError, AttributeError):  # another layout: ask the package itself
+            try:
+                importlib.import_module("jax.experimental.mosaic.gpu")  # sets MOSAIC_GPU_RUNTIME_LIB_PATH
+            except ImportError:  # a jaxlib without Mosaic GPU: its programs hold no such kernel
+                return
+            runtime = os.environ.get("MOSAIC_GPU_RUNTIME_LIB_PATH")
+    if runtime and os.path.isfile(runtime):
+        os.environ.setdefault("MOSAIC_GPU_RUNTIME_LIB_PATH", runtime)
+        ctypes.CDLL(runtime, mode=ctypes.RTLD_GLOBAL)
+
+
+def _path(name: str, key) -> str | None:
+    folder = compile_cache.cache_dir()
+    if folder is None or key is None:  # no key: the caller cannot say what determines the program
+        return None
+    text = repr(key)
+    if " at 0x" in text:  # an object's address: a different key in every process, and no equality check
+        return None
+    digest = hashlib.sha256("\n".join((name, text, *_environment())).encode()).hexdigest()[:40]
+    return os.path.join(folder, FOLDER, f"{_safe(name)}-{digest}.bin")
+
+
+def _environment() -> tuple[str, ...]:
+    """What changes a program that its caller's key does not name (the module docstring)."""
+    import flax
+    import jaxlib
+    import numpy
+
+    devices = jax.devices()
+    settings = sorted((k, v) for k, v in os.environ.items() if k.startswith("WAN_TPU_") and k != "WAN_TPU_CACHE_DIR")
+    config = {name: getattr(jax.config, name, None) for name in (
+        "jax_enable_x64", "jax_default_matmul_precision", "jax_threefry_partitionable", "jax_default_prng_impl",
+        "jax_numpy_rank_promotion", "jax_use_shardy_partitioner")}
+    return (f"jax {jax.__version__} jaxlib {jaxlib.__version__} flax {flax.__version__} numpy {numpy.__version__}",
+            f"devices {devices[0].platform} {devices[0].device_kind} x{len(devices)}",
+            f"XLA_FLAGS {os.environ.get('XLA_FLAGS', '')}", repr(settings), repr(sorted(config.items())), source_hash())
+
+
+_HASH_LOCK = threading.Lock()
+
+
+def source_hash() -> str:
+    """sha256 of this package's Python sources (paths and contents), once per process: the first caller
+    computes it while the others wait. `Warmup` asks before its threads start: alone it takes 2 ms, but
+    read by six program threads at once beside the loads it took 0.4 s (every file read gives the GIL up,
+    and each taking it back waits for the other threads' turns)."""
+    with _HASH_LOCK:
+        return _hash_sources()
+
+
+@functools.cache
+def _hash_sources() -> str:
+    root = os.path.dirname(os.path.abspath(__file__))
+    digest = hashlib.sha256()
+    for folder, dirs, files in os.walk(root):
+        dirs.sort()
+        for name in sorted(files):
+            if name.endswith(".py"):
+                path = os.path.join(folder, name)
+                digest.update(os.path.relpath(path, root).encode())
+                with open(path, "rb") as f:
+                    digest.update(f.read())
+    return digest.hexdigest()
+
+
+def _safe(name: str) -> str:
+    return "".join(c if c.isalnum() or c in "-_." else "-" for c in name)
+
+
+def _remove(path: str) -> None:
+    try:
+        os.remove(path)
+    except OSError:
+        pass

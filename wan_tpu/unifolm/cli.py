@@ -1,0 +1,186 @@
+"""`python -m wan_tpu.unifolm`: UnifoLM-WMA from the command line.
+
+    python -m wan_tpu.unifolm --model ckpt/unifolm-wma-0 --mode interact --instruction "stack the boxes" \
+        --observation obs.npz --iterations 3 --fs 7 --output episode.mp4
+    python -m wan_tpu.unifolm --model unifolm-tiny --mode decision --instruction "pick" --observation obs.json --output plan.mp4
+    python -m wan_tpu.unifolm --model unifolm-tiny --mode world --observation obs.npz --actions chunk.npz --output sim.mp4
+    python -m wan_tpu.unifolm --model unifolm-tiny-base --mode generate --instruction "open the drawer" --observation first.npz
+    python -m wan_tpu.unifolm --model ckpt/unifolm-wma-0 --serve 8000     # the authors' POST /predict_action, on 127.0.0.1
+
+Inputs (`.npz`, or `.json` with the same keys as nested lists): `--observation` holds `images`
+(n_obs, H, W, 3) uint8 at the model's size (fewer frames repeat the first, as the authors' queues) and
+`states` (n_obs, dof); `--actions` holds `actions` (16, dof). With the dataset's min-max table (the
+checkpoint's `stats.safetensors` or `--stats`) states and actions are in the robot's units, otherwise
+already in [-1, 1]. Outputs: the video (8 fps, as the authors) and, beside it with the same stem,
+`.npz` + `.json` with the predicted `actions` / `states` (unnormalised, cut to the robot's DoF; per
+iteration for `interact`). Bad input: one line on stderr, exit status 2, no file written.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+import numpy as np
+
+from wan_tpu.errors import WanInputError
+
+MODES = ("decision", "world", "interact", "generate")
+
+
+class CliParser(argparse.ArgumentParser):
+    def error(self, message):
+        raise WanInputError(f"{message}; see {self.prog} --help")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = CliParser(prog="python -m wan_tpu.unifolm", description="UnifoLM-WMA: decision-making, world model, interaction, generation")
+    p.add_argument("--model", default="unifolm-tiny", help="converted checkpoint folder or preset (unifolm-tiny, unifolm-tiny-base)")
+    p.add_argument("--mode", choices=MODES, help="what to run (not with --serve)")
+    p.add_argument("--instruction", default="", help="the task in words (decision, interact, generate)")
+    p.add_argument("--observation", help=".npz/.json with images (n, H, W, 3) uint8 and states (n, dof)")
+    p.add_argument("--actions", help=".npz/.json with actions (16, dof): the chunk the world model plays (world)")
+    p.add_argument("--stats", help="LeRobot stats.safetensors (min-max table; default: the checkpoint's)")
+    p.add_argument("--steps", type=int, default=None, help="DDIM steps (default: 50; 16 for generate, as the authors)")
+    p.add_argument("--eta", type=float, default=1.0, help="DDIM eta (authors: 1.0; 0 is deterministic)")
+    p.add_argument("--seed", type=int, default=123, help="random seed (authors: 123)")
+    p.add_argument("--fs", type=int, default=None, help="frame-stride condition fps // stride (Z1 sets 7, G1 5; default: the config's 10)")
+    p.add_argument("--iterations", type=int, default=1, help="interaction iterations (interact)")
+    p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32", help="UNet and heads dtype (VAE: float32)")
+    p.add_argument("--encoder-dtype", choices=("float32", "bfloat16"), default="float32",
+                   help="the CLIP towers' dtype (bfloat16 halves their memory; the tiny presets' stay float32)")
+    p.add_argument("--no-compile-cache", action="store_true",
+                   help="neither read nor write compiled programs on disk (see wan_tpu.runtime.compile_cache)")
+    p.add_argument("--output", default="unifolm.mp4", help="video path; actions/states go beside it (.npz, .json)")
+    p.add_argument("--overwrite", action="store_true", help="replace existing outputs")
+    p.add_argument("--serve", type=int, metavar="PORT", help="serve POST /predict_action on 127.0.0.1:PORT instead of one run")
+    return p
+
+
+def read_arrays(path: str, what: str) -> dict:
+    """The arrays of an `.npz` or `.json` input file (name → numpy array)."""
+    if not path:
+        raise WanInputError(f"pass --{what} FILE (.npz or .json)")
+    if not os.path.isfile(path):
+        raise WanInputError(f"--{what} {path!r} does not exist")
+    try:
+        if path.endswith(".npz"):
+            with np.load(path, allow_pickle=False) as f:
+                return {k: f[k] for k in f.files}
+        if path.endswith(".json"):
+            with open(path) as f:
+                data = json.load(f)
+            if not isinstance(data, dict):
+                raise ValueError("the top level is not an object")
+            return {k: np.asarray(v, np.uint8 if k == "images" else np.float32) for k, v in data.items()}
+    except (ValueError, OSError) as e:
+        raise WanInputError(f"--{what} {path}: cannot be read ({str(e).splitlines()[0][:120]}); pass an .npz or a JSON object") from None
+    raise WanInputError(f"--{what} {path!r} must be an .npz or .json file")
+
+
+def _need(arrays: dict, key: str, path: str) -> np.ndarray:
+    if key not in arrays:
+        raise WanInputError(f"{path} has no {key!r} array; it holds {sorted(arrays)}")
+    return arrays[key]
+
+
+def output_paths(video: str, with_vectors: bool, overwrite: bool) -> list[str]:
+    from wan_tpu.wan.stages import check_output_path
+
+    stem = video[: -len(".mp4")] if video.lower().endswith(".mp4") else video
+    paths = [video] + ([stem + ".npz", stem + ".json"] if with_vectors else [])
+    for path, suffix in zip(paths, (".mp4", ".npz", ".json")):
+        check_output_path(path, overwrite, suffix)
+    return paths
+
+
+def write_vectors(npz_path: str, json_path: str, vectors: dict, meta: dict, overwrite: bool) -> None:
+    """`.npz` and `.json` of the predicted vectors, each written under a temporary name then renamed."""
+    for path, write in ((npz_path, lambda f: np.savez(f, **vectors)),
+                        (json_path, lambda f: f.write(json.dumps({**meta, **{k: v.tolist() for k, v in vectors.items()}}).encode()))):
+        tmp = f"{path}.{os.getpid()}.partial"
+        try:
+            with open(tmp, "wb") as f:
+                write(f)
+            os.replace(tmp, path)
+        finally:
+            if os.path.exists(tmp):
+                os.remove(tmp)
+
+
+def run(args) -> None:
+    import jax.numpy as jnp
+
+    from wan_tpu.runtime.profiling import StageTimer
+    from wan_tpu.unifolm.pipeline import FPS, UnifolmPipeline
+    from wan_tpu.runtime.video import write_video
+
+    if args.mode is None:
+        raise WanInputError("pass --mode decision|world|interact|generate (or --serve PORT)")
+    paths = output_paths(args.output, args.mode != "generate", args.overwrite)
+    obs = read_arrays(args.observation, "observation")
+    images = _need(obs, "images", args.observation)
+    actions = _need(read_arrays(args.actions, "actions"), "actions", args.actions) if args.mode == "world" else None
+    timer = StageTimer()
+    with timer.stage("load"):
+        pipe = UnifolmPipeline.from_pretrained(args.model, dtype=jnp.dtype(args.dtype), stats=args.stats,
+                                               encoder_dtype=jnp.dtype(args.encoder_dtype),
+                                               compile_cache=not args.no_compile_cache)
+    pipe.timer = timer
+    steps = args.steps or (16 if args.mode == "generate" else 50)
+    common = dict(num_steps=steps, eta=args.eta, seed=args.seed, fs=args.fs)
+    vectors = {}
+    if args.mode == "generate":
+        out = pipe.generate(args.instruction, images, **common)
+        video = out.video
+    elif args.mode == "decision":
+        out = pipe.decide(args.instruction, images, _need(obs, "states", args.observation), **common)
+        video, vectors = out.video, {"actions": out.actions}
+    elif args.mode == "world":
+        out = pipe.predict(images, _need(obs, "states", args.observation), actions, **common)
+        video, vectors = out.video, {"states": out.states}
+    else:
+        from tqdm import tqdm
+
+        with tqdm(total=args.iterations, desc="interact", unit="it") as bar:
+            episode = pipe.interact(args.instruction, images, _need(obs, "states", args.observation), args.iterations,
+                                    progress=lambda i: bar.update(1), **common)
+        video = episode.video
+        vectors = {"actions": np.stack([d.actions for d in episode.decisions]),
+                   "states": np.stack([p.states for p in episode.predictions])}
+    with timer.stage("write"):
+        write_video(paths[0], video, FPS, overwrite=args.overwrite)
+        if vectors:
+            meta = {"model": pipe.name, "mode": args.mode, "seed": args.seed, "steps": steps, "eta": args.eta,
+                    "unnormalised": pipe.stats is not None}
+            write_vectors(paths[1], paths[2], {k: np.asarray(v, np.float32) for k, v in vectors.items()}, meta, args.overwrite)
+    print(f"wrote {', '.join(paths)} ({len(video)} frames, {pipe.width}x{pipe.height}, {FPS} fps)")
+    from wan_tpu.runtime import compile_cache
+
+    print(timer.table([("steps", str(steps)), ("compile cache", compile_cache.summary())]))
+
+
+def main(argv=None) -> int:
+    import warnings
+
+    warnings.filterwarnings("ignore", message="Explicitly requested dtype int64")
+    try:
+        args = build_parser().parse_args(argv)
+        if argv is None:  # a command line: the process is ours
+            from wan_tpu.runtime.memory import claim_device_memory
+            from wan_tpu.runtime.xla_defaults import apply_xla_defaults
+
+            claim_device_memory()
+            apply_xla_defaults()
+        if args.serve is not None:
+            from wan_tpu.unifolm.server import serve
+
+            serve(args)
+        else:
+            run(args)
+    except WanInputError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    return 0

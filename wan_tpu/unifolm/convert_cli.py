@@ -1,0 +1,47 @@
+"""Convert an authors' UnifoLM-WMA Lightning `.ckpt` into the safetensors folder wan_tpu loads.
+
+    python wan_tpu/unifolm/convert_cli.py unifolm_wma_dual.ckpt ckpt/unifolm-wma-0 \
+        --stats unifolm-world-model-action/examples/world_model_interaction_prompts/transitions/unitree_z1_stackbox/meta_data/stats.safetensors
+
+The `.ckpt` is read with `torch.load(weights_only=True)` (never a full unpickle). The folder layout
+and what is dropped are described in `wan_tpu/unifolm/convert.py`. `--config` is inferred (a
+checkpoint without action/state heads is the base model). `--stats` adds the dataset's min-max table
+used to unnormalise predicted actions and states; `--tokenizer` gives a CLIP tokenizer folder when
+open-clip-torch (whose BPE vocabulary is used otherwise) is not installed. Bad input: one line on
+stderr, exit status 2, nothing written.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+from wan_tpu.errors import WanInputError
+from wan_tpu.unifolm.convert import TEXT_HEAD_WIDTH, VISION_HEAD_WIDTH, convert
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description="UnifoLM-WMA .ckpt → safetensors folder")
+    ap.add_argument("src", help="the authors' .ckpt (Lightning or DeepSpeed)")
+    ap.add_argument("dst", help="output folder (must not exist unless --overwrite)")
+    ap.add_argument("--config", default=None, help="config name (default: inferred, unifolm-wma-0 or unifolm-wma-0-base)")
+    ap.add_argument("--stats", default=None, help="LeRobot meta_data/stats.safetensors of the robot's dataset")
+    ap.add_argument("--tokenizer", default=None, help="a CLIP tokenizer folder (default: open_clip's BPE)")
+    ap.add_argument("--vision-head-width", type=int, default=VISION_HEAD_WIDTH, help="CLIP vision head width (ViT-H-14: 80)")
+    ap.add_argument("--text-head-width", type=int, default=TEXT_HEAD_WIDTH, help="CLIP text head width (ViT-H-14: 64)")
+    ap.add_argument("--overwrite", action="store_true", help="replace an existing output folder")
+    args = ap.parse_args(argv)
+    start = time.perf_counter()
+    try:
+        name = convert(args.src, args.dst, args.config, args.stats, args.tokenizer, args.overwrite,
+                       args.vision_head_width, args.text_head_width)
+    except WanInputError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(f"wrote {args.dst} ({name}) in {time.perf_counter() - start:.1f} s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

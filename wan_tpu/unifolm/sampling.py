@@ -1,0 +1,201 @@
+"""UniFoLM sampling: the video DDIM (v-prediction, zero-terminal-SNR betas, dynamic x0 rescale) and the
+heads' own DDIM (diffusers `DDIMScheduler`, squaredcos_cap_v2, ε-prediction, clipped x0), stepped
+together in **one compiled loop** (`lax.scan` over the steps).
+
+    latents, actions, states = sample(model, cond, num_steps=50, eta=1.0, key=jax.random.key(123))
+
+Reference: `models/samplers/ddim.py` (+ `utils/diffusion.py`, `ddpms.py` register_schedule) of the
+authors' code. Their details, kept: `uniform_trailing` spacing (50 steps → 999, 979, …, 19); the last
+step's "previous" ᾱ is ᾱ₀ (not 1); x0 is multiplied by scale[t_next]/scale[t] (dynamic rescale);
+the heads' scheduler is stepped at the *video* timestep t with previous step t − 1000//n; guidance
+(when `guidance_scale != 1` and `uncond` is given) mixes video, action and state outputs alike and
+`guidance_rescale` rescales each (their `rescale_noise_cfg`, unbiased std).
+
+Randomness: `key` draws the initial latents/actions/states and the per-step DDIM noise (eta > 0);
+`noise` injects them instead (parity with the authors' torch RNG): a dict with `x_T` (B, 4, T, h, w),
+`action_T`, `state_T` (B, T, 16) and, for eta > 0, `steps` (num_steps, B, 4, T, h, w).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from wan_tpu.runtime import executable_cache
+from wan_tpu.configs.unifolm import UnifolmConfig
+from wan_tpu.errors import WanInputError
+from wan_tpu.unifolm.model import Conditions
+
+
+def video_alphas_cumprod(cfg: UnifolmConfig) -> np.ndarray:
+    """ᾱ of the video model in float64 (their buffers are its float32 cast; √ᾱ and √(1−ᾱ) are taken
+    in float64 first): linear betas in √ space, rescaled to zero terminal SNR (ᾱ₉₉₉ = 0 exactly)."""
+    betas = np.linspace(cfg.linear_start**0.5, cfg.linear_end**0.5, cfg.num_train_timesteps, dtype=np.float64) ** 2
+    if cfg.rescale_betas_zero_snr:
+        sqrt_ac = np.sqrt(np.cumprod(1.0 - betas))
+        first, last = sqrt_ac[0].copy(), sqrt_ac[-1].copy()
+        sqrt_ac = (sqrt_ac - last) * first / (first - last)
+        ac = sqrt_ac**2
+        betas = 1.0 - np.concatenate([ac[:1], ac[1:] / ac[:-1]])
+    return np.cumprod(1.0 - betas)
+
+
+def head_alphas_cumprod(cfg: UnifolmConfig) -> np.ndarray:
+    """ᾱ of diffusers' DDIMScheduler with `squaredcos_cap_v2` (betas_for_alpha_bar, max β 0.999), float32."""
+    if cfg.head_beta_schedule != "squaredcos_cap_v2":
+        raise WanInputError(f"head_beta_schedule {cfg.head_beta_schedule!r} is not supported; use 'squaredcos_cap_v2'")
+    n = cfg.num_train_timesteps
+    f = lambda t: math.cos((t + 0.008) / 1.008 * math.pi / 2) ** 2
+    betas = np.array([min(1 - f((i + 1) / n) / f(i / n), 0.999) for i in range(n)], np.float32)
+    # float32 betas, product accumulated in float64 then rounded: what torch.cumprod gives on them.
+    return np.cumprod((1.0 - betas).astype(np.float64)).astype(np.float32)
+
+
+def ddim_timesteps(num_steps: int, num_train: int = 1000, spacing: str = "uniform_trailing") -> np.ndarray:
+    """Their `make_ddim_timesteps`, ascending (sampling walks it backwards)."""
+    if spacing == "uniform_trailing":
+        c = num_train / num_steps
+        return np.flip(np.round(np.arange(num_train, 0, -c))).astype(np.int64) - 1
+    if spacing == "uniform":
+        return np.arange(0, num_train, num_train // num_steps) + 1
+    raise WanInputError(f"timestep_spacing {spacing!r} is not supported; use 'uniform_trailing' or 'uniform'")
+
+
+def schedule_tables(cfg: UnifolmConfig, num_steps: int, eta: float, spacing: str = "uniform_trailing") -> dict:
+    """Per-step constants in sampling order (float32 numpy), as their DDIMSampler.make_schedule."""
+    if num_steps < 1:
+        raise WanInputError(f"num_steps must be ≥ 1, got {num_steps}")
+    ac64 = video_alphas_cumprod(cfg)
+    ac = ac64.astype(np.float32)
+    ts = ddim_timesteps(num_steps, cfg.num_train_timesteps, spacing)
+    if ts[-1] >= cfg.num_train_timesteps or ts[0] < 0:
+        raise WanInputError(f"{num_steps} steps with {spacing!r} spacing give timesteps outside [0, 1000)")
+    a = ac[ts].astype(np.float64)
+    a_prev = np.concatenate([[ac[0]], ac[ts[:-1]]]).astype(np.float64)
+    sigma = eta * np.sqrt((1 - a_prev) / np.maximum(1 - a, 1e-30) * (1 - a / a_prev))
+    if cfg.use_dynamic_rescale:
+        scale = np.concatenate([np.linspace(1.0, cfg.base_scale, cfg.turning_step),
+                                np.full(cfg.num_train_timesteps, cfg.base_scale)]).astype(np.float32)[ts]
+        rescale = np.concatenate([scale[:1], scale[:-1]]) / scale
+    else:
+        rescale = np.ones(len(ts))
+    hac = head_alphas_cumprod(cfg)
+    h_prev_t = ts - cfg.num_train_timesteps // num_steps
+    final = 1.0 if cfg.head_set_alpha_to_one else hac[0]
+    h_prev = np.where(h_prev_t >= 0, hac[np.maximum(h_prev_t, 0)], final)
+    order = slice(None, None, -1)
+    f32 = lambda v: np.asarray(v, np.float32)[order]
+    return dict(t=ts[order].astype(np.int32), sqrt_a=f32(np.sqrt(ac64[ts])), sqrt_1ma=f32(np.sqrt(1.0 - ac64[ts])),
+                a_prev=f32(a_prev), sigma=f32(sigma), rescale=f32(rescale), h_a=f32(hac[ts]), h_a_prev=f32(h_prev))
+
+
+def rescale_noise_cfg(cfg_out, cond_out, guidance_rescale: float):
+    """Rescale guided output to the conditional output's std (unbiased, per sample): their helper."""
+    axes = tuple(range(1, cfg_out.ndim))
+    std_c = jnp.std(cond_out, axis=axes, keepdims=True, ddof=1)
+    std_g = jnp.std(cfg_out, axis=axes, keepdims=True, ddof=1)
+    return guidance_rescale * cfg_out * (std_c / std_g) + (1 - guidance_rescale) * cfg_out
+
+
+def _head_step(eps, sample, a, a_prev, clip: bool):
+    """diffusers DDIMScheduler.step, eta 0, ε-prediction, optional clip to [-1, 1]."""
+    x0 = (sample - jnp.sqrt(1 - a) * eps) / jnp.sqrt(a)
+    if clip:
+        x0 = jnp.clip(x0, -1.0, 1.0)
+    return jnp.sqrt(a_prev) * x0 + jnp.sqrt(1 - a_prev) * eps
+
+
+def _concat_cond(c: Conditions, u: Conditions) -> Conditions:
+    cat = lambda a, b: jnp.concatenate([a, b], axis=0)
+    return jax.tree.map(cat, c, u)
+
+
+def ddim_step(unet, cond: Conditions, x, action, state, inp: dict, guidance_scale=1.0, guidance_rescale=0.0,
+              clip: bool = True, uncond: Conditions | None = None):
+    """One step of both samplers: the UNet (+ heads) once — on [cond ‖ uncond] when guided — then the
+    video DDIM update and the heads' DDIM updates. `inp`: one step of `schedule_tables` plus `noise`
+    (the video's DDIM noise, used when sigma > 0). Returns (x, action, state) at the previous step."""
+    b = x.shape[0]
+    guided = uncond is not None
+    full = _concat_cond(cond, uncond) if guided else cond
+    dup = (lambda a: jnp.concatenate([a, a], axis=0)) if guided else (lambda a: a)
+    t = jnp.full((b,), inp["t"], jnp.int32)
+    xin = jnp.concatenate([dup(x), full.concat.astype(x.dtype)], axis=1)
+    v, ea, es = unet(xin, dup(t), full.context, full.fs, dup(action), dup(state), full.obs)
+    if guided:
+        outs = []
+        for o in (v, ea, es):
+            oc, ou = o[:b], o[b:]
+            g = ou + guidance_scale * (oc - ou)
+            outs.append(jnp.where(guidance_rescale > 0, rescale_noise_cfg(g, oc, guidance_rescale), g))
+        v, ea, es = outs
+    # v-parameterisation: ε = √ᾱ·v + √(1−ᾱ)·x, x0 = √ᾱ·x − √(1−ᾱ)·v; x0 dynamically rescaled.
+    e_t = inp["sqrt_a"] * v + inp["sqrt_1ma"] * x
+    x0 = (inp["sqrt_a"] * x - inp["sqrt_1ma"] * v) * inp["rescale"]
+    # At t = 999 (ᾱ = 0) with eta 1 the direction's weight is 0 in exact arithmetic: clamp rounding.
+    dir_xt = jnp.sqrt(jnp.maximum(1.0 - inp["a_prev"] - inp["sigma"] ** 2, 0.0)) * e_t
+    x = jnp.sqrt(inp["a_prev"]) * x0 + dir_xt + inp["sigma"] * inp["noise"]
+    action = _head_step(ea, action, inp["h_a"], inp["h_a_prev"], clip)
+    state = _head_step(es, state, inp["h_a"], inp["h_a_prev"], clip)
+    return x, action, state
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "clip"))
+def _sample_loop(graphdef, state, cond, uncond, tables, x, action, st, step_noise, guidance_scale,
+                 guidance_rescale, clip):
+    unet = nnx.merge(graphdef, state)
+
+    def step(carry, inp):
+        return ddim_step(unet, cond, *carry, inp, guidance_scale, guidance_rescale, clip, uncond), None
+
+    (x, action, st), _ = jax.lax.scan(step, (x, action, st), dict(tables, noise=step_noise))
+    return x, action, st
+
+
+def sample(model, cond: Conditions, *, num_steps: int = 50, eta: float = 1.0, key=None, noise: dict | None = None,
+           guidance_scale: float = 1.0, guidance_rescale: float = 0.0, uncond: Conditions | None = None,
+           timestep_spacing: str = "uniform_trailing", program_key: tuple | None = None):
+    """DDIM sampling of video latents (B, 4, T, h, w), actions and states (B, T, 16), all float32.
+
+    `model`: a `UnifolmWMA`; `cond` (and `uncond` for guidance) from `model.prepare`. Guidance runs only
+    when `guidance_scale != 1` and `uncond` is given (the authors' scripts pass neither). `program_key`
+    (`UnifolmPipeline.program_key`): what determines the model's program; with it the compiled loop is
+    kept whole on disk and a later process loads it without tracing (`wan_tpu.runtime.executable_cache`).
+    """
+    cfg = model.config
+    b, c, t, h, w = cond.concat.shape
+    shape = (b, cfg.unet.out_channels, t, h, w)
+    act_shape = (b, cfg.head.horizon if cfg.head else t, cfg.agent_action_dim)
+    st_shape = (b, act_shape[1], cfg.agent_state_dim)
+    noise = dict(noise or {})
+    if key is None and not {"x_T", "action_T", "state_T"} <= set(noise):
+        raise WanInputError("pass key=jax.random.key(seed) or inject noise={'x_T', 'action_T', 'state_T'}")
+    keys = jax.random.split(key, 4) if key is not None else [None] * 4
+    draw = lambda name, k, s: jnp.asarray(noise[name], jnp.float32) if name in noise else jax.random.normal(k, s)
+    x = draw("x_T", keys[0], shape)
+    action = draw("action_T", keys[1], act_shape)
+    st = draw("state_T", keys[2], st_shape)
+    for name, arr, want in (("x_T", x, shape), ("action_T", action, act_shape), ("state_T", st, st_shape)):
+        if arr.shape != want:
+            raise WanInputError(f"noise[{name!r}] has shape {arr.shape}; expected {want}")
+    tables = {k: jnp.asarray(v) for k, v in schedule_tables(cfg, num_steps, eta, timestep_spacing).items()}
+    if eta == 0:
+        step_noise = jnp.zeros((num_steps, 1, 1, 1, 1, 1), jnp.float32)
+    elif "steps" in noise:
+        step_noise = jnp.asarray(noise["steps"], jnp.float32)
+        if step_noise.shape != (num_steps,) + shape:
+            raise WanInputError(f"noise['steps'] has shape {step_noise.shape}; expected {(num_steps,) + shape}")
+    else:
+        step_noise = jax.random.normal(keys[3], (num_steps,) + shape)
+    guided = uncond is not None and guidance_scale != 1.0
+    graphdef, state = nnx.split(model.diffusion_model)
+    args = (graphdef, state, cond, uncond if guided else None, tables, x, action, st, step_noise,
+            jnp.float32(guidance_scale), jnp.float32(guidance_rescale), cfg.head_clip_sample)
+    key = None if program_key is None else (*program_key, cfg.head_clip_sample)
+    return executable_cache.cached_call("unifolm-sample", key, _sample_loop, args, static_argnums=(0, 11),
+                                        key_names_statics=True)

@@ -1,0 +1,609 @@
+"""`WanPipeline`: text (and image) to video in three stages, from a checkpoint folder or a preset.
+
+    pipe = wan_tpu.WanPipeline.from_pretrained("Wan2.1-T2V-1.3B-Diffusers")     # or "tiny"
+    frames = pipe("a cat walks on the grass", seed=0)                              # (T, H, W, 3) uint8
+
+Stages (each usable on its own, e.g. from a notebook or the stage scripts):
+  1. `encode_prompt` (+ `encode_image` for I2V/TI2V): the conditioning arrays.
+  2. `denoise`: initial noise from the seed → final latents (normalized, as diffusers returns them
+     with `output_type="latent"`).
+  3. `decode`: latents → uint8 frames.
+
+A checkpoint is a diffusers-format folder (`model_index.json`, `transformer/` (+ `transformer_2/`
+for Wan 2.2 A14B), `vae/`, `text_encoder/`, `tokenizer/`, `scheduler/`; for Wan 2.1 I2V also
+`image_encoder/`, `image_processor/`) or a Hugging Face model id (`Wan-AI/Wan2.1-T2V-1.3B-Diffusers`)
+found in the local HF cache; nothing is downloaded unless `download=True`. The variant comes from
+the transformer's config.json and model_index.json (`boundary_ratio`, `expand_timesteps`).
+`from_pretrained` checks every file the model will read (`wan_tpu.runtime.validate`) and the call checks its
+inputs and that the run fits in memory (`wan_tpu.runtime.memory`) before anything is loaded: bad input is a
+`WanInputError` within a second, not after minutes. Components load lazily, on first use, so a
+stage only loads what it needs; `release(...)` drops one. `prepare(settings)`
+instead reads them all at once and compiles the text encoder, the denoise step and the decode in background threads
+(`wan_tpu.runtime.compile_ahead`), which is what `python -m wan_tpu.generate` does.
+
+Same seed, same model, same settings, same devices and mesh → identical latents: the initial noise
+is `jax.random.normal(jax.random.key(seed), (1, z, F, h, w), float32)`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import gc
+import os
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from wan_tpu.wan import conditioning
+from wan_tpu.runtime import interrupt
+from wan_tpu.configs.models import WanVariant, config_to_json
+from wan_tpu.configs.vae import WanVAEConfig
+from wan_tpu.wan.denoise import Conditioning, denoise
+from wan_tpu.errors import WanInputError
+from wan_tpu.vae.model import frames_to_uint8
+from wan_tpu.runtime.profiling import scope
+from wan_tpu.wan.schedulers import make_custom_scheduler, make_scheduler
+from wan_tpu.wan.settings import RunSettings, model_parts, resolve_settings, resolve_variant
+
+
+STAGES = ("text", "image", "denoise", "decode")
+
+
+class WanPipeline:
+    """A Wan model ready to generate; see the module docstring."""
+
+    def __init__(self, variant: WanVariant, vae_config: WanVAEConfig, loaders: dict[str, Callable[[], object]], *,
+                 name: str, dtype, mesh=None, vae_dtype=jnp.float32, attention_impl: str | None = None,
+                 weight_elements: dict[str, int] | None = None, check_memory: bool = True, text_encoder_config=None):
+        self.variant = variant
+        self.vae_config = vae_config
+        self.name = name
+        self.dtype = dtype
+        self.vae_dtype = vae_dtype
+        self.attention_impl = attention_impl
+        self.mesh = mesh
+        # Component → weight element count (from the safetensors headers), for the memory checks.
+        self.weight_elements = weight_elements
+        self.check_memory = check_memory
+        # The UMT5 config (`wan_tpu.encoders.umt5.UMT5Config`): lets `prepare` compile the text encoder from shapes.
+        self.text_encoder_config = text_encoder_config
+        self._loaders = dict(loaders)
+        self._loaded: dict[str, object] = {}
+        self._loras: list[tuple[str, float, tuple[str, ...]]] = []  # (path, scale, DiT component names)
+        self.cache_stats = None  # the step cache's `CacheStats` of the last run that used one
+        self.quantization = None  # "fp8"/"int8" once `quantize` was asked for
+        self._warmup = None
+        self._decode_beside_denoise = True  # set by `prepare` (`wan_tpu.runtime.compile_ahead.decode_compiles_beside_denoise`)
+
+    # ---- construction -------------------------------------------------------------------------
+
+    @classmethod
+    def from_pretrained(cls, path_or_preset: str, mesh=None, dtype=jnp.bfloat16, attention_impl: str | None = None,
+                        vae_dtype=jnp.float32, download: bool = False, check_memory: bool = True,
+                        quantize: str | None = None, compile_cache: bool = True) -> WanPipeline:
+        """A pipeline over a diffusers-format folder, a Hugging Face model id, or a preset name (`tiny`).
+
+        `dtype` is the DiT and text encoder dtype; the VAE runs in `vae_dtype` (float32 by default,
+        as the official Wan code runs it). `attention_impl` names the DiT's attention kernel
+        (default: the fastest for the backend). A model id is looked up in the local HF cache
+        (`HF_HUB_CACHE`/`HF_HOME`) and fetched only with `download=True`. `check_memory=False` skips
+        the memory estimate that refuses runs too large for the devices (`wan_tpu.runtime.memory`).
+        `quantize="fp8"` runs the DiT's block linears in FP8 (`wan_tpu.wan.quantize`; checked against the
+        device now, applied as each DiT loads, after its LoRAs are merged).
+        `compile_cache` turns the persistent compilation cache on (the default) or off for the whole
+        process (see `wan_tpu.runtime.compile_cache`).
+        """
+        from wan_tpu.runtime import compile_cache as cache
+        from wan_tpu.loading import hub
+        from wan_tpu.wan import presets
+        from wan_tpu.runtime.validate import check_checkpoint
+
+        cache.enable() if compile_cache else cache.disable()
+
+        if path_or_preset in presets.PRESETS:
+            pipe = presets.PRESETS[path_or_preset](dtype=dtype, mesh=mesh, attention_impl=attention_impl,
+                                                   vae_dtype=vae_dtype)
+            pipe.check_memory = check_memory
+            return pipe.quantize(quantize)
+        path = hub.resolve_model(os.fspath(path_or_preset), download=download)
+        if not os.path.isdir(path):
+            raise WanInputError(
+                f"model {path!r} is neither a checkpoint folder, a Hugging Face model id (org/name) nor a preset; pass a "
+                f"diffusers-format folder (e.g. Wan2.1-T2V-1.3B-Diffusers), a model id, or one of the presets: "
+                f"{', '.join(presets.PRESETS)}"
+            )
+        hint = hub.original_format_hint(path)
+        if hint is not None:
+            raise WanInputError(hint)
+        variant, vae_config = resolve_variant(path)
+        parts = model_parts(variant)
+        for part in parts.values():
+            if not os.path.isdir(os.path.join(path, part)):
+                raise WanInputError(
+                    f"checkpoint {path} has no {part}/ folder, which {variant.name} needs; download the complete "
+                    f"diffusers-format checkpoint ({variant.repo or 'model_index.json lists the parts'})"
+                )
+        weights = check_checkpoint(path, parts)
+        from wan_tpu.encoders.umt5 import UMT5Config
+
+        text_config = UMT5Config.from_folder(os.path.join(path, parts["text_encoder"]))
+        if "text_encoder" in weights:  # its token embedding stays on the host (`UMT5Embedding`)
+            weights["text_encoder"] = max(0, weights["text_encoder"] - text_config.vocab_size * text_config.d_model)
+        return cls(variant, vae_config, _folder_loaders(path, parts, dtype, mesh, attention_impl, vae_dtype),
+                   name=os.path.abspath(path), dtype=dtype, mesh=mesh, vae_dtype=vae_dtype, attention_impl=attention_impl,
+                   weight_elements=weights, check_memory=check_memory,
+                   text_encoder_config=text_config).quantize(quantize)
+
+    def quantize(self, mode: str | None) -> WanPipeline:
+        """Quantise the DiT(s) (`"fp8"` or `"int8"`; None: no change): those loaded now, in place, and those
+        loaded later as they load. Merge LoRAs before this: they need the bf16 weights."""
+        from wan_tpu.wan.quantize import check_device, check_mode, quantize_transformer
+
+        if check_mode(mode) is None:
+            return self
+        check_device(mode, None if self.mesh is None else list(self.mesh.devices.flat))
+        self.quantization = mode
+        for name in ("transformer", "transformer_2"):
+            if name in self._loaded and not self._loaded[name].quantization:
+                quantize_transformer(self._loaded[name], mode, self.mesh)
+        return self
+
+    def component(self, name: str):
+        """The component `name`, loaded on first use (or taken from `prepare`'s background load)."""
+        if name not in self._loaded:
+            if name not in self._loaders:
+                raise WanInputError(f"{self.variant.name} has no {name}; it is not part of this model")
+            with scope(f"load_{name}"):
+                loaded = self._warmup.take_load(name) if self._warmup is not None else None
+                self._loaded[name] = loaded if loaded is not None else self._load(name)
+            interrupt.check("load")
+        return self._loaded[name]
+
+    def _load(self, name: str):
+        """Component `name` read from its loader, with the LoRAs registered for it merged (and then, for
+        the DiT, quantised if asked for)."""
+        component = self._loaders[name]()
+        for path, scale, names in self._loras:
+            if name in names:
+                component.load_lora(path, scale)
+        if self.quantization and name in ("transformer", "transformer_2"):
+            from wan_tpu.wan.quantize import quantize_transformer
+
+            quantize_transformer(component, self.quantization, self.mesh)
+        return component
+
+    def release(self, *names: str) -> None:
+        """Drop loaded components, freeing their device memory (unless the caller still holds them)."""
+        for name in names:
+            self._loaded.pop(name, None)
+            if self._warmup is not None:
+                self._warmup.loads.pop(name, None)
+        # The encoders keep jitted bound methods of themselves: a reference cycle only the cyclic
+        # collector frees, and 11 GB of UMT5 weights should not wait for it.
+        gc.collect()
+
+    transformer = property(lambda self: self.component("transformer"))
+    transformer_2 = property(lambda self: self.component("transformer_2"))
+    vae = property(lambda self: self.component("vae"))
+    text_encoder = property(lambda self: self.component("text_encoder"))
+    image_encoder = property(lambda self: self.component("image_encoder"))
+
+    # ---- LoRA ---------------------------------------------------------------------------------
+
+    def load_lora_weights(self, path, scale: float = 1.0, expert: str | None = None) -> None:
+        """Merge a LoRA `.safetensors` into the DiT, on device (`wan_tpu.wan.lora`); calls stack.
+
+        Wan 2.2 A14B: `expert="high"` targets the high-noise `transformer`, `"low"` the low-noise
+        `transformer_2`, None both (each expert may take its own file and scale). The file is checked
+        now; a DiT not loaded yet receives it when it loads (and again after a `release`).
+        """
+        from wan_tpu.wan.lora import check_lora
+
+        experts = {"high": "transformer", "low": "transformer_2"}
+        two = self.variant.boundary_ratio is not None
+        if expert is None:
+            names = ("transformer", "transformer_2") if two else ("transformer",)
+        elif expert in experts and two:
+            names = (experts[expert],)
+        elif expert in experts:
+            raise WanInputError(f"{self.variant.name} has one transformer, not two experts; load the LoRA without "
+                                f"expert={expert!r} (--lora, not --lora-{expert})")
+        else:
+            raise WanInputError(f"expert must be 'high', 'low' or None (both), got {expert!r}")
+        configs = {"transformer": self.variant.transformer, "transformer_2": self.variant.transformer_2}
+        for name in names:
+            check_lora(configs[name], path, scale)
+        self._loras.append((os.fspath(path), float(scale), names))
+        for name in names:
+            if name in self._loaded:
+                self._loaded[name].load_lora(path, scale)
+
+    def unload_lora_weights(self) -> None:
+        """Undo every `load_lora_weights`: the DiT weights as loaded, bit for bit."""
+        for name in ("transformer", "transformer_2"):
+            if name in self._loaded:
+                self._loaded[name].unload_lora()
+        self._loras.clear()
+
+    @property
+    def model_id(self) -> dict:
+        """What identifies this model in stage-file metadata (the variant and its architecture)."""
+        return {"variant": self.variant.name, "transformer": config_to_json(self.variant.transformer),
+                "vae": dataclasses.asdict(self.vae_config)}
+
+    def settings(self, **kwargs) -> RunSettings:
+        """Validated run settings; None values take the model's official defaults."""
+        return resolve_settings(self.variant, self.vae_config, **kwargs)
+
+    def prepare(self, settings: RunSettings | None = None, *, scheduler: str = "unipc", image: bool = False,
+                sigmas=None, timesteps=None, cache=None, cache_threshold: float | None = None):
+        """Start reading every component a run with `settings` needs and compiling its text encoder, denoise step
+        and VAE decode, in background threads; returns at once (a `wan_tpu.runtime.compile_ahead.Warmup` of futures; as a
+        context manager, leaving it waits for the threads, cancelling what has not started).
+
+        `component()`, `denoise()` and `decode()` then wait for what they need only. `image`: the run
+        conditions on an image (I2V/TI2V); `scheduler`, `sigmas`, `timesteps`, `cache`, `cache_threshold`:
+        as the `denoise` call will get them (the step program depends on them). Results are bit-identical with and without it; see
+        `wan_tpu.runtime.compile_ahead` for what runs when and what it does to peak memory. With a mesh, components
+        are read ahead but compile on first use.
+        """
+        from wan_tpu.runtime.compile_ahead import Warmup, decode_compiles_beside_denoise, weights_fit
+
+        s = settings or self.settings()
+        sampling = self.sampling(s, scheduler, sigmas, timesteps, cache, cache_threshold,
+                                 with_image=image and self.variant.expand_timesteps)
+        warmup = self._warmup = Warmup()
+        dits = [n for n in ("transformer", "transformer_2") if n in self._loaders]
+        encoders = ["text_encoder"] + (["image_encoder"] if image and "image_encoder" in self._loaders else [])
+        todo = [n for n in (*encoders, *dits, "vae") if n not in self._loaded]
+        ahead = weights_fit(self._weight_bytes(), todo, self.mesh)
+        if self.mesh is None and self.text_encoder_config is not None:
+            # From the config alone: compiles while the weights are read (one program per prompt count).
+            warmup.start("text", self._compile_text, 2 if s.do_cfg else 1, kind="compile")
+        for name in todo:
+            if ahead or name not in dits:
+                warmup.start(name, self._load, name)
+        if self.mesh is not None:
+            # On a mesh the calls' arguments carry shardings that only the previous stage decides (the
+            # text encoder's output, the sharded latents): a program compiled ahead from shapes would
+            # not be the one they run. Loading ahead still helps.
+            return warmup
+        if ahead:
+            sources = [self._loaded[n] if n in self._loaded else warmup.loads[n] for n in dits]
+            warmup.start("denoise", self._compile_denoise, warmup, s, sampling, image, sources, kind="compile")
+        vae = self._loaded["vae"] if "vae" in self._loaded else warmup.loads["vae"]
+        warmup.start("decode", self._compile_decode, warmup, s, vae, kind="compile")
+        self._decode_beside_denoise = decode_compiles_beside_denoise(self, s)
+        return warmup
+
+    def _weight_bytes(self) -> dict[str, int]:
+        """Component → device bytes of its weights (from the checkpoint's element counts; empty for presets)."""
+        itemsize = {"vae": jnp.dtype(self.vae_dtype).itemsize, "image_encoder": 4}  # CLIP runs float32
+        return {n: count * itemsize.get(n, jnp.dtype(self.dtype).itemsize)
+                for n, count in (self.weight_elements or {}).items()}
+
+    def _compile_text(self, batch: int) -> None:
+        from wan_tpu.encoders.umt5_text import compile_encode
+
+        compile_encode(self.text_encoder_config, self.dtype, batch)
+
+    def _compile_denoise(self, warmup, s: RunSettings, sampling, image: bool, sources) -> None:
+        from wan_tpu.wan.denoise import compile_steps
+
+        shape = self.latent_shape(s.height, s.width, s.num_frames)
+        cond = self._abstract_conditioning(s, shape, image)
+        if cond is None:
+            return
+        transformers = [src.result() if hasattr(src, "result") else src for src in sources]
+        if warmup.cancelled.is_set():
+            return
+        self.prepare_latents(0, s.height, s.width, s.num_frames)  # compiles the noise sampler (any seed: one program)
+        sched, step = sampling
+        compile_steps(transformers, shape, cond, sched, self.variant.boundary_ratio, mesh=self.mesh, cache=step)
+
+    def _abstract_conditioning(self, s: RunSettings, shape, image: bool) -> Conditioning | None:
+        """The shapes of what `_conditioning` builds for this run (None for Wan 2.1 I2V, whose CLIP token
+        count comes from the image encoder's own config: that step compiles on use)."""
+        from wan_tpu.encoders.umt5_text import MAX_SEQUENCE_LENGTH
+
+        if self.variant.uses_clip_image:
+            return None
+        text = jax.ShapeDtypeStruct((1, MAX_SEQUENCE_LENGTH, self.variant.transformer.text_dim), self.dtype)
+        _, z, f, h, w = shape
+        cond = Conditioning(prompt_embeds=text, negative_prompt_embeds=text if s.do_cfg else None)
+        if self.variant.task == "i2v":
+            temporal = self.vae_config.scale_factor_temporal
+            cond = cond._replace(condition=jax.ShapeDtypeStruct((1, temporal + z, f, h, w), jnp.float32))
+        if self.variant.expand_timesteps:
+            cond = cond._replace(first_frame_mask=conditioning.ti2v_mask(shape, conditioned=image),
+                                 first_frame=jax.ShapeDtypeStruct((1, z, 1, h, w), jnp.float32) if image else None)
+        return cond
+
+    def _compile_decode(self, warmup, s: RunSettings, source) -> None:
+        from wan_tpu.vae import model as vae_lib
+        from wan_tpu.runtime.compile_ahead import free_bytes_after_release
+
+        vae = source.result() if hasattr(source, "result") else source
+        shape = self.latent_shape(s.height, s.width, s.num_frames)
+        video = vae.compile_decode(shape, free_bytes=free_bytes_after_release(vae), stop=warmup.cancelled)
+        if video is not None:
+            vae_lib._to_uint8.lower(video).compile()
+
+    # ---- stage 1 ------------------------------------------------------------------------------
+
+    def encode_prompt(self, prompt: str, negative_prompt: str | None = None, guidance_scale: float | None = None) -> dict:
+        """`{"prompt_embeds": (1, 512, d), "negative_prompt_embeds": ... (only with CFG)}`.
+
+        `negative_prompt=None` uses the official Wan negative prompt; `""` is a valid empty one.
+        """
+        from wan_tpu.encoders.umt5_text import WAN_NEGATIVE_PROMPT
+
+        if negative_prompt is None:
+            negative_prompt = WAN_NEGATIVE_PROMPT
+        settings = self.settings(guidance_scale=guidance_scale)
+        check_prompts(prompt, negative_prompt, settings.do_cfg)
+        prompts = [prompt, negative_prompt] if settings.do_cfg else [prompt]
+        encoder = self.text_encoder
+        if self._warmup is not None:
+            self._warmup.wait_compiled("text")
+        with scope("text_encode"):
+            embeds = jax.block_until_ready(encoder.encode(prompts))
+        interrupt.check("encode")
+        out = {"prompt_embeds": embeds[:1]}
+        if settings.do_cfg:
+            out["negative_prompt_embeds"] = embeds[1:]
+        return out
+
+    def encode_image(self, image, height: int | None = None, width: int | None = None,
+                     num_frames: int | None = None) -> dict:
+        """The image conditioning: `condition` (I2V) or `first_frame` (TI2V), plus `image_embeds` (CLIP)."""
+        s = self.settings(height=height, width=width, num_frames=num_frames)
+        if self.variant.task == "t2v":
+            raise WanInputError(f"{self.variant.name} is a text-to-video model and takes no image; drop --image")
+        pixels = conditioning.preprocess_image(image, s.height, s.width)
+        out = {}
+        with scope("image_encode"):
+            if self.variant.uses_clip_image:
+                out["image_embeds"] = self.image_encoder.encode([conditioning.load_image(image)])
+            if self.variant.expand_timesteps:
+                out["first_frame"] = conditioning.ti2v_condition(self.vae, pixels, self.vae.dtype)
+            else:
+                out["condition"] = conditioning.i2v_condition(self.vae, pixels, s.num_frames, self.vae.dtype)
+        return out
+
+    # ---- stage 2 ------------------------------------------------------------------------------
+
+    def latent_shape(self, height: int, width: int, num_frames: int) -> tuple[int, ...]:
+        v = self.vae_config
+        return (1, v.z_dim, (num_frames - 1) // v.scale_factor_temporal + 1, height // v.scale_factor_spatial,
+                width // v.scale_factor_spatial)
+
+    def prepare_latents(self, seed: int, height: int, width: int, num_frames: int) -> jax.Array:
+        """The initial noise: float32 standard normal from `jax.random.key(seed)`."""
+        return jax.random.normal(jax.random.key(seed), self.latent_shape(height, width, num_frames), jnp.float32)
+
+    def denoise(self, embeds: dict, latents=None, seed: int = 0, height: int | None = None, width: int | None = None,
+                num_frames: int | None = None, num_inference_steps: int | None = None,
+                guidance_scale: float | None = None, guidance_scale_2: float | None = None,
+                flow_shift: float | None = None, scheduler: str = "unipc", progress: bool = True,
+                step_seconds: list | None = None, sigmas=None, timesteps=None, cache=None,
+                cache_threshold: float | None = None) -> jax.Array:
+        """Final latents `(1, z, F, h, w)` from stage-1 `embeds` (+ `encode_image` output for I2V/TI2V).
+
+        `latents` overrides the seeded initial noise (e.g. to compare with another implementation).
+        `sigmas` / `timesteps`: a given schedule (few-step sampling; see `make_custom_scheduler`), one
+        value per step. `cache`: a step cache, "teacache", "magcache", "fbcache" or a config of
+        `wan_tpu.wan.step_cache` (`cache_threshold` overrides its threshold); afterwards `self.cache_stats`
+        says how many steps skipped the DiT blocks.
+        """
+        num_inference_steps = schedule_steps(num_inference_steps, sigmas, timesteps)
+        s = self.settings(height=height, width=width, num_frames=num_frames, num_inference_steps=num_inference_steps,
+                          guidance_scale=guidance_scale, guidance_scale_2=guidance_scale_2, flow_shift=flow_shift)
+        sched, step = self.sampling(s, scheduler, sigmas, timesteps, cache, cache_threshold,
+                                    with_image="first_frame" in embeds)
+        shape = self.latent_shape(s.height, s.width, s.num_frames)
+        if self._warmup is not None:
+            # First: `prepare` compiles the initial noise's program with the step's; drawing it before
+            # that compile ends would compile it a second time here (seen under load).
+            self._warmup.wait_compiled("denoise")
+            if not self._decode_beside_denoise:
+                self._warmup.wait_compiled("decode")
+        if latents is None:
+            latents = self.prepare_latents(seed, s.height, s.width, s.num_frames)
+        elif tuple(latents.shape) != shape:
+            raise WanInputError(f"latents have shape {tuple(latents.shape)}, but this run needs {shape}")
+        cond = self._conditioning(embeds, s, shape)
+        experts = [self.transformer]
+        guidance = [s.guidance_scale]
+        if self.variant.boundary_ratio is not None:
+            experts.append(self.transformer_2)
+            guidance.append(s.guidance_scale_2)
+        stats = []
+        with scope("denoise"):
+            out = denoise(experts, jnp.asarray(latents), cond, sched, guidance, self.variant.boundary_ratio,
+                          mesh=self.mesh, progress=progress, step_seconds=step_seconds, cache=step, cache_stats=stats)
+        self.cache_stats = stats[0] if stats else None
+        return out
+
+    def sampling(self, s: RunSettings, scheduler: str = "unipc", sigmas=None, timesteps=None, cache=None,
+                 cache_threshold: float | None = None, with_image: bool = False):
+        """(scheduler, resolved step cache or None) of a run; `WanInputError` on bad choices, before any work."""
+        from wan_tpu.wan import step_cache
+
+        if sigmas is None and timesteps is None:
+            sched = make_scheduler(scheduler, s.num_inference_steps, s.flow_shift)
+        else:
+            sched = make_custom_scheduler(scheduler, s.flow_shift, sigmas=sigmas, timesteps=timesteps)
+        config = step_cache.make_cache(cache, cache_threshold)
+        if config is None and cache_threshold is not None:
+            raise WanInputError("a cache threshold needs a cache; pass --cache teacache|magcache|fbcache")
+        return sched, None if config is None else step_cache.resolve(config, self.variant.name, with_image)
+
+    def _conditioning(self, embeds: dict, s: RunSettings, shape) -> Conditioning:
+        needs_image = self.variant.task == "i2v"
+        if s.do_cfg and "negative_prompt_embeds" not in embeds:
+            raise WanInputError(f"guidance {s.guidance_scale} > 1 needs negative_prompt_embeds; encode the prompt "
+                                "with the same guidance (stage 1 --guidance)")
+        if needs_image and "condition" not in embeds:
+            raise WanInputError(f"{self.variant.name} is image-to-video; pass an input image (--image PATH)")
+        if self.variant.uses_clip_image and "image_embeds" not in embeds:
+            raise WanInputError(f"{self.variant.name} needs CLIP image_embeds; encode the image (stage 1 --image)")
+        first_frame = embeds.get("first_frame")
+        mask = None
+        if self.variant.expand_timesteps:
+            mask = conditioning.ti2v_mask(shape, conditioned=first_frame is not None)
+            first_frame = None if first_frame is None else jnp.asarray(first_frame, jnp.float32)
+        return Conditioning(
+            prompt_embeds=jnp.asarray(embeds["prompt_embeds"]),
+            negative_prompt_embeds=jnp.asarray(embeds["negative_prompt_embeds"]) if s.do_cfg else None,
+            image_embeds=jnp.asarray(embeds["image_embeds"]) if self.variant.uses_clip_image else None,
+            condition=jnp.asarray(embeds["condition"], jnp.float32) if needs_image else None,
+            first_frame=first_frame,
+            first_frame_mask=mask,
+        )
+
+    # ---- stage 3 ------------------------------------------------------------------------------
+
+    def decode(self, latents) -> np.ndarray:
+        """uint8 frames `(T, H, W, 3)` from normalized latents `(1, z, F, h, w)`."""
+        vae = self.vae
+        if self._warmup is not None:
+            self._warmup.wait_compiled("decode")
+        with scope("vae_decode"):
+            z = vae.denormalize_latents(jnp.asarray(latents, jnp.float32)).astype(vae.dtype)
+            video = jax.block_until_ready(vae.decode(z))
+            interrupt.check("decode")
+            frames = np.asarray(frames_to_uint8(video))
+        return frames[0]
+
+    # ---- all stages ---------------------------------------------------------------------------
+
+    def __call__(self, prompt: str, negative_prompt: str | None = None, height: int | None = None,
+                 width: int | None = None, num_frames: int | None = None, num_inference_steps: int | None = None,
+                 guidance_scale: float | None = None, flow_shift: float | None = None, seed: int = 0, image=None,
+                 guidance_scale_2: float | None = None, latents=None, output_type: str = "np",
+                 progress: bool = True, scheduler: str = "unipc", sigmas=None, timesteps=None, cache=None,
+                 cache_threshold: float | None = None) -> np.ndarray:
+        """Generate a video: uint8 frames `(T, H, W, 3)` (`output_type="latent"`: the final latents).
+
+        None settings take the model's official defaults (Wan 2.1 T2V 1.3B: 480×832, 81 frames,
+        50 steps, guidance 5.0, shift 5.0; see `wan_tpu.configs.models.VARIANTS`). `guidance_scale_2`
+        is the low-noise expert's guidance (Wan 2.2 A14B; default: `guidance_scale` if that is given).
+        `latents` replaces the seeded initial noise. `scheduler`, `sigmas`, `timesteps`, `cache`,
+        `cache_threshold`: as `denoise` (`self.cache_stats` reports a step cache's skipped steps).
+        """
+        num_inference_steps = schedule_steps(num_inference_steps, sigmas, timesteps)
+        s = self.settings(height=height, width=width, num_frames=num_frames, num_inference_steps=num_inference_steps,
+                          guidance_scale=guidance_scale, guidance_scale_2=guidance_scale_2, flow_shift=flow_shift)
+        self.check_run(s, image, negative_prompt=negative_prompt, prompt=prompt)
+        embeds = self.encode_prompt(prompt, negative_prompt, s.guidance_scale)
+        if image is not None:
+            embeds.update(self.encode_image(image, s.height, s.width, s.num_frames))
+        out = self.denoise(embeds, latents=latents, seed=seed, height=s.height, width=s.width,
+                           num_frames=s.num_frames, num_inference_steps=s.num_inference_steps,
+                           guidance_scale=s.guidance_scale, guidance_scale_2=s.guidance_scale_2,
+                           flow_shift=s.flow_shift, progress=progress, scheduler=scheduler, sigmas=sigmas,
+                           timesteps=timesteps, cache=cache, cache_threshold=cache_threshold)
+        if output_type == "latent":
+            return out
+        return self.decode(out)
+
+
+    def check_run(self, s: RunSettings, image=None, *, prompt: str | None = None, negative_prompt: str | None = None,
+                  stages=STAGES, keep_dit: bool = False, memory: bool = True) -> None:
+        """Everything about a run of `stages` that can be checked before loading: the prompts, the image
+        (readable, and wanted by this model), and that it fits in memory (`check_fits`)."""
+        from wan_tpu.runtime.validate import check_image
+
+        if prompt is not None:
+            check_prompts(prompt, negative_prompt, s.do_cfg)
+        if image is not None and self.variant.task == "t2v":
+            raise WanInputError(f"{self.variant.name} is a text-to-video model and takes no image; drop --image")
+        if image is None and self.variant.task == "i2v" and "image" in stages:
+            raise WanInputError(f"{self.variant.name} is an image-to-video model; pass the first frame with --image PATH")
+        check_image(image)
+        if memory:
+            self.check_fits(s, stages, keep_dit=keep_dit, image=image is not None)
+
+    def check_fits(self, s: RunSettings, stages=STAGES, keep_dit: bool = False, image: bool = False) -> None:
+        """Refuse (`WanInputError`) a run whose stages would not fit in memory, unless `check_memory` is
+        off; `keep_dit`: the DiT stays loaded through decoding (several videos in one run)."""
+        if self.check_memory:
+            from wan_tpu.runtime.memory import check_fits
+
+            check_fits(self, s, stages, self.attention_impl, keep_dit=keep_dit, image=image)
+
+def schedule_steps(num_inference_steps, sigmas, timesteps):
+    """The step count of a run with a given schedule: its length (a different `num_inference_steps` is an error)."""
+    given = sigmas if sigmas is not None else timesteps
+    if given is None:
+        return num_inference_steps
+    if not hasattr(given, "__len__"):
+        raise WanInputError(f"sigmas / timesteps must be a list of numbers, one per step, got {given!r}")
+    if num_inference_steps is not None and num_inference_steps != len(given):
+        raise WanInputError(f"{len(given)} sigmas/timesteps but {num_inference_steps} steps; drop --steps or give one "
+                            "value per step")
+    return len(given)
+
+
+def check_prompts(prompt: str, negative_prompt: str | None, do_cfg: bool) -> None:
+    """An empty prompt is fine with CFG against a non-empty negative prompt (None: the official one)."""
+    if not isinstance(prompt, str):
+        raise WanInputError(f"prompt must be a string, got {type(prompt).__name__}")
+    if negative_prompt is not None and not isinstance(negative_prompt, str):
+        raise WanInputError(f"negative prompt must be a string, got {type(negative_prompt).__name__}")
+    if not prompt.strip() and (not do_cfg or not (negative_prompt is None or negative_prompt.strip())):
+        raise WanInputError("the prompt is empty and there is no negative prompt to guide against; pass --prompt TEXT")
+
+
+def _folder_loaders(path, parts, dtype, mesh, attention_impl, vae_dtype) -> dict:
+    # Imports stay inside the loaders: a run that fails validation never pays for (or hears from)
+    # transformers and torch.
+    sub = functools.partial(os.path.join, path)
+
+    def dit(folder):
+        from wan_tpu.wan.transformer_loading import load_transformer
+
+        return set_attention(load_transformer(sub(folder), dtype=dtype, mesh=mesh), attention_impl, mesh)
+
+    def vae():
+        from wan_tpu.vae.loading import load_vae
+
+        return load_vae(sub(parts["vae"]), dtype=vae_dtype, mesh=mesh)
+
+    def text_encoder():
+        from wan_tpu.encoders.umt5_text import UMT5TextEncoder
+
+        return UMT5TextEncoder.from_pretrained(sub(parts["text_encoder"]), sub(parts["tokenizer"]), dtype=dtype,
+                                               mesh=mesh)
+
+    def image_encoder():
+        from wan_tpu.encoders.clip_image import CLIPImageEncoder
+
+        return CLIPImageEncoder.from_pretrained(sub(parts["image_encoder"]), sub(parts["image_processor"]),
+                                                dtype=jnp.float32, mesh=mesh)
+
+    loaders = {"transformer": functools.partial(dit, parts["transformer"]), "vae": vae, "text_encoder": text_encoder}
+    if "transformer_2" in parts:
+        loaders["transformer_2"] = functools.partial(dit, parts["transformer_2"])
+    if "image_encoder" in parts:
+        loaders["image_encoder"] = image_encoder
+    return loaders
+
+
+def set_attention(dit, impl: str | None, mesh):
+    """Point the DiT's attention hooks at kernel `impl` (None: the backend's fastest), mesh-aware if a mesh is given."""
+    if mesh is not None:
+        from wan_tpu.parallel.sharding import shard_transformer
+
+        return shard_transformer(dit, mesh, **({} if impl is None else {"impl": impl}))
+    if impl is not None:
+        from wan_tpu.layers import attention as attention_lib
+
+        dit.self_attention = functools.partial(attention_lib.attention, impl=impl)
+        dit.cross_attention = functools.partial(attention_lib.attention, impl=impl)
+    return dit
+

@@ -1,0 +1,232 @@
+"""Built-in presets: whole pipelines with random weights from a fixed seed, nothing downloaded.
+
+`tiny` is a 2-layer DiT (`wan_tpu.configs.models.VARIANTS["tiny"]`) and a few-channel Wan 2.1 VAE
+with 16 latent channels and a 2-layer UMT5 (`wan_tpu.encoders.umt5`; weights of all three drawn by
+`random_module`), and the in-process tokenizer of `wan_tpu.encoders.tokenizers`: no torch or transformers.
+It exists to run every stage quickly on any machine:
+
+    python -m wan_tpu.generate --model tiny --prompt "a cat walks on the grass"   # CPU, seconds
+
+The same seed gives the same weights on every machine, so tiny runs are reproducible end to end.
+`save_diffusers_checkpoint` writes random checkpoints of any size in the diffusers layout (tests,
+benchmarks).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax.numpy as jnp
+
+from wan_tpu.configs.models import VARIANTS
+from wan_tpu.configs.vae import VAE_PRESETS, WAN21_LATENTS_MEAN, WAN21_LATENTS_STD
+
+TINY_SEED = 0
+
+# The tiny VAE structure with the 16 latent channels of Wan 2.1, which the tiny DiT consumes.
+TINY_VAE = dataclasses.replace(VAE_PRESETS["tiny"], z_dim=16, latents_mean=WAN21_LATENTS_MEAN,
+                               latents_std=WAN21_LATENTS_STD)
+
+
+def random_module(build, seed: int, draw=None, abstract=None):
+    """`build()` (an nnx module constructor) with seeded random weights drawn on the host.
+
+    The module is only traced abstractly; each parameter is then drawn with numpy's PCG64 from
+    `seed`, so a preset is the same on every machine and takes no compilation or per-op dispatch
+    (building the tiny VAE eagerly costs tens of seconds on a small CPU). Scales are the usual
+    ones: kernels N(0, 1/fan_in), biases N(0, 0.02²), norm weights 1, modulation tables N(0, 1/dim).
+    `draw(names, shape, rng)` (optional) gives a parameter's value (a numpy array), or None for the
+    usual one: for modules whose parameter names these rules do not fit (UMT5's torch-layout `weight`s).
+    `abstract`: `build`'s module without weights, when the caller has it (read back from the executable
+    cache, `executable_cache.cached_abstract`); else `build` is traced here.
+    """
+    import math
+
+    import jax
+    import numpy as np
+    from flax import nnx
+
+    from wan_tpu.layers.conv import out_first_kernels, spatial_first_shape, spatial_to_out_first
+
+    abstract = nnx.eval_shape(build) if abstract is None else abstract
+    out_first = out_first_kernels(abstract)  # drawn spatial-first then moved: the same values either way
+    graphdef, state = nnx.split(abstract)
+    rng = np.random.default_rng(seed)
+    flat = nnx.to_flat_state(state)
+    for path, var in flat:
+        names = [str(p) for p in path]
+        shape, dtype = var.get_value().shape, var.get_value().dtype
+        leaf = names[-1]
+        moved = ".".join(names) in out_first
+        if moved:
+            shape = spatial_first_shape(shape)
+        value = None if draw is None else draw(names, shape, rng)
+        if value is None and leaf == "kernel":
+            # Stacked transformer blocks carry the layer axis first; it is not part of fan-in.
+            fan_in = math.prod(shape[1:-1] if names[0] == "blocks" else shape[:-1])
+            value = rng.standard_normal(shape) / math.sqrt(fan_in)
+        elif value is None and leaf in ("weight", "gamma", "scale") and len(shape) <= 2:
+            value = np.ones(shape)
+        elif value is None and leaf == "scale_shift_table":
+            value = rng.standard_normal(shape) / math.sqrt(shape[-1])
+        elif value is None:
+            value = 0.02 * rng.standard_normal(shape)
+        if moved:
+            value = spatial_to_out_first(np.asarray(value))
+        # Cast on the host (round to nearest even, as XLA does): loaders in parallel threads then compile no
+        # conversion programs, which they would race to compile and to read from the compilation cache.
+        var.set_value(jax.device_put(np.asarray(value, np.float32).astype(dtype)))
+    return nnx.merge(graphdef, nnx.from_flat_state(flat))
+
+
+def tiny_umt5_config(d_model: int):
+    """The tiny preset's 2-layer UMT5 (`wan_tpu.encoders.umt5.UMT5Config`) over the tiny tokenizer's vocabulary."""
+    from wan_tpu.encoders.umt5 import UMT5Config
+    from wan_tpu.encoders.tokenizers import TINY_VOCAB_SIZE
+
+    return UMT5Config(vocab_size=TINY_VOCAB_SIZE, d_model=d_model, d_kv=16, d_ff=64, num_layers=2, num_heads=2,
+                      relative_attention_num_buckets=8, relative_attention_max_distance=32)
+
+
+def hf_umt5_config(cfg):
+    """transformers' `UMT5Config` for one of ours (to write checkpoints with `UMT5EncoderModel`)."""
+    from transformers import UMT5Config
+
+    return UMT5Config(**dataclasses.asdict(cfg), dropout_rate=0.0, pad_token_id=0, eos_token_id=1,
+                      decoder_start_token_id=0)
+
+
+def umt5_draw(cfg):
+    """`random_module`'s `draw` for a `UMT5Encoder`: transformers' (Mesh TensorFlow) init scales, torch layout:
+    linears N(0, 1/fan_in) with fan_in the last axis, relative-position tables N(0, 1/d_model), norm
+    weights 1."""
+    import numpy as np
+
+    def draw(names, shape, rng):
+        module = names[-2]
+        if module in ("attention_norm", "ffn_norm", "final_layer_norm"):
+            return np.ones(shape)
+        if module == "relative_attention_bias":
+            return rng.standard_normal(shape) / cfg.d_model**0.5
+        return rng.standard_normal(shape) / shape[-1] ** 0.5
+
+    return draw
+
+
+def tiny_umt5(d_model: int, dtype=jnp.float32, seed: int = TINY_SEED):
+    """A random-weight `UMT5Encoder` and its `UMT5Embedding` (N(0, 1), as transformers draws it), the
+    same for a given seed on every machine."""
+    import numpy as np
+
+    from wan_tpu.encoders.umt5 import UMT5Embedding, UMT5Encoder
+
+    cfg = tiny_umt5_config(d_model)
+    table = np.random.default_rng(seed).standard_normal((cfg.vocab_size, cfg.d_model)).astype(np.float32)
+    embedding = UMT5Embedding(table.astype(dtype), dtype)
+    return random_module(lambda: UMT5Encoder(cfg, dtype), seed + 1, draw=umt5_draw(cfg)), embedding
+
+
+def tiny(dtype=jnp.bfloat16, mesh=None, attention_impl=None, vae_dtype=jnp.float32, seed: int = TINY_SEED):
+    """The `tiny` pipeline (see the module docstring)."""
+    from wan_tpu.wan.pipeline import WanPipeline, set_attention
+
+    variant = VARIANTS["tiny"]
+
+    def transformer():
+        from wan_tpu.wan.transformer import WanTransformer
+
+        from flax import nnx
+
+        dit = random_module(lambda: WanTransformer(variant.transformer, dtype=dtype, rngs=nnx.Rngs(0)), seed)
+        return set_attention(dit, attention_impl, mesh)
+
+    def vae():
+        from wan_tpu.vae.model import WanVAE
+
+        from flax import nnx
+
+        model = random_module(lambda: WanVAE(TINY_VAE, dtype=vae_dtype, rngs=nnx.Rngs(0)), seed + 1)
+        model.mesh = mesh
+        return model
+
+    def text_encoder():
+        from wan_tpu.encoders.umt5_text import UMT5TextEncoder
+        from wan_tpu.encoders.tokenizers import tiny_tokenizer
+
+        model, embed_tokens = tiny_umt5(variant.transformer.text_dim, dtype, seed + 2)
+        if mesh is not None:
+            from wan_tpu.parallel.sharding import shard_module
+
+            shard_module(model, mesh, "umt5")
+        return UMT5TextEncoder(model, embed_tokens, tiny_tokenizer())
+
+    loaders = {"transformer": transformer, "vae": vae, "text_encoder": text_encoder}
+    return WanPipeline(variant, TINY_VAE, loaders, name="tiny", dtype=dtype, mesh=mesh, vae_dtype=vae_dtype,
+                       attention_impl=attention_impl, text_encoder_config=tiny_umt5_config(variant.transformer.text_dim))
+
+
+PRESETS = {"tiny": tiny}
+
+
+def save_diffusers_checkpoint(path: str, transformer, vae, *, transformer_2=None, boundary_ratio: float | None = None,
+                              expand_timesteps: bool = False, text_encoder=None, image_encoder=None,
+                              flow_shift: float = 5.0, seed: int = 0, torch_dtype=None) -> None:
+    """Write a random-weight checkpoint in the diffusers layout (`model_index.json`, `transformer/`, ...).
+
+    `transformer` / `transformer_2`: `WanTransformerConfig`s; `vae`: a `WanVAEConfig`;
+    `text_encoder`: a transformers `UMT5Config` (default: the tiny one, with the in-process
+    tokenizer); `image_encoder`: a `CLIPVisionConfig` for a Wan 2.1 I2V checkpoint (saved with a
+    `CLIPImageProcessor` at its image size). Any size works, the real ones included: the DiT and
+    encoders are built directly in `torch_dtype` (default float32; the VAE always float32, as the
+    official checkpoints ship it), so host memory is about one copy of the weights. Weights come from
+    `torch.manual_seed(seed)`; VAE parameters are redrawn at a scale that keeps activations O(1)
+    (diffusers' default init shrinks them layer by layer, and norm gains of exactly 1 would hide
+    layout bugs). Needs diffusers (the `test` extra): this is for tests and benchmarks.
+    """
+    import dataclasses as dc
+
+    import diffusers
+    import torch
+    from transformers import CLIPImageProcessor, CLIPVisionModel, UMT5EncoderModel
+
+    from wan_tpu.configs.models import config_to_json
+    from wan_tpu.encoders.tokenizers import tiny_hf_tokenizer
+
+    def dit(cfg):
+        return diffusers.WanTransformer3DModel(**config_to_json(cfg))
+
+    def build(make, dtype=None):
+        # Building directly in the target dtype halves host memory at real sizes (a 14B DiT).
+        default = torch.get_default_dtype()
+        torch.set_default_dtype(dtype or torch.float32)
+        try:
+            return make()
+        finally:
+            torch.set_default_dtype(default)
+
+    with torch.random.fork_rng(devices=[]), torch.no_grad():
+        torch.manual_seed(seed)
+        parts = {"transformer": build(lambda: dit(transformer), torch_dtype)}
+        if transformer_2 is not None:
+            parts["transformer_2"] = build(lambda: dit(transformer_2), torch_dtype)
+        vae_kwargs = {f.name: getattr(vae, f.name) for f in dc.fields(vae) if f.name != "clip_output"}
+        parts["vae"] = diffusers.AutoencoderKLWan(**{k: list(v) if isinstance(v, tuple) else v
+                                                     for k, v in vae_kwargs.items()})
+        for name, p in parts["vae"].named_parameters():
+            if "gamma" in name:
+                p.copy_(1.0 + 0.2 * torch.randn_like(p))
+            else:
+                p.copy_(torch.randn_like(p) * (0.5 / max(1, p[0].numel()) ** 0.5 if p.dim() > 1 else 0.05))
+        umt5 = text_encoder or hf_umt5_config(tiny_umt5_config(transformer.text_dim))
+        parts["text_encoder"] = build(lambda: UMT5EncoderModel(umt5).eval(), torch_dtype)
+        parts["tokenizer"] = tiny_hf_tokenizer()
+        parts["scheduler"] = diffusers.UniPCMultistepScheduler(
+            prediction_type="flow_prediction", use_flow_sigmas=True, num_train_timesteps=1000, flow_shift=flow_shift)
+        if image_encoder is not None:
+            parts["image_encoder"] = build(lambda: CLIPVisionModel(image_encoder).eval(), torch_dtype)
+            size = image_encoder.image_size
+            parts["image_processor"] = CLIPImageProcessor(size={"shortest_edge": size},
+                                                          crop_size={"height": size, "width": size})
+        cls = diffusers.WanImageToVideoPipeline if image_encoder is not None else diffusers.WanPipeline
+        pipe = cls(**parts, boundary_ratio=boundary_ratio, expand_timesteps=expand_timesteps)
+        pipe.save_pretrained(path)

@@ -1,0 +1,52 @@
+"""Stage 3: final latents → mp4 (VAE decode), from a stage file.
+
+    wan-stage3-decode --input stage2.safetensors --output output.mp4
+
+Only the VAE is loaded. The model, size and frames come from the input file unless given; the
+input must come from the same model (checked), and `--size`/`--frames`, when given, must match.
+The mp4 is written at the model's fps under a temporary name, then renamed; `--overwrite`
+replaces an existing output.
+"""
+
+import sys
+
+from wan_tpu.errors import WanInputError
+from wan_tpu.wan.cli import (CliParser, add_model_args, check_output, cli, decode_stage, load_pipeline,
+                              resolve_defaults, run_settings, stage3_expect)
+from wan_tpu.runtime.profiling import StageTimer
+
+
+def run(args):
+    from wan_tpu.wan.stages import load_stage, read_stage_meta
+
+    resolve_defaults(args, read_stage_meta(args.input))
+    check_output(args.output, args.overwrite, ".mp4")
+    timer = StageTimer()
+    pipe = load_pipeline(args)
+    pipe.check_fits(run_settings(pipe, args), ("decode",))
+    tensors, meta = load_stage(args.input, expect=stage3_expect(pipe, args))
+    if "latents" not in tensors:
+        raise WanInputError(f"{args.input} holds no 'latents' tensor; pass the file stage 2 wrote")
+    frames = decode_stage(pipe, args, tensors["latents"], timer)
+    print(f"wrote {args.output} ({frames.shape[0]} frames, {frames.shape[2]}x{frames.shape[1]}, {pipe.variant.fps} fps)")
+    print(timer.table())
+
+
+def parser():
+    p = CliParser(prog="wan-stage3-decode", description="Stage 3: latents → mp4")
+    add_model_args(p)
+    p.add_argument("--size", default=None, help="W*H the latents were made for (default: the input's; checked if given)")
+    p.add_argument("--frames", "--frame_num", dest="frames", type=int, default=None,
+                   help="frames the latents were made for (default: the input's; checked if given)")
+    p.add_argument("--input", default="stage2.safetensors", help="stage-2 file (default: stage2.safetensors)")
+    p.add_argument("--output", "--save_file", dest="output", default="output.mp4", help="mp4 to write (default: output.mp4)")
+    p.add_argument("--overwrite", action="store_true", help="replace an existing output")
+    return p
+
+
+def main(argv=None) -> int:
+    return cli(run, parser(), argv)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
