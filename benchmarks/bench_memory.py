@@ -1,4 +1,4 @@
-"""The DiT step's memory estimate (`wan_tpu.runtime.memory.dit_step_bytes`) against XLA's own buffer assignment
+"""The DiT step's memory estimate (`wan_tpu.wan.memory.dit_step_bytes`) against XLA's own buffer assignment
 on this device: one CFG forward (batch 2, 512 text tokens) compiled for real sizes, nothing allocated.
 
     python benchmarks/bench_memory.py --configs 1.3b,14b            # on the GPU/TPU whose runs the check guards
@@ -20,10 +20,10 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from wan_tpu.runtime import memory
+from wan_tpu.wan import memory
 from wan_tpu.configs.models import VARIANTS
 from wan_tpu.wan.transformer import WanTransformer, forward
-from wan_tpu.wan.pipeline import set_attention
+from wan_tpu.wan.transformer import set_attention
 
 CONFIGS = {  # name: (variant, latent (F, H, W))
     "1.3b": ("wan2.1-t2v-1.3b", (21, 60, 104)),

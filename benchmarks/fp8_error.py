@@ -35,7 +35,7 @@ from wan_tpu.wan import quantize
 from wan_tpu.configs.models import VARIANTS
 from wan_tpu.layers.quantized import quantize_weight, quantized_matmul
 from wan_tpu.wan.transformer import WanTransformer, forward
-from wan_tpu.wan.presets import random_module
+from wan_tpu.loading.random_init import random_module
 
 ATTENTION = tuple(p for p in quantize.BLOCK_LINEARS if p[0] != "ffn")
 FFN = tuple(p for p in quantize.BLOCK_LINEARS if p[0] == "ffn")

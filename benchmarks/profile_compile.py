@@ -11,7 +11,7 @@
 Each run is one fresh process (run it twice with one `--cache` folder for cold vs warm). It prints the
 first and second call's seconds and, per program and thread, how many times JAX traced, lowered and
 compiled it (or loaded it from the cache) and the seconds each took, from `jax.monitoring` events.
-The models have random weights (the VAE's drawn by `wan_tpu.wan.presets.random_module`, UMT5's zero), so
+The models have random weights (the VAE's drawn by `wan_tpu.loading.random_init.random_module`, UMT5's zero), so
 no checkpoint is needed; what is measured is compilation, not the numbers.
 """
 
@@ -72,7 +72,7 @@ def vae(args) -> None:
 
     from wan_tpu.configs.vae import VAE_PRESETS
     from wan_tpu.vae.model import WanVAE
-    from wan_tpu.wan.presets import random_module
+    from wan_tpu.loading.random_init import random_module
 
     use_cache(args.cache)
     events = record_events()

@@ -1,8 +1,9 @@
 """Golden files for Matrix-Game-2's VAE and CLIP, made with the authors' code on CPU (float32).
 
-    python scripts/make_golden_matrix_game_vae_clip.py --ref /work/refs/Matrix-Game
+    python scripts/make_golden_matrix_game_vae_clip.py --ref third_party/Matrix-Game
 
-`--ref` is a checkout of SkyworkAI/Matrix-Game (the model lives in its `Matrix-Game-2/` folder); its
+`--ref` is a checkout of SkyworkAI/Matrix-Game (the model lives in its `Matrix-Game-2/` folder), e.g.
+cloned into `third_party/Matrix-Game`, a folder of this checkout that git ignores; its
 commit is recorded in each file. Writes, under `tests/data/`:
 
 - `matrix_game_vae.safetensors`: a small random Wan 2.1 VAE (`VideoVAE_` with dim 4, one res block per

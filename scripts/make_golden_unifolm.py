@@ -1,22 +1,25 @@
 """Golden outputs of the authors' UniFoLM-WMA code (CPU, float32, small random weights) for our tests.
 
-    /work/venvs/uni-ref/bin/python scripts/make_golden_unifolm.py --ref /path/to/unifolm-world-model-action
+    third_party/uni-ref/bin/python scripts/make_golden_unifolm.py --ref third_party/unifolm-world-model-action
 
 writes `tests/data/unifolm_golden_{unet,parts,sampling}.npz`: the reference commit, the weight manifests (names, shapes,
 buffers) of a reduced WMI model and a reduced BASE model, and the outputs of: the Resampler, the
 state/action projectors, the action-token Perceiver, the UNet forward (with heads; without action
 tokens; the base model without heads), the action head, one DDIM step, 4-step samplings in
 decision-making and world-model mode (eta 1 with injected noise) and a guided 2-step sampling.
-Weights and large inputs are not stored: `tests/unifolm_weights.py` regenerates them from their names.
+Weights and large inputs are not stored: `tests/unifolm/unifolm_weights.py` regenerates them from their names.
+`--ref` is a checkout of unitreerobotics/unifolm-world-model-action, e.g. cloned into
+`third_party/unifolm-world-model-action`, a folder of this checkout that git ignores.
 
 Reduced config (`wan_tpu/configs/unifolm.py` "unifolm-tiny"/"unifolm-tiny-base"): the shipped YAMLs with few
 channels; every structural number their code hard-codes kept (4 UNet levels, 16 frames, 77 text
 tokens, 16 image tokens and 16 actions per frame, ResNet18 observation encoder).
 
-Reference venv (torch 2.13.0 CPU beside their pins where they install; uni-pipe may reuse it):
+Reference venv (torch 2.13.0 CPU beside their pins where they install), e.g. in the ignored
+`third_party/uni-ref`:
 
-    python3 -m venv /work/venvs/uni-ref
-    /work/venvs/uni-ref/bin/pip install "torch==2.13.0" torchvision einops omegaconf "diffusers==0.30.2" \
+    python3 -m venv third_party/uni-ref
+    third_party/uni-ref/bin/pip install "torch==2.13.0" torchvision einops omegaconf "diffusers==0.30.2" \
         safetensors "open-clip-torch==2.22.0" "kornia==0.7.3" "transformers==4.40.1" "timm==0.9.10"
 
 Runtime patches (their checkout is never modified): torchvision imported without its C ops (PyPI's
@@ -41,7 +44,7 @@ import types
 import numpy as np
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.join(REPO, "tests"))
+sys.path.insert(0, os.path.join(REPO, "tests", "unifolm"))
 from unifolm_weights import det, init_tensor  # noqa: E402
 
 B, T, LAT, IMG, D, CLIP_DIM, A = 2, 16, 16, 128, 64, 32, 16

@@ -1,11 +1,14 @@
 """Golden outputs of UnifoLM-WMA's encoders and VAE from the authors' own classes, on small random weights.
 
-    python scripts/make_golden_unifolm_encoders.py --ref /work/refs/unifolm-world-model-action \
+    python scripts/make_golden_unifolm_encoders.py --ref third_party/unifolm-world-model-action \
         [--out tests/data/unifolm_encoders_golden.safetensors]
+
+`--ref` is a checkout of unitreerobotics/unifolm-world-model-action, e.g. cloned into
+`third_party/unifolm-world-model-action`, a folder of this checkout that git ignores.
 
 Runs on CPU, float32, in an environment with the authors' pins that matter here: open-clip-torch
 2.22 (sequence-first transformer, `visual.input_patchnorm`), kornia 0.7.3, einops (e.g. the
-`uni-ref` venv). Their `FrozenOpenCLIPImageEmbedderV2` (kornia preprocessing, 257 tokens before
+reference venv of `make_golden_unifolm.py`). Their `FrozenOpenCLIPImageEmbedderV2` (kornia preprocessing, 257 tokens before
 `ln_post`), `FrozenOpenCLIPEmbedder(layer="penultimate")` (`encode_with_transformer`, given token ids)
 and `AutoencoderKL` (`encode` → posterior mean, logvar, `sample(noise)` with injected noise, `decode`)
 run unmodified; only their imports are satisfied: `open_clip.create_model_and_transforms` returns a
@@ -13,8 +16,8 @@ tiny random `CLIP` instead of downloading ViT-H-14, and `cv2`, `pytorch_lightnin
 nn.Module) and, where its wheel cannot load beside a CPU torch, `torchvision` are placeholder modules.
 
 Weights are not stored: every tensor is `golden_param(name, shape)` (seeded by its name), and the file
-records each component's tensor names and shapes, so `tests/test_unifolm_encoders.py` rebuilds the
-same state dicts, converts them as `wan_tpu/unifolm/convert_cli.py` does and compares.
+records each component's tensor names and shapes, so `tests/unifolm/test_unifolm_encoders.py` rebuilds the
+same state dicts, converts them as `wan_tpu/unifolm/convert.py` does (`wan-convert-unifolm`) and compares.
 """
 
 from __future__ import annotations

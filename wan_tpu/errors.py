@@ -8,3 +8,8 @@ exits with status 2. Everything else is a bug and keeps its traceback.
 
 class WanInputError(ValueError):
     """Bad input from the user: a one-line message naming the fix."""
+
+
+class NonFiniteError(RuntimeError):
+    """A result became NaN or Inf (latents, actions, states): the run failed; command lines exit 1 with one
+    line and keep no output."""

@@ -177,11 +177,11 @@ def test_bad_arguments_exit_2(image_path, tmp_path, capsys):
 
 # `python -m wan_tpu.matrix_game ARGS`, then the heavy frameworks the run imported on one line.
 _RUN_CLI = """import runpy, sys
-import wan_tpu.wan.cli
-wan_tpu.wan.cli.exit_now = sys.exit  # raise SystemExit, so that the line below still prints
-sys.argv = ["wan_tpu.matrix_game.pipeline", *sys.argv[1:]]
+import wan_tpu.runtime.cli
+wan_tpu.runtime.cli.exit_now = sys.exit  # raise SystemExit, so that the line below still prints
+sys.argv = ["wan_tpu.matrix_game", *sys.argv[1:]]
 try:
-    runpy.run_module("wan_tpu.matrix_game.pipeline", run_name="__main__", alter_sys=True)
+    runpy.run_module("wan_tpu.matrix_game", run_name="__main__", alter_sys=True)
 except SystemExit as e:
     status = e.code
 print("imported:", sorted(m for m in ("torch", "transformers", "torchax") if m in sys.modules))

@@ -122,7 +122,7 @@ def test_prepare_compiles_every_program_off_the_callers_thread(tmp_path):
 @pytest.mark.slow  # compiles the first chunk's program (about 40 s on 2 cores) unless an earlier test did
 def test_a_failed_compile_ahead_is_a_warning_and_the_stream_works():
     from wan_tpu.vae.loading import abstract_vae
-    from wan_tpu.wan.presets import TINY_VAE
+    from wan_tpu.configs.vae import TINY_VAE
 
     tiny = mg._tiny(jnp.float32, jnp.float32, None)
     # A VAE config that does not describe the weights: 8 latent channels where the DiT makes 16.

@@ -72,8 +72,8 @@ DRIVER = textwrap.dedent("""
 
     built, tiny = {}, presets.PRESETS["tiny"]
 
-    def reusing_tiny(**kwargs):
-        pipe = tiny(**kwargs)
+    def reusing_tiny(cls, **kwargs):
+        pipe = tiny(cls, **kwargs)
         loaders = pipe._loaders
         pipe._loaders = {n: (lambda n=n: built.get(n) or built.setdefault(n, loaders[n]())) for n in loaders}
         return pipe

@@ -22,7 +22,8 @@ from wan_tpu.wan.pipeline import WanPipeline
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
     from wan_tpu.configs.models import VARIANTS
-    from wan_tpu.wan.presets import TINY_VAE, save_diffusers_checkpoint
+    from wan_tpu.configs.vae import TINY_VAE
+    from wan_tpu.wan.presets import save_diffusers_checkpoint
 
     path = tmp_path_factory.mktemp("ckpt") / "tiny"
     save_diffusers_checkpoint(str(path), VARIANTS["tiny"].transformer, TINY_VAE)

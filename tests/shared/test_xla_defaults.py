@@ -32,16 +32,16 @@ def test_every_platform_parses_the_defaults():
 
 
 def test_a_command_line_applies_them_and_a_python_call_does_not(monkeypatch):
-    """`wan_tpu.wan.cli.cli` (every command line's entry) sets the defaults only when the process is
+    """`wan_tpu.runtime.cli.run_cli` (every command line's entry) sets the defaults only when the process is
     its own (argv from the command line), as it does for the GPU memory fraction."""
     import argparse
 
-    from wan_tpu.wan.cli import cli
+    from wan_tpu.runtime.cli import run_cli
 
     monkeypatch.setattr(sys, "argv", ["generate"])
     seen = []
     for argv, applied in ((None, True), ([], False)):
         for name in ("XLA_FLAGS", "XLA_PYTHON_CLIENT_MEM_FRACTION"):  # restored after the test
             monkeypatch.delenv(name, raising=False)
-        assert cli(lambda args: seen.append(os.environ.get("XLA_FLAGS", "")), argparse.ArgumentParser(), argv) == 0
+        assert run_cli(lambda args: seen.append(os.environ.get("XLA_FLAGS", "")), argparse.ArgumentParser(), argv) == 0
         assert ("--xla_gpu_enable_triton_gemm=false" in seen[-1]) == applied, (argv, seen)

@@ -22,9 +22,9 @@ from wan_tpu.configs.unifolm import CONFIGS, config_from_json, config_to_json
 from wan_tpu.errors import WanInputError
 from wan_tpu.unifolm.loading import load_unifolm
 
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    return load_unifolm(write_tiny(str(tmp_path_factory.mktemp("unifolm") / "tiny")))
+@pytest.fixture
+def tiny(tiny_model):
+    return tiny_model
 
 
 def unet_inputs():

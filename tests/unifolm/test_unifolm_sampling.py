@@ -19,7 +19,7 @@ import pytest
 import torch
 from flax import nnx
 
-from unifolm_golden import A, CLIP_DIM, D, IMG, LAT, T, assert_close, golden, write_tiny
+from unifolm_golden import A, CLIP_DIM, D, IMG, LAT, T, assert_close, golden
 from unifolm_weights import det
 from wan_tpu.configs.unifolm import CONFIGS
 from wan_tpu.unifolm.sampling import ddim_step, sample, schedule_tables
@@ -27,14 +27,14 @@ from wan_tpu.unifolm.loading import load_unifolm
 from wan_tpu.unifolm.sampling import ddim_timesteps, head_alphas_cumprod
 
 
-@pytest.fixture(scope="module")
-def folder(tmp_path_factory):
-    return write_tiny(str(tmp_path_factory.mktemp("unifolm") / "tiny"))
+@pytest.fixture
+def folder(tiny_folder):
+    return tiny_folder
 
 
-@pytest.fixture(scope="module")
-def tiny(folder):
-    return load_unifolm(folder)
+@pytest.fixture
+def tiny(tiny_model):
+    return tiny_model
 
 
 def conditions(model, world: bool, clip_zero: bool = False, text: str | None = None):

@@ -14,7 +14,7 @@ from wan_tpu.wan import denoise as denoise_lib
 from wan_tpu.configs.models import VARIANTS
 from wan_tpu.wan.denoise import Conditioning, NonFiniteLatentsError, denoise, expert_switch_index
 from wan_tpu.wan.transformer import WanTransformer
-from wan_tpu.wan.presets import random_module
+from wan_tpu.loading.random_init import random_module
 from wan_tpu.wan.schedulers import make_scheduler
 
 CFG = VARIANTS["tiny"].transformer
@@ -119,7 +119,7 @@ def test_nan_stops_the_run_with_the_step():
 
 def test_cfg_batch_over_a_dp_tp_mesh_matches_one_device():
     from wan_tpu.parallel.mesh import make_mesh
-    from wan_tpu.wan.pipeline import set_attention
+    from wan_tpu.wan.transformer import set_attention
 
     latents, pos, neg = inputs(6)
     sched = make_scheduler("unipc", 3, 5.0)

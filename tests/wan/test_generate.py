@@ -173,7 +173,8 @@ def test_lora_few_step_and_cache_flags(capsys, tmp_path):
 
 def test_missing_checkpoint_part(capsys, tmp_path):
     from wan_tpu.configs.models import VARIANTS
-    from wan_tpu.wan.presets import TINY_VAE, save_diffusers_checkpoint
+    from wan_tpu.configs.vae import TINY_VAE
+    from wan_tpu.wan.presets import save_diffusers_checkpoint
 
     ckpt = tmp_path / "ckpt"
     save_diffusers_checkpoint(str(ckpt), VARIANTS["tiny"].transformer, TINY_VAE)
@@ -211,7 +212,8 @@ def test_stage_file_from_another_run_is_refused(generated, capsys, tmp_path):
 
 def test_stage_file_from_another_model_is_refused(generated, capsys, tmp_path):
     from wan_tpu.configs.models import WanTransformerConfig
-    from wan_tpu.wan.presets import TINY_VAE, save_diffusers_checkpoint
+    from wan_tpu.configs.vae import TINY_VAE
+    from wan_tpu.wan.presets import save_diffusers_checkpoint
 
     other = tmp_path / "other"
     cfg = WanTransformerConfig(num_attention_heads=2, attention_head_dim=16, text_dim=32, freq_dim=32, ffn_dim=64,
@@ -257,7 +259,8 @@ def test_image_to_video_cli(capsys, tmp_path):
     from transformers import CLIPVisionConfig
 
     from wan_tpu.configs.models import VARIANTS
-    from wan_tpu.wan.presets import TINY_VAE, save_diffusers_checkpoint
+    from wan_tpu.configs.vae import TINY_VAE
+    from wan_tpu.wan.presets import save_diffusers_checkpoint
 
     ckpt, image = tmp_path / "i2v", tmp_path / "first.png"
     dit = dataclasses.replace(VARIANTS["tiny"].transformer, in_channels=36, image_dim=32, added_kv_proj_dim=64)

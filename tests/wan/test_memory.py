@@ -16,7 +16,8 @@ import jax.numpy as jnp
 import pytest
 from flax import nnx
 
-from wan_tpu.runtime import memory
+from wan_tpu.runtime import memory as device_memory
+from wan_tpu.wan import memory
 from wan_tpu.wan import presets
 from wan_tpu.configs.models import VARIANTS
 from wan_tpu.configs.vae import VAE_PRESETS
@@ -116,7 +117,7 @@ def test_no_memory_check_runs_anyway(monkeypatch, tmp_path):
 
 
 def test_mesh_divides_sharded_weights(sixteen_gib):
-    pipe = presets.tiny()
+    pipe = presets.tiny(WanPipeline)
     s = pipe.settings(height=64, width=64, num_frames=5)
     whole = memory.stage_bytes(pipe, s, ("denoise",))["denoise"][0]
     pipe.mesh = jax.make_mesh((2, 2, 2), ("dp", "sp", "tp"))
@@ -126,12 +127,12 @@ def test_mesh_divides_sharded_weights(sixteen_gib):
 def test_a_command_line_claims_most_of_a_gpu_unless_told(monkeypatch):
     for name in ("XLA_PYTHON_CLIENT_MEM_FRACTION", "XLA_PYTHON_CLIENT_PREALLOCATE"):
         monkeypatch.delenv(name, raising=False)
-    memory.claim_device_memory()
-    assert os.environ["XLA_PYTHON_CLIENT_MEM_FRACTION"] == memory.GPU_MEMORY_FRACTION
+    device_memory.claim_device_memory()
+    assert os.environ["XLA_PYTHON_CLIENT_MEM_FRACTION"] == device_memory.GPU_MEMORY_FRACTION
     monkeypatch.setenv("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.5")  # the user's choice stays
-    memory.claim_device_memory()
+    device_memory.claim_device_memory()
     assert os.environ["XLA_PYTHON_CLIENT_MEM_FRACTION"] == "0.5"
     monkeypatch.delenv("XLA_PYTHON_CLIENT_MEM_FRACTION")
     monkeypatch.setenv("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # allocating on demand: no fraction to set
-    memory.claim_device_memory()
+    device_memory.claim_device_memory()
     assert "XLA_PYTHON_CLIENT_MEM_FRACTION" not in os.environ

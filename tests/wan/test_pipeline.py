@@ -21,7 +21,8 @@ from wan_tpu.configs.models import VARIANTS, WanTransformerConfig
 from wan_tpu.configs.vae import VAE_PRESETS
 from wan_tpu.errors import WanInputError
 from wan_tpu.wan.pipeline import WanPipeline
-from wan_tpu.wan.presets import TINY_VAE, save_diffusers_checkpoint
+from wan_tpu.configs.vae import TINY_VAE
+from wan_tpu.wan.presets import save_diffusers_checkpoint
 
 TOL = 1e-4
 HEIGHT, WIDTH, FRAMES, STEPS, SHIFT = 32, 32, 5, 3, 3.0

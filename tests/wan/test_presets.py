@@ -15,7 +15,10 @@ import torch
 from flax import nnx
 
 from wan_tpu.configs.models import VARIANTS
-from wan_tpu.wan.presets import PRESETS, TINY_VAE, random_module, save_diffusers_checkpoint, tiny
+from wan_tpu.wan.pipeline import WanPipeline
+from wan_tpu.wan.presets import PRESETS, save_diffusers_checkpoint, tiny
+from wan_tpu.configs.vae import TINY_VAE
+from wan_tpu.loading.random_init import random_module
 
 
 def params(module):
@@ -23,7 +26,7 @@ def params(module):
 
 
 def test_tiny_weights_depend_only_on_the_seed():
-    a, b, c = tiny(dtype=jnp.float32), tiny(dtype=jnp.float32), tiny(dtype=jnp.float32, seed=1)
+    a, b, c = tiny(WanPipeline, dtype=jnp.float32), tiny(WanPipeline, dtype=jnp.float32), tiny(WanPipeline, dtype=jnp.float32, seed=1)
     for name in ("transformer", "vae"):
         pa, pb, pc = params(a.component(name)), params(b.component(name)), params(c.component(name))
         assert all(np.array_equal(x, y) for x, y in zip(pa, pb))
@@ -45,7 +48,7 @@ def test_random_module_scales():
 
 
 def test_tiny_run_gives_frames_of_the_preset_size():
-    pipe = PRESETS["tiny"](dtype=jnp.bfloat16)
+    pipe = PRESETS["tiny"](WanPipeline, dtype=jnp.bfloat16)
     frames = pipe("a cat walks on the grass", num_inference_steps=2, seed=0)
     w, h = pipe.variant.sample_size
     assert frames.shape == (pipe.variant.sample_frames, h, w, 3) and frames.dtype == np.uint8

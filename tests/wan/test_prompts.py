@@ -21,8 +21,8 @@ def load_counts(monkeypatch):
     """Component name → how many times the tiny preset's loader for it ran."""
     counts, tiny = {}, presets.PRESETS["tiny"]
 
-    def counting_tiny(**kwargs):
-        pipe = tiny(**kwargs)
+    def counting_tiny(cls, **kwargs):
+        pipe = tiny(cls, **kwargs)
         loaders = pipe._loaders
 
         def counted(name):

@@ -169,7 +169,7 @@ def test_lora_on_a_quantised_dit_is_refused(tmp_path):
     from wan_tpu.configs.models import VARIANTS
     from wan_tpu.errors import WanInputError
     from wan_tpu.wan.transformer import WanTransformer
-    from wan_tpu.wan.presets import random_module
+    from wan_tpu.loading.random_init import random_module
     from wan_tpu.wan.quantize import quantize_transformer
 
     dit = random_module(lambda: WanTransformer(VARIANTS["tiny"].transformer, dtype=jnp.float32, rngs=nnx.Rngs(0)), 0)

@@ -27,7 +27,7 @@ from wan_tpu.configs import step_cache as tables
 from wan_tpu.configs.models import VARIANTS
 from wan_tpu.wan.denoise import Conditioning, denoise, expert_switch_index
 from wan_tpu.wan.transformer import WanTransformer
-from wan_tpu.wan.presets import random_module
+from wan_tpu.loading.random_init import random_module
 from wan_tpu.wan.schedulers import make_scheduler
 
 CFG = VARIANTS["tiny"].transformer

@@ -175,7 +175,7 @@ def test_original_wan_names_round_trip_through_diffusers_converter(saved):
     (`convert_wan_transformer_to_diffusers`) on every tensor of an I2V transformer."""
     from diffusers.loaders.single_file_utils import convert_wan_transformer_to_diffusers
 
-    from wan_tpu.wan.transformer_loading import diffusers_to_original_wan, original_wan_to_diffusers
+    from wan_tpu.loading.wan_names import diffusers_to_original_wan, original_wan_to_diffusers
 
     names = list(saved[0].state_dict())
     original = {diffusers_to_original_wan(n): n for n in names}

@@ -100,7 +100,7 @@ def test_weights_fit_against_free_device_memory(monkeypatch):
 def test_decode_compiles_before_the_denoise_where_both_do_not_fit(monkeypatch):
     """On a GPU whose memory holds the denoise's and the decode's working sets together the decode compiles
     while the DiT denoises; else `denoise()` waits for that compile first (the autotuner's buffers)."""
-    from wan_tpu.runtime.memory import stage_bytes
+    from wan_tpu.wan.memory import stage_bytes
 
     pipe = wan_tpu.WanPipeline.from_pretrained("tiny")
     s = pipe.settings(height=32, width=32, num_frames=5, num_inference_steps=2)

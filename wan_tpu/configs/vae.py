@@ -123,3 +123,7 @@ def config_from_json(d: dict) -> WanVAEConfig:
     if fields.get("scale_factor_spatial") is None:
         fields.pop("scale_factor_spatial", None)
     return WanVAEConfig(**fields)
+
+# The tiny VAE structure with the 16 latent channels of Wan 2.1, which the tiny DiTs (Wan, Matrix-Game) consume.
+TINY_VAE = dataclasses.replace(VAE_PRESETS["tiny"], z_dim=16, latents_mean=WAN21_LATENTS_MEAN,
+                               latents_std=WAN21_LATENTS_STD)

@@ -286,9 +286,9 @@ def _run(graphdef, state, inputs):
 
 
 def random_clip(build, seed: int):
-    """`build()` (a tower constructor) with seeded random weights (`wan_tpu.wan.presets.random_module`), the same
+    """`build()` (a tower constructor) with seeded random weights (`wan_tpu.loading.random_init.random_module`), the same
     on every machine: linears and the patch kernel N(0, 1/fan_in), LayerNorm weights 1, the rest N(0, 0.02²)."""
-    from wan_tpu.wan.presets import random_module
+    from wan_tpu.loading.random_init import random_module
 
     return random_module(build, seed, draw=_clip_draw)
 

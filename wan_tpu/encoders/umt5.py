@@ -219,7 +219,7 @@ class UMT5Encoder(nnx.Module):
     transformers' `UMT5EncoderModel(inputs_embeds=...).last_hidden_state`.
 
     Parameters are zeros until loaded (`wan_tpu.encoders.umt5_loading.load_umt5`) or drawn
-    (`wan_tpu.wan.presets.random_module`); build abstractly with `nnx.eval_shape`.
+    (`wan_tpu.loading.random_init.random_module`); build abstractly with `nnx.eval_shape`.
     """
 
     def __init__(self, config: UMT5Config, dtype=jnp.float32):

@@ -26,15 +26,18 @@ from __future__ import annotations
 import sys
 
 from wan_tpu.errors import WanInputError
-from wan_tpu.wan.cli import CliParser
+from wan_tpu.runtime.cli import CliParser, add_common_args, check_attention, dtype_of, parse_mesh, run_cli
 
 RANDOM_FRAMES = 597  # the authors' default: 150 latent frames
 
 
 def build_parser() -> CliParser:
     p = CliParser(prog="python -m wan_tpu.matrix_game", description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", default="matrix-game-tiny",
-                   help="converted Matrix-Game-2 folder or the matrix-game-tiny preset (default)")
+    add_common_args(p, model_default="matrix-game-tiny",
+                    model_help="converted Matrix-Game-2 folder or the matrix-game-tiny preset (default)",
+                    dtype_default="bfloat16", dtype_help="DiT and CLIP dtype (default: bfloat16)",
+                    seed_default=0, seed_help="seed of the noise (and of --random-actions)",
+                    output_default="output.mp4", output_help="mp4 to write (default: output.mp4)")
     p.add_argument("--variant", default=None, help="universal, gta_drive or templerun (default: universal, else the only one)")
     p.add_argument("--image", required=True, help="the first frame (PNG/JPEG), centre-cropped to the video's aspect")
     source = p.add_mutually_exclusive_group(required=True)
@@ -42,15 +45,7 @@ def build_parser() -> CliParser:
     source.add_argument("--random-actions", action="store_true", help="the authors' random benchmark actions (--seed)")
     source.add_argument("--interactive", action="store_true", help="one action line per chunk from stdin")
     p.add_argument("--frames", type=int, default=None, help="video frames, 12n-3 (9, 21, 33, ...)")
-    p.add_argument("--seed", type=int, default=0, help="seed of the noise (and of --random-actions)")
-    p.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16", help="DiT and CLIP dtype")
     p.add_argument("--vae-dtype", choices=("bfloat16", "float32"), default="float32", help="VAE dtype")
-    p.add_argument("--output", default="output.mp4", help="mp4 to write (default: output.mp4)")
-    p.add_argument("--overwrite", action="store_true", help="replace an existing output")
-    p.add_argument("--profile", default=None, metavar="DIR", help="write a JAX profiler trace into DIR")
-    p.add_argument("--no-compile-cache", action="store_true",
-                   help="neither read nor write the compiled programs on disk (see wan_tpu.runtime.compile_cache)")
-    p.add_argument("--quiet", action="store_true", help="no progress bar")
     return p
 
 
@@ -97,23 +92,23 @@ def interactive_lines(space, stream=None, prompt=None):
 
 
 def play(args) -> None:
-    import jax.numpy as jnp
-
     from wan_tpu.runtime import interrupt
-    from wan_tpu.wan.conditioning import load_image
+    from wan_tpu.runtime.images import load_image
     from wan_tpu.matrix_game.pipeline import MatrixGamePipeline
     from wan_tpu.runtime.profiling import StageTimer, scope, trace
-    from wan_tpu.wan.stages import check_output_path
+    from wan_tpu.runtime.validate import check_output
     from wan_tpu.runtime.video import VideoWriter
 
-    check_output_path(args.output, args.overwrite, ".mp4")
+    check_output(args.output, args.overwrite, ".mp4")
     image = load_image(args.image)  # fail on a bad image before loading anything
     if args.frames is not None and args.frames < 1:
         raise WanInputError(f"--frames must be positive, got {args.frames}")
-    timer = StageTimer()
-    dtypes = {"bfloat16": jnp.bfloat16, "float32": jnp.float32}
-    pipe = MatrixGamePipeline.from_pretrained(args.model, args.variant, dtype=dtypes[args.dtype],
-                                              vae_dtype=dtypes[args.vae_dtype], compile_cache=not args.no_compile_cache)
+    check_attention(args.attention)
+    mesh = parse_mesh(args.mesh)
+    timer = StageTimer(since=args.started)
+    pipe = MatrixGamePipeline.from_pretrained(args.model, variant=args.variant, mesh=mesh, dtype=dtype_of(args.dtype),
+                                              attention=args.attention, vae_dtype=dtype_of(args.vae_dtype),
+                                              compile_cache=not args.no_compile_cache)
     scripted = None if args.interactive else scripted_actions(args, pipe)
     if args.interactive and args.frames is not None:
         from wan_tpu.matrix_game.actions import check_frames
@@ -182,12 +177,4 @@ def report(timer, session) -> str:
 
 
 def main(argv=None) -> int:
-    from wan_tpu.wan.cli import cli
-
-    return cli(play, build_parser(), argv)
-
-
-if __name__ == "__main__":
-    from wan_tpu.wan.cli import exit_now
-
-    exit_now(main())
+    return run_cli(play, build_parser(), argv)

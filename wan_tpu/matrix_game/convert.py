@@ -1,7 +1,7 @@
 """Turn a Matrix-Game-2 download into a folder `wan_tpu.MatrixGamePipeline` reads; run once.
 
     huggingface-cli download Skywork/Matrix-Game-2.0 --local-dir Matrix-Game-2.0
-    python wan_tpu/matrix_game/convert.py Matrix-Game-2.0 matrix-game-2-wan-tpu
+    wan-convert-matrix-game Matrix-Game-2.0 matrix-game-2-wan-tpu
 
 The download keeps the VAE (`Wan2.1_VAE.pth`) and CLIP (`models_clip_open-clip-xlm-roberta-large-vit-
 huge-14.pth`) as pickles. They are read with `torch.load(weights_only=True)` (tensors only, never a
@@ -27,8 +27,9 @@ import argparse
 import json
 import os
 import shutil
-import sys
 import tempfile
+
+from wan_tpu.runtime.cli import CliParser, exit_now, run_cli
 
 VAE_FILE = "Wan2.1_VAE.pth"
 CLIP_FILE = "models_clip_open-clip-xlm-roberta-large-vit-huge-14.pth"
@@ -146,25 +147,23 @@ def _write_json(path: str, data: dict) -> None:
         f.write("\n")
 
 
-def main(argv=None) -> int:
-    from wan_tpu.wan.cli import CliParser
-
-    parser = CliParser(prog="wan_tpu/matrix_game/convert.py", description=__doc__.split("\n\n")[0])
+def build_parser():
+    parser = CliParser(prog="wan-convert-matrix-game", description=__doc__.split("\n\n")[0])
     parser.add_argument("src", help="the Skywork/Matrix-Game-2.0 download")
     parser.add_argument("dst", help="folder to write (may be SRC)")
     parser.add_argument("--overwrite", action="store_true", help="replace converted parts that already exist in DST")
     parser.add_argument("--clip-heads", type=int, default=None, help=argparse.SUPPRESS)  # only for small test towers
-    from wan_tpu.errors import WanInputError
+    return parser
 
-    try:
-        args = parser.parse_args(argv)
-        index = convert(args.src, args.dst, args.overwrite, args.clip_heads)
-    except WanInputError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+
+def run(args) -> None:
+    index = convert(args.src, args.dst, args.overwrite, args.clip_heads)
     print(f"wrote {args.dst}: variants {', '.join(index['variants'])}")
-    return 0
+
+
+def main(argv=None) -> int:
+    return run_cli(run, build_parser(), argv)
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_now(main())

@@ -5,8 +5,8 @@
 
 The released files (`Skywork/Matrix-Game-2.0`) hold the authors' `WanDiffusionWrapper` state: original
 Wan names under `model.` (`model.blocks.0.self_attn.q.weight`, `model.blocks.0.action_model.t_qkv.weight`,
-`model.head.head.bias`, …). Names go original → diffusers (`original_wan_to_diffusers`, shared with
-the Wan loader) → ours; the action module keeps the authors' names (`keyboard_embed.0` →
+`model.head.head.bias`, …). Names go original → diffusers (`wan_tpu.loading.wan_names.original_wan_to_diffusers`,
+shared with the Wan loader) → ours; the action module keeps the authors' names (`keyboard_embed.0` →
 `keyboard_embed.linear_1`, `mouse_mlp.0/2/3` → `mouse_mlp.proj_in/proj_out`, `mouse_mlp_norm`). The
 action modules' q/k RMSNorm weights are in the files but unused by the authors' forward (and ours).
 Every name and shape is checked before any data is read; what is missing, unexpected or mis-shaped
@@ -34,7 +34,7 @@ from wan_tpu.errors import WanInputError
 from wan_tpu.matrix_game.cache import MatrixGameCache
 from wan_tpu.matrix_game.model import MatrixGameTransformer
 from wan_tpu.loading.params import TRANSPOSE, Layout, StoredParam, load_params
-from wan_tpu.wan.transformer_loading import diffusers_name, diffusers_to_original_wan, original_wan_to_diffusers
+from wan_tpu.loading.wan_names import diffusers_name, diffusers_to_original_wan, original_wan_to_diffusers
 
 PREFIX = "model."
 # Our action-module submodules → the authors' (`nn.Sequential` indices).
@@ -165,10 +165,10 @@ def shard_matrix_game(model: MatrixGameTransformer, mesh, **attention_kwargs) ->
     attentions use the cross-attention layout: queries split over the sequence axes, K/V whole.
     `attention_kwargs` (`impl`, `interpret`, `block_sizes`) override the current hooks' settings.
     """
-    from wan_tpu.parallel.sharding import ShardActivation, ShardedAttention, _attention_kwargs, shard_module
+    from wan_tpu.parallel.sharding import ShardActivation, ShardedAttention, attention_kwargs_of, shard_module
 
     shard_module(model, mesh, "matrix_game", model.config.num_heads)
-    kwargs = {**_attention_kwargs(model.self_attention), **attention_kwargs}
+    kwargs = {**attention_kwargs_of(model.self_attention), **attention_kwargs}
     model.self_attention = ShardedAttention(mesh, "cross", **kwargs)
     model.cross_attention = ShardedAttention(mesh, "cross", **kwargs)
     model.shard_activation = ShardActivation(mesh, model.config.num_heads)

@@ -2,7 +2,8 @@
 CLIP-only cross-attention, action modules and static ring caches.
 
 Port of `CausalWanModel._forward_inference` (`wan/modules/causal_model.py`, SkyworkAI/Matrix-Game
-commit 3ceb311) on our Wan pieces (`WanAttention`, `FeedForward`, norms, RoPE, attention dispatch):
+commit 3ceb311) on our Wan pieces (`wan_tpu.layers.dit`: `WanAttention`, `WanImageEmbedding`, patchify;
+`FeedForward`, norms, RoPE, attention dispatch):
 
     model = MatrixGameTransformer(config, dtype=jnp.bfloat16, rngs=nnx.Rngs(0))
     cache = model.init_cache(clip_tokens, latent_size=(44, 80))   # (B, 257, 1280) CLIP tokens
@@ -35,13 +36,13 @@ from flax import nnx
 
 from wan_tpu.configs.matrix_game import MatrixGameTransformerConfig
 from wan_tpu.errors import WanInputError
+from wan_tpu.layers.dit import WanAttention, WanImageEmbedding, default_attention, identity, patchify, unpatchify
 from wan_tpu.layers.embeddings import FeedForward, TimestepEmbedding, linear, timestep_embedding
 from wan_tpu.layers.norms import FP32LayerNorm, layer_norm
 from wan_tpu.layers.rope import rope_tables
 from wan_tpu.matrix_game.action_module import ActionModule
 from wan_tpu.matrix_game.cache import BlockCache, KVCache, MatrixGameCache, ring_write, valid_window_frames
 from wan_tpu.loading.stacking import stack_layers
-from wan_tpu.wan.transformer import WanAttention, WanImageEmbedding, _default_attention, _identity, patchify, unpatchify
 
 # The authors' RoPE table (`rope_params(1024, …)`) covers 1024 latent frames.
 MAX_FRAMES = 1024
@@ -155,9 +156,9 @@ class MatrixGameTransformer(nnx.Module):
         self.proj_out = linear(cfg.dim, cfg.out_dim * cfg.patch_volume, dtype, rngs)
         self.scale_shift_table = nnx.Param(jax.random.normal(rngs.params(), (1, 2, cfg.dim), jnp.float32) / cfg.dim**0.5)
 
-        self.self_attention = _default_attention(attention_impl)
-        self.cross_attention = _default_attention(attention_impl)
-        self.shard_activation = _identity
+        self.self_attention = default_attention(attention_impl)
+        self.cross_attention = default_attention(attention_impl)
+        self.shard_activation = identity
 
     # -- compiled conveniences -------------------------------------------------------------------
     def __call__(self, latents, cond_concat, timestep, keyboard, mouse, cache, frame_offset, valid_frames=None):

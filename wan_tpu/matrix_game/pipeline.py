@@ -278,7 +278,7 @@ class MatrixGamePipeline:
         aspect), then a bilinear resize to the video size (torchvision `Resize` on a PIL image)."""
         from PIL import Image
 
-        from wan_tpu.wan.conditioning import load_image
+        from wan_tpu.runtime.images import load_image
 
         th, tw = self.size
         pil = load_image(image)
@@ -557,12 +557,13 @@ def _read_index(path: str) -> dict:
 
 @functools.lru_cache(maxsize=4)
 def _tiny(dtype, vae_dtype, attention_impl) -> MatrixGamePipeline:
-    """The `matrix-game-tiny` preset: random weights from fixed seeds (see `wan_tpu.wan.presets.random_module`).
+    """The `matrix-game-tiny` preset: random weights from fixed seeds (see `wan_tpu.loading.random_init.random_module`).
     One pipeline per setting and process, so its compiled chunk programs serve every later request."""
     from wan_tpu.encoders.clip import CLIPVisionConfig, CLIPVisionTransformer, random_clip
     from wan_tpu.matrix_game.model import MatrixGameTransformer
     from wan_tpu.vae.model import WanVAE
-    from wan_tpu.wan.presets import TINY_SEED, TINY_VAE, random_module
+    from wan_tpu.loading.random_init import TINY_SEED, random_module
+    from wan_tpu.configs.vae import TINY_VAE
 
     variant = get_variant(PRESET)
     # The penultimate hidden state: the tower without its last block.

@@ -296,7 +296,7 @@ class ShardActivation:
         return jax.lax.with_sharding_constraint(x, NamedSharding(self.mesh, self.spec(x.shape, name)))
 
 
-def _attention_kwargs(hook) -> dict:
+def attention_kwargs_of(hook) -> dict:
     if isinstance(hook, ShardedAttention):
         return dict(hook.attention_kwargs)
     if isinstance(hook, functools.partial) and hook.func is attention_lib.attention:
@@ -316,8 +316,8 @@ def shard_transformer(dit, mesh, **attention_kwargs):
         )
     shard_module(dit, mesh, "dit")
     heads = dit.config.num_attention_heads
-    self_kwargs = {**_attention_kwargs(dit.self_attention), **attention_kwargs}
-    cross_kwargs = {**_attention_kwargs(dit.cross_attention), **attention_kwargs}
+    self_kwargs = {**attention_kwargs_of(dit.self_attention), **attention_kwargs}
+    cross_kwargs = {**attention_kwargs_of(dit.cross_attention), **attention_kwargs}
     dit.self_attention = ShardedAttention(mesh, "self", **self_kwargs)
     dit.cross_attention = ShardedAttention(mesh, "cross", **cross_kwargs)
     dit.shard_activation = ShardActivation(mesh, heads)

@@ -14,6 +14,7 @@ second.
 from __future__ import annotations
 
 import json
+import importlib.util
 import os
 import tempfile
 
@@ -83,7 +84,7 @@ def check_image(image) -> None:
     """An image path must exist and decode (a PIL image or an array is checked by its use)."""
     if image is None or not isinstance(image, (str, os.PathLike)):
         return
-    from wan_tpu.wan.conditioning import load_image
+    from wan_tpu.runtime.images import load_image
 
     load_image(image)
 
@@ -107,3 +108,28 @@ def check_writable(path: str) -> None:
             pass
     except OSError as e:
         raise WanInputError(f"cannot write in folder {folder} ({e.strerror}); choose another output path") from None
+
+
+def check_output(path: str, overwrite: bool, suffix: str) -> None:
+    """Fail before any work when an output (mp4, stage file, vectors) cannot be written: wrong suffix, an
+    existing file without `overwrite`, a folder that is missing or is a file, a folder that refuses new
+    files, or (mp4) no video encoder. Nothing the user made is replaced silently."""
+    if not path.lower().endswith(suffix):
+        raise WanInputError(f"output {path!r} must end in {suffix}; pass e.g. --output out{suffix}")
+    if os.path.isdir(path):
+        raise WanInputError(f"output {path} is a folder; pass a file name, e.g. --output {os.path.join(path, 'out' + suffix)}")
+    if os.path.lexists(path) and not overwrite:
+        raise WanInputError(f"output {path} already exists; pass --overwrite or choose another --output")
+    parent = os.path.dirname(os.path.abspath(path))
+    probe = parent
+    while not os.path.exists(probe) and probe != os.path.dirname(probe):
+        probe = os.path.dirname(probe)
+    if not os.path.isdir(probe):
+        raise WanInputError(f"{probe} is a file, so output {path} cannot be written under it; choose another --output")
+    if not os.path.isdir(parent):
+        raise WanInputError(f"folder {parent} of output {path} does not exist; create it or choose another --output")
+    check_writable(path)
+    # Checked here, not when the frames are ready: without it the encoder fails after the whole run.
+    if suffix == ".mp4" and importlib.util.find_spec("imageio_ffmpeg") is None:
+        raise WanInputError("writing mp4 needs the imageio-ffmpeg package (a wan_tpu dependency; it brings its own "
+                            "ffmpeg): pip install imageio-ffmpeg")

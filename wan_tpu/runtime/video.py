@@ -16,7 +16,7 @@ import numpy as np
 
 from wan_tpu.runtime import interrupt
 from wan_tpu.errors import WanInputError
-from wan_tpu.wan.stages import check_output_path
+from wan_tpu.runtime.validate import check_output
 
 
 def write_video(path: str, frames: np.ndarray, fps: int, overwrite: bool = False) -> str:
@@ -39,7 +39,7 @@ class VideoWriter:
     """
 
     def __init__(self, path: str, fps: int, overwrite: bool = False):
-        check_output_path(path, overwrite, ".mp4")
+        check_output(path, overwrite, ".mp4")
         self.path, self.fps, self.frames = path, fps, 0
         parent, name = os.path.split(os.path.abspath(path))
         # The temporary name keeps the .mp4 suffix because ffmpeg picks the container from it.

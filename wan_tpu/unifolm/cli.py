@@ -21,23 +21,22 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
 
 import numpy as np
 
 from wan_tpu.errors import WanInputError
+from wan_tpu.runtime.cli import CliParser, add_common_args, check_attention, dtype_of, parse_mesh, run_cli
 
 MODES = ("decision", "world", "interact", "generate")
 
 
-class CliParser(argparse.ArgumentParser):
-    def error(self, message):
-        raise WanInputError(f"{message}; see {self.prog} --help")
-
-
 def build_parser() -> argparse.ArgumentParser:
     p = CliParser(prog="python -m wan_tpu.unifolm", description="UnifoLM-WMA: decision-making, world model, interaction, generation")
-    p.add_argument("--model", default="unifolm-tiny", help="converted checkpoint folder or preset (unifolm-tiny, unifolm-tiny-base)")
+    add_common_args(p, model_default="unifolm-tiny",
+                    model_help="converted checkpoint folder or preset (unifolm-tiny, unifolm-tiny-base)",
+                    dtype_default="float32", dtype_help="UNet and heads dtype (default: float32, as the authors; VAE: float32)",
+                    seed_default=123, seed_help="random seed (authors: 123)",
+                    output_default="unifolm.mp4", output_help="video path; actions/states go beside it (.npz, .json)")
     p.add_argument("--mode", choices=MODES, help="what to run (not with --serve)")
     p.add_argument("--instruction", default="", help="the task in words (decision, interact, generate)")
     p.add_argument("--observation", help=".npz/.json with images (n, H, W, 3) uint8 and states (n, dof)")
@@ -45,16 +44,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--stats", help="LeRobot stats.safetensors (min-max table; default: the checkpoint's)")
     p.add_argument("--steps", type=int, default=None, help="DDIM steps (default: 50; 16 for generate, as the authors)")
     p.add_argument("--eta", type=float, default=1.0, help="DDIM eta (authors: 1.0; 0 is deterministic)")
-    p.add_argument("--seed", type=int, default=123, help="random seed (authors: 123)")
     p.add_argument("--fs", type=int, default=None, help="frame-stride condition fps // stride (Z1 sets 7, G1 5; default: the config's 10)")
     p.add_argument("--iterations", type=int, default=1, help="interaction iterations (interact)")
-    p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32", help="UNet and heads dtype (VAE: float32)")
     p.add_argument("--encoder-dtype", choices=("float32", "bfloat16"), default="float32",
                    help="the CLIP towers' dtype (bfloat16 halves their memory; the tiny presets' stay float32)")
-    p.add_argument("--no-compile-cache", action="store_true",
-                   help="neither read nor write compiled programs on disk (see wan_tpu.runtime.compile_cache)")
-    p.add_argument("--output", default="unifolm.mp4", help="video path; actions/states go beside it (.npz, .json)")
-    p.add_argument("--overwrite", action="store_true", help="replace existing outputs")
     p.add_argument("--serve", type=int, metavar="PORT", help="serve POST /predict_action on 127.0.0.1:PORT instead of one run")
     return p
 
@@ -87,12 +80,12 @@ def _need(arrays: dict, key: str, path: str) -> np.ndarray:
 
 
 def output_paths(video: str, with_vectors: bool, overwrite: bool) -> list[str]:
-    from wan_tpu.wan.stages import check_output_path
+    from wan_tpu.runtime.validate import check_output
 
     stem = video[: -len(".mp4")] if video.lower().endswith(".mp4") else video
     paths = [video] + ([stem + ".npz", stem + ".json"] if with_vectors else [])
     for path, suffix in zip(paths, (".mp4", ".npz", ".json")):
-        check_output_path(path, overwrite, suffix)
+        check_output(path, overwrite, suffix)
     return paths
 
 
@@ -111,9 +104,7 @@ def write_vectors(npz_path: str, json_path: str, vectors: dict, meta: dict, over
 
 
 def run(args) -> None:
-    import jax.numpy as jnp
-
-    from wan_tpu.runtime.profiling import StageTimer
+    from wan_tpu.runtime.profiling import StageTimer, trace
     from wan_tpu.unifolm.pipeline import FPS, UnifolmPipeline
     from wan_tpu.runtime.video import write_video
 
@@ -123,33 +114,36 @@ def run(args) -> None:
     obs = read_arrays(args.observation, "observation")
     images = _need(obs, "images", args.observation)
     actions = _need(read_arrays(args.actions, "actions"), "actions", args.actions) if args.mode == "world" else None
-    timer = StageTimer()
+    check_attention(args.attention)
+    mesh = parse_mesh(args.mesh)
+    timer = StageTimer(since=args.started)
     with timer.stage("load"):
-        pipe = UnifolmPipeline.from_pretrained(args.model, dtype=jnp.dtype(args.dtype), stats=args.stats,
-                                               encoder_dtype=jnp.dtype(args.encoder_dtype),
+        pipe = UnifolmPipeline.from_pretrained(args.model, mesh=mesh, dtype=dtype_of(args.dtype), attention=args.attention,
+                                               stats=args.stats, encoder_dtype=dtype_of(args.encoder_dtype),
                                                compile_cache=not args.no_compile_cache)
     pipe.timer = timer
     steps = args.steps or (16 if args.mode == "generate" else 50)
     common = dict(num_steps=steps, eta=args.eta, seed=args.seed, fs=args.fs)
     vectors = {}
-    if args.mode == "generate":
-        out = pipe.generate(args.instruction, images, **common)
-        video = out.video
-    elif args.mode == "decision":
-        out = pipe.decide(args.instruction, images, _need(obs, "states", args.observation), **common)
-        video, vectors = out.video, {"actions": out.actions}
-    elif args.mode == "world":
-        out = pipe.predict(images, _need(obs, "states", args.observation), actions, **common)
-        video, vectors = out.video, {"states": out.states}
-    else:
-        from tqdm import tqdm
+    with trace(args.profile):
+        if args.mode == "generate":
+            out = pipe.generate(args.instruction, images, **common)
+            video = out.video
+        elif args.mode == "decision":
+            out = pipe.decide(args.instruction, images, _need(obs, "states", args.observation), **common)
+            video, vectors = out.video, {"actions": out.actions}
+        elif args.mode == "world":
+            out = pipe.predict(images, _need(obs, "states", args.observation), actions, **common)
+            video, vectors = out.video, {"states": out.states}
+        else:
+            from tqdm import tqdm
 
-        with tqdm(total=args.iterations, desc="interact", unit="it") as bar:
-            episode = pipe.interact(args.instruction, images, _need(obs, "states", args.observation), args.iterations,
-                                    progress=lambda i: bar.update(1), **common)
-        video = episode.video
-        vectors = {"actions": np.stack([d.actions for d in episode.decisions]),
-                   "states": np.stack([p.states for p in episode.predictions])}
+            with tqdm(total=args.iterations, desc="interact", unit="it", disable=args.quiet) as bar:
+                episode = pipe.interact(args.instruction, images, _need(obs, "states", args.observation), args.iterations,
+                                        progress=lambda i: bar.update(1), **common)
+            video = episode.video
+            vectors = {"actions": np.stack([d.actions for d in episode.decisions]),
+                       "states": np.stack([p.states for p in episode.predictions])}
     with timer.stage("write"):
         write_video(paths[0], video, FPS, overwrite=args.overwrite)
         if vectors:
@@ -162,25 +156,16 @@ def run(args) -> None:
     print(timer.table([("steps", str(steps)), ("compile cache", compile_cache.summary())]))
 
 
+def command(args) -> None:
+    if args.serve is None:
+        run(args)
+        return
+    if args.mode is not None:
+        raise WanInputError("--serve answers each request in the mode it asks for; drop --mode (or drop --serve for one run)")
+    from wan_tpu.unifolm.server import serve
+
+    serve(args)
+
+
 def main(argv=None) -> int:
-    import warnings
-
-    warnings.filterwarnings("ignore", message="Explicitly requested dtype int64")
-    try:
-        args = build_parser().parse_args(argv)
-        if argv is None:  # a command line: the process is ours
-            from wan_tpu.runtime.memory import claim_device_memory
-            from wan_tpu.runtime.xla_defaults import apply_xla_defaults
-
-            claim_device_memory()
-            apply_xla_defaults()
-        if args.serve is not None:
-            from wan_tpu.unifolm.server import serve
-
-            serve(args)
-        else:
-            run(args)
-    except WanInputError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    return 0
+    return run_cli(command, build_parser(), argv)

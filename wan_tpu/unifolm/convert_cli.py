@@ -1,6 +1,6 @@
 """Convert an authors' UnifoLM-WMA Lightning `.ckpt` into the safetensors folder wan_tpu loads.
 
-    python wan_tpu/unifolm/convert_cli.py unifolm_wma_dual.ckpt ckpt/unifolm-wma-0 \
+    wan-convert-unifolm unifolm_wma_dual.ckpt ckpt/unifolm-wma-0 \
         --stats unifolm-world-model-action/examples/world_model_interaction_prompts/transitions/unitree_z1_stackbox/meta_data/stats.safetensors
 
 The `.ckpt` is read with `torch.load(weights_only=True)` (never a full unpickle). The folder layout
@@ -13,16 +13,14 @@ stderr, exit status 2, nothing written.
 
 from __future__ import annotations
 
-import argparse
-import sys
 import time
 
-from wan_tpu.errors import WanInputError
+from wan_tpu.runtime.cli import CliParser, exit_now, run_cli
 from wan_tpu.unifolm.convert import TEXT_HEAD_WIDTH, VISION_HEAD_WIDTH, convert
 
 
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description="UnifoLM-WMA .ckpt → safetensors folder")
+def build_parser() -> CliParser:
+    ap = CliParser(prog="wan-convert-unifolm", description="UnifoLM-WMA .ckpt → safetensors folder")
     ap.add_argument("src", help="the authors' .ckpt (Lightning or DeepSpeed)")
     ap.add_argument("dst", help="output folder (must not exist unless --overwrite)")
     ap.add_argument("--config", default=None, help="config name (default: inferred, unifolm-wma-0 or unifolm-wma-0-base)")
@@ -31,17 +29,19 @@ def main(argv=None) -> int:
     ap.add_argument("--vision-head-width", type=int, default=VISION_HEAD_WIDTH, help="CLIP vision head width (ViT-H-14: 80)")
     ap.add_argument("--text-head-width", type=int, default=TEXT_HEAD_WIDTH, help="CLIP text head width (ViT-H-14: 64)")
     ap.add_argument("--overwrite", action="store_true", help="replace an existing output folder")
-    args = ap.parse_args(argv)
+    return ap
+
+
+def run(args) -> None:
     start = time.perf_counter()
-    try:
-        name = convert(args.src, args.dst, args.config, args.stats, args.tokenizer, args.overwrite,
-                       args.vision_head_width, args.text_head_width)
-    except WanInputError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    name = convert(args.src, args.dst, args.config, args.stats, args.tokenizer, args.overwrite,
+                   args.vision_head_width, args.text_head_width)
     print(f"wrote {args.dst} ({name}) in {time.perf_counter() - start:.1f} s")
-    return 0
+
+
+def main(argv=None) -> int:
+    return run_cli(run, build_parser(), argv)
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_now(main())

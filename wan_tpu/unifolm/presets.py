@@ -39,7 +39,7 @@ def tiny_pipeline(name: str, dtype=jnp.float32, attention_impl=None, stats=None,
     from wan_tpu.runtime.executable_cache import cached_abstract
     from wan_tpu.unifolm.autoencoder_kl import AutoencoderKL
     from wan_tpu.unifolm.model import KeyCounter, abstract_unifolm
-    from wan_tpu.wan.presets import random_module
+    from wan_tpu.loading.random_init import random_module
     from wan_tpu.unifolm.pipeline import UnifolmPipeline
 
     cfg = CONFIGS[name]

@@ -85,12 +85,12 @@ def make_server(pipe, port: int, **options) -> HTTPServer:
 
 
 def serve(args) -> None:
-    import jax.numpy as jnp
-
+    from wan_tpu.runtime.cli import dtype_of, parse_mesh
     from wan_tpu.unifolm.pipeline import UnifolmPipeline
 
-    pipe = UnifolmPipeline.from_pretrained(args.model, dtype=jnp.dtype(args.dtype), stats=args.stats,
-                                           encoder_dtype=jnp.dtype(args.encoder_dtype),
+    pipe = UnifolmPipeline.from_pretrained(args.model, mesh=parse_mesh(args.mesh), dtype=dtype_of(args.dtype),
+                                           attention=args.attention, stats=args.stats,
+                                           encoder_dtype=dtype_of(args.encoder_dtype),
                                            compile_cache=not args.no_compile_cache)
     if not pipe.has_heads:
         raise WanInputError(f"{pipe.name} has no action head; serve a UnifoLM-WMA-0 checkpoint")

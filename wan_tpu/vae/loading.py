@@ -22,7 +22,7 @@ from wan_tpu.loading.checkpoint import open_checkpoint, read_config
 from wan_tpu.configs.vae import WanVAEConfig, config_from_json
 from wan_tpu.errors import WanInputError
 from wan_tpu.loading.params import Layout, StoredParam, load_params
-from wan_tpu.vae.model import WanVAE, _width_mesh
+from wan_tpu.vae.model import WanVAE, width_mesh
 
 
 def diffusers_name(path: tuple, is_residual: bool) -> str:
@@ -136,7 +136,7 @@ def load_vae(path: str, dtype=jnp.float32, mesh=None) -> WanVAE:
     config = config_from_json(config_dict)
     abstract = abstract_vae(config, dtype)
     graphdef, state = nnx.split(abstract)
-    wmesh = _width_mesh(mesh)
+    wmesh = width_mesh(mesh)
     sharding = None if wmesh is None else NamedSharding(wmesh, PartitionSpec())
     flat = nnx.to_flat_state(state)
     used, stored = set(), []

@@ -59,7 +59,7 @@ class WanVAE(nnx.Module):
         if h % s or w % s:
             raise WanInputError(f"encode needs height and width divisible by {s}, got {h}x{w}; resize or crop the video")
         graphdef, state = nnx.split(self)
-        wmesh = _width_mesh(mesh or self.mesh)
+        wmesh = width_mesh(mesh or self.mesh)
         video = _place(video.astype(self.dtype), wmesh)
         caches, mu = _encode_chunk(graphdef, state, video[:, :, :1], None, wmesh)
         means = [mu]
@@ -84,7 +84,7 @@ class WanVAE(nnx.Module):
         z = jnp.asarray(z)
         if z.ndim != 5 or z.shape[1] != cfg.z_dim:
             raise WanInputError(f"decode expects latents (B, {cfg.z_dim}, F, h, w), got shape {tuple(z.shape)}")
-        wmesh = _width_mesh(mesh or self.mesh)
+        wmesh = width_mesh(mesh or self.mesh)
         z = _place(z.astype(self.dtype), wmesh)
         if strips is None:
             strips = 1 if wmesh is not None else self._auto_strips(z)
@@ -104,7 +104,7 @@ class WanVAE(nnx.Module):
         strip count depends on it; default: what is free now). Returns the video's shape and dtype, or
         None where `decode` would tile (many tile shapes: they compile on use). `stop`: a
         `threading.Event`; once set, the next program is not compiled (`warmup.Cancelled` is raised)."""
-        wmesh = _width_mesh(mesh or self.mesh)
+        wmesh = width_mesh(mesh or self.mesh)
         z = jax.ShapeDtypeStruct(tuple(shape), self.dtype)
         if strips is None:
             strips = 1 if wmesh is not None else self._auto_strips(z, free_bytes)
@@ -300,7 +300,7 @@ def _to_uint8(video):
 
 
 # ---- compiled chunk functions (traced once per spatial shape) ----
-def _width_mesh(mesh: Mesh | None) -> Mesh | None:
+def width_mesh(mesh: Mesh | None) -> Mesh | None:
     """All devices of `mesh` on one automatic axis, the one activations are split on (width)."""
     if mesh is None or mesh.devices.size == 1:
         return None

@@ -27,32 +27,18 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import time
 
 from wan_tpu.errors import WanInputError
+from wan_tpu.runtime.cli import CliParser, add_common_args, check_attention, dtype_of, parse_mesh, run_cli
+from wan_tpu.runtime.validate import check_output
+from wan_tpu.wan.official import unsupported_message
 
-DTYPES = ("bfloat16", "float32")
 SCHEDULERS = ("unipc", "euler", "dpm++")
 STAGE_FILES = ("stage1.safetensors", "stage2.safetensors")
 # Defaults of flags whose value may also come from an input stage file (None = the model's own).
 DEFAULTS = {"model": "tiny", "dtype": "bfloat16", "seed": 0, "scheduler": "unipc"}
 # Settings a stage file records that the next stage takes when its flag is left out.
 INHERITED = ("model", "dtype", "size", "frames", "guidance", "guidance_2", "shift", "steps", "seed", "scheduler")
-
-
-class CliParser(argparse.ArgumentParser):
-    """argparse with one-line errors, exit status 2 (what every bad input of the CLI gives)."""
-
-    def error(self, message):
-        raise WanInputError(f"{message}; see {self.prog} --help")
-
-    def parse_args(self, args=None, namespace=None):
-        from wan_tpu.wan.official import unsupported_message
-
-        parsed, extra = self.parse_known_args(args, namespace)
-        if extra:
-            self.error(unsupported_message(extra) or f"unrecognized arguments: {' '.join(extra)}")
-        return parsed
 
 
 def _alias(flag: str) -> list[str]:
@@ -62,18 +48,21 @@ def _alias(flag: str) -> list[str]:
     return [flag] + ([ALIASES[flag]] if flag in ALIASES else [])
 
 
-def add_model_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument(*_alias("--model"), dest="model", default=None,
-                   help="diffusers-format checkpoint folder, Hugging Face model id (org/name) or preset (default: tiny, "
-                        "or the input stage file's)")
+def add_model_args(p: argparse.ArgumentParser, *, output_default: str, output_help: str, seed: bool = True,
+                   profile: bool = True) -> None:
+    """The shared flags (`wan_tpu.runtime.cli.add_common_args`) with Wan's defaults and the official names,
+    then Wan's own model flags."""
+    from wan_tpu.wan.official import ALIASES
+
+    add_common_args(p, aliases=ALIASES, model_default=None,
+                    model_help="diffusers-format checkpoint folder, Hugging Face model id (org/name) or preset "
+                               "(default: tiny, or the input stage file's)",
+                    dtype_default=None, dtype_help="DiT and text encoder dtype (default: bfloat16; VAE: float32)",
+                    seed=seed, seed_default=None,
+                    seed_help="seed of the initial noise (default 0; same seed → same video; negative: a random one)",
+                    output_default=output_default, output_help=output_help, profile=profile)
     p.add_argument("--download", action="store_true", help="fetch a Hugging Face model id that is not in the local cache")
     p.add_argument("--task", default=None, help="official Wan task name (t2v-1.3B, i2v-14B, ...): checked against the checkpoint")
-    p.add_argument("--dtype", choices=DTYPES, default=None, help="DiT and text encoder dtype (default: bfloat16; VAE: float32)")
-    p.add_argument("--mesh", default=None, help="device mesh dp,sp,tp (product = number of devices; default: one device)")
-    p.add_argument("--attention", default=None, help="DiT attention kernel (reference, splash_exp2, pallas_gpu, cudnn; "
-                   "pallas_gpu_fp8: opt-in, Hopper, self-attention in 8 bits, ~1.3x faster, 1.3B forward moved by ~1e-2)")
-    p.add_argument("--no-compile-cache", action="store_true",
-                   help="neither read nor write the persistent compilation cache (see wan_tpu.runtime.compile_cache)")
     p.add_argument("--no-memory-check", action="store_true",
                    help="run even when the estimated working set exceeds the free memory")
     p.add_argument("--quantize", choices=("fp8", "int8"), default=None,
@@ -108,8 +97,6 @@ def add_denoise_args(p: argparse.ArgumentParser) -> None:
                    help="denoising steps (default: the model's, 50 or 40)")
     p.add_argument(*_alias("--shift"), dest="shift", type=float, default=None,
                    help="flow shift (default: the model's; Wan 2.1: 3.0 up to 480p, 5.0 above)")
-    p.add_argument(*_alias("--seed"), dest="seed", type=int, default=None,
-                   help="seed of the initial noise (default 0; same seed → same video; negative: a random one)")
     p.add_argument(*_alias("--scheduler"), dest="scheduler", choices=SCHEDULERS, default=None,
                    help="flow sampler: unipc (default), dpm++ or euler")
 
@@ -163,18 +150,14 @@ def sampling_kwargs(args) -> dict:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = CliParser(prog="python -m wan_tpu.generate", description=__doc__.split("\n\n")[0])
+    p = CliParser(prog="python -m wan_tpu.generate", description=__doc__.split("\n\n")[0], unknown_hint=unsupported_message)
     add_prompt_args(p, many=True)
-    add_model_args(p)
+    add_model_args(p, output_default="output.mp4",
+                   output_help="mp4 to write (default: output.mp4; with --prompts: the stem of the numbered outputs)")
     add_run_args(p)
     add_denoise_args(p)
     add_adapter_args(p)
-    p.add_argument(*_alias("--output"), dest="output", default="output.mp4",
-                   help="mp4 to write (default: output.mp4; with --prompts: the stem of the numbered outputs)")
-    p.add_argument("--overwrite", action="store_true", help="replace existing output and stage files")
     p.add_argument("--keep-stages", default=None, metavar="DIR", help="also write the stage files into DIR")
-    p.add_argument("--profile", default=None, metavar="DIR", help="write a JAX profiler trace into DIR")
-    p.add_argument("--quiet", action="store_true", help="no progress bar")
     return p
 
 
@@ -189,19 +172,6 @@ def parse_size(size: str | None) -> tuple[int | None, int | None]:
     if len(parts) != 2 or not all(p.strip().isdigit() for p in parts):
         raise WanInputError(f"size {size!r} is not W*H; pass e.g. --size 832*480")
     return int(parts[0]), int(parts[1])
-
-
-def parse_mesh(spec: str | None):
-    """`dp,sp,tp` → a mesh over all devices (None → no mesh: one device)."""
-    if spec is None:
-        return None
-    parts = spec.split(",")
-    if len(parts) != 3 or not all(p.strip().lstrip("-").isdigit() for p in parts):
-        raise WanInputError(f"mesh {spec!r} is not dp,sp,tp; pass e.g. --mesh 2,1,4 (product = number of devices)")
-    from wan_tpu.parallel.mesh import make_mesh
-
-    dp, sp, tp = (int(p) for p in parts)
-    return make_mesh(dp=dp, sp=sp, tp=tp)
 
 
 def resolve_defaults(args, meta=None) -> None:
@@ -219,21 +189,11 @@ def resolve_defaults(args, meta=None) -> None:
 
 
 def load_pipeline(args):
-    import jax.numpy as jnp
-
     from wan_tpu.wan.pipeline import WanPipeline
 
-    if args.attention is not None:
-        import jax
-
-        from wan_tpu.layers.attention import runnable_impls
-
-        choices = runnable_impls(jax.default_backend())
-        if args.attention not in choices:
-            raise WanInputError(f"attention kernel {args.attention!r} cannot run on {jax.default_backend()}; "
-                                f"choose one of {', '.join(choices)} or leave --attention out")
+    check_attention(args.attention)
     mesh = parse_mesh(args.mesh)
-    dtype = {"bfloat16": jnp.bfloat16, "float32": jnp.float32}[args.dtype]
+    dtype = dtype_of(args.dtype)
     pipe = WanPipeline.from_pretrained(args.model, mesh=mesh, dtype=dtype, attention_impl=args.attention,
                                        download=args.download, check_memory=not args.no_memory_check,
                                        quantize=getattr(args, "quantize", None),
@@ -433,15 +393,6 @@ def _meta_dict(meta) -> dict:
     return {k: v for k, v in dataclasses.asdict(meta).items() if v is not None and k != "stage"}
 
 
-def check_output(path: str, overwrite: bool, suffix: str) -> None:
-    """Fail before any work when an output (a stage file, an mp4) cannot be written."""
-    from wan_tpu.wan.stages import check_output_path
-    from wan_tpu.runtime.validate import check_writable
-
-    check_output_path(path, overwrite, suffix)
-    check_writable(path)
-
-
 def stage_paths(args) -> tuple[str, str] | None:
     folder = args.keep_stages
     if folder is None:
@@ -498,64 +449,5 @@ def generate(args) -> None:
     report(pipe, s, timer, step_seconds)
 
 
-def cli(run, parser: argparse.ArgumentParser, argv=None) -> int:
-    """Run `run(args)` with Ctrl-C/SIGTERM handled (`wan_tpu.runtime.interrupt`): user errors → one line on
-    stderr and status 2; NaN latents → status 1; a signal → one line naming what was kept, 130/143."""
-    called = time.perf_counter()
-    import warnings
-
-    from wan_tpu.runtime import interrupt
-
-    # torchax and jax warn that int64 token ids become int32 (x64 is off); harmless for ids < 2^31.
-    warnings.filterwarnings("ignore", message="Explicitly requested dtype int64")
-    with interrupt.handled():
-        try:
-            args = parser.parse_args(argv)
-            if argv is None:  # a command line: the process is ours
-                from wan_tpu.runtime.memory import claim_device_memory
-                from wan_tpu.runtime.xla_defaults import apply_xla_defaults
-
-                claim_device_memory()
-                apply_xla_defaults()
-            from wan_tpu.runtime.profiling import process_start
-
-            # `startup` counts from the process start for a command line, from this call for a call from Python.
-            args.started = process_start() if argv is None else called
-            run(args)
-        except WanInputError as e:
-            print(f"error: {e}", file=sys.stderr)
-            return 2
-        except (interrupt.Interrupted, KeyboardInterrupt) as e:
-            kept = interrupt.written()
-            print(f"interrupted; {'kept ' + ', '.join(kept) if kept else 'nothing written'}", file=sys.stderr)
-            return e.exit_status if isinstance(e, interrupt.Interrupted) else 130
-        except Exception as e:
-            from wan_tpu.wan.denoise import NonFiniteLatentsError
-
-            if not isinstance(e, NonFiniteLatentsError):
-                raise
-            print(f"error: {e}", file=sys.stderr)
-            return 1
-    return 0
-
-
 def main(argv=None) -> int:
-    return cli(generate, build_parser(), argv)
-
-
-def exit_now(status: int) -> None:
-    """End a command whose work is done and written: flush the streams and leave without the interpreter's
-    teardown, which frees every device buffer one at a time and destroys the accelerator client (on an
-    H100 after 1.3B runs: 1.18–1.60 s from the timing table to the end with this, 1.74–1.75 s without; a
-    wait a user sees and gains nothing from). Only for a command line's `__main__`: the background
-    threads have been joined and every file is closed."""
-    import logging
-
-    logging.shutdown()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(status)
-
-
-if __name__ == "__main__":
-    exit_now(main())
+    return run_cli(generate, build_parser(), argv)

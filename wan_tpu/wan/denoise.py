@@ -30,13 +30,14 @@ import numpy as np
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
+from wan_tpu.errors import NonFiniteError
 from wan_tpu.runtime import interrupt
 from wan_tpu.wan import step_cache
 from wan_tpu.wan.transformer import forward
 from wan_tpu.runtime.profiling import scope
 
 
-class NonFiniteLatentsError(RuntimeError):
+class NonFiniteLatentsError(NonFiniteError):
     """The latents became NaN or Inf during denoising."""
 
 

@@ -17,7 +17,7 @@ Formats (detected per key, so one file may mix them):
   - full deltas, as step-distill LoRAs carry them: `….diff` (weight), `….diff_b` (bias), also on
     norms (`norm3`, `norm_q`, `norm_k`), the head and the modulation tables.
 Module names may be Wan's (`self_attn.q`, `ffn.0`, `norm3`, `head.head`, `time_projection.1`, ...;
-`wan_tpu.wan.transformer_loading.original_wan_to_diffusers`) or diffusers' (`attn1.to_q`,
+`wan_tpu.loading.wan_names.original_wan_to_diffusers`) or diffusers' (`attn1.to_q`,
 `ffn.net.0.proj`, `norm2`, `proj_out`, ...) under any of the prefixes.
 A layer receives `W + scale · (alpha / rank) · B·A`, plus `scale · diff` and `scale · diff_b`
 (PEFT's `lora_B.bias` belongs to `lora_B`: `scale · (alpha / rank) · bias`, as PEFT computes it).
@@ -56,10 +56,10 @@ from collections import defaultdict
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import nnx
 
 from wan_tpu.errors import WanInputError
-from wan_tpu.loading import stacking
+from wan_tpu.loading.wan_names import diffusers_to_original_wan
+from wan_tpu.wan.weights import checkpoint_origin, param_sources
 
 # Prefixes a key may carry before the module name.
 _PREFIXES = ("base_model.model.", "model.diffusion_model.", "diffusion_model.", "transformer.", "lora_unet_")
@@ -85,8 +85,6 @@ class _Target:
 def _module_table(dit) -> dict[str, dict[str, _Target]]:
     """Every accepted module name (Wan's and diffusers', dotted and ComfyUI-underscored) →
     {"weight": target, "bias": target}; bare parameters (modulation tables, pos_embed) have "weight" only."""
-    from wan_tpu.wan.transformer_loading import diffusers_to_original_wan, param_sources
-
     modules: dict[str, dict[str, _Target]] = defaultdict(dict)
     for src in param_sources(dit):
         for i, name in enumerate(src.names):
@@ -230,16 +228,10 @@ def _plan(dit, path, scale: float):
     return tensors, dict(plan), count
 
 
-def check_lora(config, path, scale: float = 1.0) -> int:
-    """Check, without loading the DiT, that a LoRA file fits a `WanTransformerConfig`; its entry count."""
-    return _plan(_abstract_transformer(config), path, _check_scale(scale))[2]
-
-
-@functools.cache
-def _abstract_transformer(config):
-    from wan_tpu.wan.transformer import WanTransformer
-
-    return stacking.eval_shape(lambda: WanTransformer(config, rngs=nnx.Rngs(0)))
+def check_lora(dit, path, scale: float = 1.0) -> int:
+    """Check, without loading the weights, that a LoRA file fits a DiT; its entry count. An abstract DiT is
+    enough: `check_lora(wan_tpu.wan.transformer.abstract_transformer(config), path)`."""
+    return _plan(dit, path, _check_scale(scale))[2]
 
 
 def _check_scale(scale) -> float:
@@ -324,7 +316,6 @@ def _variable(dit, path: str):
 
 def load_lora(dit, path, scale: float = 1.0) -> LoraInfo:
     """Merge the LoRA at `path` into `dit`'s weights with `scale` (see the module docstring); calls stack."""
-    from wan_tpu.wan.transformer_loading import checkpoint_origin
     from wan_tpu.wan.quantize import ensure_unquantized
 
     ensure_unquantized(dit, "merging a LoRA")
@@ -351,7 +342,6 @@ def loaded_loras(dit) -> list[LoraInfo]:
 
 def unload_lora(dit) -> None:
     """Undo every `load_lora` on `dit`: each touched parameter gets back its exact original bits and sharding."""
-    from wan_tpu.wan.transformer_loading import checkpoint_origin
     from wan_tpu.wan.quantize import ensure_unquantized
 
     state = _STATES.get(dit)

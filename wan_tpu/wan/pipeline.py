@@ -46,7 +46,9 @@ from wan_tpu.errors import WanInputError
 from wan_tpu.vae.model import frames_to_uint8
 from wan_tpu.runtime.profiling import scope
 from wan_tpu.wan.schedulers import make_custom_scheduler, make_scheduler
+from wan_tpu.wan import presets
 from wan_tpu.wan.settings import RunSettings, model_parts, resolve_settings, resolve_variant
+from wan_tpu.wan.transformer import set_attention
 
 
 STAGES = ("text", "image", "denoise", "decode")
@@ -76,7 +78,7 @@ class WanPipeline:
         self.cache_stats = None  # the step cache's `CacheStats` of the last run that used one
         self.quantization = None  # "fp8"/"int8" once `quantize` was asked for
         self._warmup = None
-        self._decode_beside_denoise = True  # set by `prepare` (`wan_tpu.runtime.compile_ahead.decode_compiles_beside_denoise`)
+        self._decode_beside_denoise = True  # set by `prepare` (`wan_tpu.wan.memory.decode_compiles_beside_denoise`)
 
     # ---- construction -------------------------------------------------------------------------
 
@@ -98,13 +100,12 @@ class WanPipeline:
         """
         from wan_tpu.runtime import compile_cache as cache
         from wan_tpu.loading import hub
-        from wan_tpu.wan import presets
         from wan_tpu.runtime.validate import check_checkpoint
 
         cache.enable() if compile_cache else cache.disable()
 
         if path_or_preset in presets.PRESETS:
-            pipe = presets.PRESETS[path_or_preset](dtype=dtype, mesh=mesh, attention_impl=attention_impl,
+            pipe = presets.PRESETS[path_or_preset](cls, dtype=dtype, mesh=mesh, attention_impl=attention_impl,
                                                    vae_dtype=vae_dtype)
             pipe.check_memory = check_memory
             return pipe.quantize(quantize)
@@ -201,6 +202,7 @@ class WanPipeline:
         now; a DiT not loaded yet receives it when it loads (and again after a `release`).
         """
         from wan_tpu.wan.lora import check_lora
+        from wan_tpu.wan.transformer import abstract_transformer
 
         experts = {"high": "transformer", "low": "transformer_2"}
         two = self.variant.boundary_ratio is not None
@@ -215,7 +217,7 @@ class WanPipeline:
             raise WanInputError(f"expert must be 'high', 'low' or None (both), got {expert!r}")
         configs = {"transformer": self.variant.transformer, "transformer_2": self.variant.transformer_2}
         for name in names:
-            check_lora(configs[name], path, scale)
+            check_lora(abstract_transformer(configs[name]), path, scale)
         self._loras.append((os.fspath(path), float(scale), names))
         for name in names:
             if name in self._loaded:
@@ -250,7 +252,8 @@ class WanPipeline:
         `wan_tpu.runtime.compile_ahead` for what runs when and what it does to peak memory. With a mesh, components
         are read ahead but compile on first use.
         """
-        from wan_tpu.runtime.compile_ahead import Warmup, decode_compiles_beside_denoise, weights_fit
+        from wan_tpu.runtime.compile_ahead import Warmup
+        from wan_tpu.wan.memory import decode_compiles_beside_denoise, weights_fit
 
         s = settings or self.settings()
         sampling = self.sampling(s, scheduler, sigmas, timesteps, cache, cache_threshold,
@@ -324,7 +327,7 @@ class WanPipeline:
 
     def _compile_decode(self, warmup, s: RunSettings, source) -> None:
         from wan_tpu.vae import model as vae_lib
-        from wan_tpu.runtime.compile_ahead import free_bytes_after_release
+        from wan_tpu.wan.memory import free_bytes_after_release
 
         vae = source.result() if hasattr(source, "result") else source
         shape = self.latent_shape(s.height, s.width, s.num_frames)
@@ -532,7 +535,7 @@ class WanPipeline:
         """Refuse (`WanInputError`) a run whose stages would not fit in memory, unless `check_memory` is
         off; `keep_dit`: the DiT stays loaded through decoding (several videos in one run)."""
         if self.check_memory:
-            from wan_tpu.runtime.memory import check_fits
+            from wan_tpu.wan.memory import check_fits
 
             check_fits(self, s, stages, self.attention_impl, keep_dit=keep_dit, image=image)
 
@@ -592,18 +595,3 @@ def _folder_loaders(path, parts, dtype, mesh, attention_impl, vae_dtype) -> dict
     if "image_encoder" in parts:
         loaders["image_encoder"] = image_encoder
     return loaders
-
-
-def set_attention(dit, impl: str | None, mesh):
-    """Point the DiT's attention hooks at kernel `impl` (None: the backend's fastest), mesh-aware if a mesh is given."""
-    if mesh is not None:
-        from wan_tpu.parallel.sharding import shard_transformer
-
-        return shard_transformer(dit, mesh, **({} if impl is None else {"impl": impl}))
-    if impl is not None:
-        from wan_tpu.layers import attention as attention_lib
-
-        dit.self_attention = functools.partial(attention_lib.attention, impl=impl)
-        dit.cross_attention = functools.partial(attention_lib.attention, impl=impl)
-    return dit
-

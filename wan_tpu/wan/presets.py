@@ -19,64 +19,10 @@ import dataclasses
 import jax.numpy as jnp
 
 from wan_tpu.configs.models import VARIANTS
-from wan_tpu.configs.vae import VAE_PRESETS, WAN21_LATENTS_MEAN, WAN21_LATENTS_STD
+from wan_tpu.configs.vae import TINY_VAE
+from wan_tpu.loading.random_init import TINY_SEED, random_module
+from wan_tpu.wan.transformer import set_attention
 
-TINY_SEED = 0
-
-# The tiny VAE structure with the 16 latent channels of Wan 2.1, which the tiny DiT consumes.
-TINY_VAE = dataclasses.replace(VAE_PRESETS["tiny"], z_dim=16, latents_mean=WAN21_LATENTS_MEAN,
-                               latents_std=WAN21_LATENTS_STD)
-
-
-def random_module(build, seed: int, draw=None, abstract=None):
-    """`build()` (an nnx module constructor) with seeded random weights drawn on the host.
-
-    The module is only traced abstractly; each parameter is then drawn with numpy's PCG64 from
-    `seed`, so a preset is the same on every machine and takes no compilation or per-op dispatch
-    (building the tiny VAE eagerly costs tens of seconds on a small CPU). Scales are the usual
-    ones: kernels N(0, 1/fan_in), biases N(0, 0.02²), norm weights 1, modulation tables N(0, 1/dim).
-    `draw(names, shape, rng)` (optional) gives a parameter's value (a numpy array), or None for the
-    usual one: for modules whose parameter names these rules do not fit (UMT5's torch-layout `weight`s).
-    `abstract`: `build`'s module without weights, when the caller has it (read back from the executable
-    cache, `executable_cache.cached_abstract`); else `build` is traced here.
-    """
-    import math
-
-    import jax
-    import numpy as np
-    from flax import nnx
-
-    from wan_tpu.layers.conv import out_first_kernels, spatial_first_shape, spatial_to_out_first
-
-    abstract = nnx.eval_shape(build) if abstract is None else abstract
-    out_first = out_first_kernels(abstract)  # drawn spatial-first then moved: the same values either way
-    graphdef, state = nnx.split(abstract)
-    rng = np.random.default_rng(seed)
-    flat = nnx.to_flat_state(state)
-    for path, var in flat:
-        names = [str(p) for p in path]
-        shape, dtype = var.get_value().shape, var.get_value().dtype
-        leaf = names[-1]
-        moved = ".".join(names) in out_first
-        if moved:
-            shape = spatial_first_shape(shape)
-        value = None if draw is None else draw(names, shape, rng)
-        if value is None and leaf == "kernel":
-            # Stacked transformer blocks carry the layer axis first; it is not part of fan-in.
-            fan_in = math.prod(shape[1:-1] if names[0] == "blocks" else shape[:-1])
-            value = rng.standard_normal(shape) / math.sqrt(fan_in)
-        elif value is None and leaf in ("weight", "gamma", "scale") and len(shape) <= 2:
-            value = np.ones(shape)
-        elif value is None and leaf == "scale_shift_table":
-            value = rng.standard_normal(shape) / math.sqrt(shape[-1])
-        elif value is None:
-            value = 0.02 * rng.standard_normal(shape)
-        if moved:
-            value = spatial_to_out_first(np.asarray(value))
-        # Cast on the host (round to nearest even, as XLA does): loaders in parallel threads then compile no
-        # conversion programs, which they would race to compile and to read from the compilation cache.
-        var.set_value(jax.device_put(np.asarray(value, np.float32).astype(dtype)))
-    return nnx.merge(graphdef, nnx.from_flat_state(flat))
 
 
 def tiny_umt5_config(d_model: int):
@@ -126,9 +72,9 @@ def tiny_umt5(d_model: int, dtype=jnp.float32, seed: int = TINY_SEED):
     return random_module(lambda: UMT5Encoder(cfg, dtype), seed + 1, draw=umt5_draw(cfg)), embedding
 
 
-def tiny(dtype=jnp.bfloat16, mesh=None, attention_impl=None, vae_dtype=jnp.float32, seed: int = TINY_SEED):
-    """The `tiny` pipeline (see the module docstring)."""
-    from wan_tpu.wan.pipeline import WanPipeline, set_attention
+def tiny(pipeline_class, dtype=jnp.bfloat16, mesh=None, attention_impl=None, vae_dtype=jnp.float32,
+         seed: int = TINY_SEED):
+    """The `tiny` pipeline (see the module docstring), an instance of `pipeline_class` (`WanPipeline`)."""
 
     variant = VARIANTS["tiny"]
 
@@ -161,7 +107,7 @@ def tiny(dtype=jnp.bfloat16, mesh=None, attention_impl=None, vae_dtype=jnp.float
         return UMT5TextEncoder(model, embed_tokens, tiny_tokenizer())
 
     loaders = {"transformer": transformer, "vae": vae, "text_encoder": text_encoder}
-    return WanPipeline(variant, TINY_VAE, loaders, name="tiny", dtype=dtype, mesh=mesh, vae_dtype=vae_dtype,
+    return pipeline_class(variant, TINY_VAE, loaders, name="tiny", dtype=dtype, mesh=mesh, vae_dtype=vae_dtype,
                        attention_impl=attention_impl, text_encoder_config=tiny_umt5_config(variant.transformer.text_dim))
 
 

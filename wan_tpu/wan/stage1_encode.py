@@ -9,10 +9,9 @@ embeddings; I2V/TI2V encode `--image` at that size and length). `--overwrite` re
 output.
 """
 
-import sys
-
-from wan_tpu.wan.cli import (CliParser, add_model_args, add_prompt_args, add_run_args, check_jobs, check_output, cli,
-                              encode_stage, load_pipeline, resolve_defaults, run_settings, single_job, stage1_meta)
+from wan_tpu.runtime.cli import CliParser, exit_now, run_cli
+from wan_tpu.runtime.validate import check_output
+from wan_tpu.wan.cli import add_model_args, add_prompt_args, add_run_args, check_jobs, encode_stage, load_pipeline, resolve_defaults, run_settings, single_job, stage1_meta
 from wan_tpu.runtime.profiling import StageTimer
 
 
@@ -37,17 +36,15 @@ def run(args):
 def parser():
     p = CliParser(prog="wan-stage1-encode", description="Stage 1: prompt (and image) → embeddings")
     add_prompt_args(p)
-    add_model_args(p)
+    add_model_args(p, output_default="stage1.safetensors", output_help="stage file to write (default: stage1.safetensors)",
+                   seed=False, profile=False)
     add_run_args(p)
-    p.add_argument("--output", "--save_file", dest="output", default="stage1.safetensors",
-                   help="stage file to write (default: stage1.safetensors)")
-    p.add_argument("--overwrite", action="store_true", help="replace an existing output")
     return p
 
 
 def main(argv=None) -> int:
-    return cli(run, parser(), argv)
+    return run_cli(run, parser(), argv)
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_now(main())

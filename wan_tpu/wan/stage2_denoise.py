@@ -9,11 +9,9 @@ output records the run (seed, steps, shift, scheduler too) for stage 3. `--overw
 existing output.
 """
 
-import sys
-
-from wan_tpu.wan.cli import (CliParser, add_adapter_args, add_denoise_args, add_model_args, add_run_args, check_output,
-                              cli, denoise_stage, load_pipeline, report, resolve_defaults, run_settings,
-                              stage1_expect, stage2_meta)
+from wan_tpu.runtime.cli import CliParser, exit_now, run_cli
+from wan_tpu.runtime.validate import check_output
+from wan_tpu.wan.cli import add_adapter_args, add_denoise_args, add_model_args, add_run_args, denoise_stage, load_pipeline, report, resolve_defaults, run_settings, stage1_expect, stage2_meta
 from wan_tpu.runtime.profiling import StageTimer, trace
 
 
@@ -40,22 +38,17 @@ def run(args):
 
 def parser():
     p = CliParser(prog="wan-stage2-denoise", description="Stage 2: embeddings → latents")
-    add_model_args(p)
+    add_model_args(p, output_default="stage2.safetensors", output_help="stage file to write (default: stage2.safetensors)")
     add_run_args(p)
     add_denoise_args(p)
     add_adapter_args(p)
     p.add_argument("--input", default="stage1.safetensors", help="stage-1 file (default: stage1.safetensors)")
-    p.add_argument("--output", "--save_file", dest="output", default="stage2.safetensors",
-                   help="stage file to write (default: stage2.safetensors)")
-    p.add_argument("--overwrite", action="store_true", help="replace an existing output")
-    p.add_argument("--profile", default=None, metavar="DIR", help="write a JAX profiler trace into DIR")
-    p.add_argument("--quiet", action="store_true", help="no progress bar")
     return p
 
 
 def main(argv=None) -> int:
-    return cli(run, parser(), argv)
+    return run_cli(run, parser(), argv)
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_now(main())

@@ -8,11 +8,10 @@ The mp4 is written at the model's fps under a temporary name, then renamed; `--o
 replaces an existing output.
 """
 
-import sys
-
 from wan_tpu.errors import WanInputError
-from wan_tpu.wan.cli import (CliParser, add_model_args, check_output, cli, decode_stage, load_pipeline,
-                              resolve_defaults, run_settings, stage3_expect)
+from wan_tpu.runtime.cli import CliParser, exit_now, run_cli
+from wan_tpu.runtime.validate import check_output
+from wan_tpu.wan.cli import add_model_args, decode_stage, load_pipeline, resolve_defaults, run_settings, stage3_expect
 from wan_tpu.runtime.profiling import StageTimer
 
 
@@ -34,19 +33,18 @@ def run(args):
 
 def parser():
     p = CliParser(prog="wan-stage3-decode", description="Stage 3: latents → mp4")
-    add_model_args(p)
+    add_model_args(p, output_default="output.mp4", output_help="mp4 to write (default: output.mp4)", seed=False,
+                   profile=False)
     p.add_argument("--size", default=None, help="W*H the latents were made for (default: the input's; checked if given)")
     p.add_argument("--frames", "--frame_num", dest="frames", type=int, default=None,
                    help="frames the latents were made for (default: the input's; checked if given)")
     p.add_argument("--input", default="stage2.safetensors", help="stage-2 file (default: stage2.safetensors)")
-    p.add_argument("--output", "--save_file", dest="output", default="output.mp4", help="mp4 to write (default: output.mp4)")
-    p.add_argument("--overwrite", action="store_true", help="replace an existing output")
     return p
 
 
 def main(argv=None) -> int:
-    return cli(run, parser(), argv)
+    return run_cli(run, parser(), argv)
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_now(main())

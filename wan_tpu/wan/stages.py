@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-import importlib.util
 import json
 import os
 import re
@@ -123,23 +122,6 @@ def config_hash(config) -> str:
     payload = dataclasses.asdict(config) if dataclasses.is_dataclass(config) else dict(config)
     text = json.dumps(payload, sort_keys=True, separators=(",", ":"), default=str)
     return hashlib.sha256(text.encode()).hexdigest()[:16]
-
-
-def check_output_path(path: str, overwrite: bool, suffix: str) -> None:
-    """Fail before any work when an output (stage file or mp4) cannot be written: wrong suffix, an
-    existing file without `overwrite`, a missing folder, or (mp4) no video encoder. Nothing the user made
-    is replaced silently."""
-    if not path.lower().endswith(suffix):
-        raise WanInputError(f"output {path!r} must end in {suffix}; pass e.g. --output out{suffix}")
-    if os.path.lexists(path) and not overwrite:
-        raise WanInputError(f"output {path} already exists; pass --overwrite or choose another --output")
-    parent = os.path.dirname(os.path.abspath(path))
-    if not os.path.isdir(parent):
-        raise WanInputError(f"folder {parent} of output {path} does not exist; create it or choose another --output")
-    # Checked here, not when the frames are ready: without it the encoder fails after the whole run.
-    if suffix == ".mp4" and importlib.util.find_spec("imageio_ffmpeg") is None:
-        raise WanInputError("writing mp4 needs the imageio-ffmpeg package (a wan_tpu dependency; it brings its own "
-                            "ffmpeg): pip install imageio-ffmpeg")
 
 
 def save_stage(path: str, tensors: Mapping, meta: StageMeta | Mapping, overwrite: bool = False) -> None:

@@ -16,6 +16,10 @@ is (num_layers, dim, dim)) and run with `jax.lax.scan`, so compile time does not
 Float32 is kept where diffusers keeps it (`_keep_in_fp32_modules`: rope, time_embedder,
 scale_shift_table, norm1/2/3), whatever `dtype` the rest uses.
 
+`abstract_transformer(config)` is a shapes-only build (no weights), e.g. for `wan_tpu.wan.lora.check_lora`.
+The attention projections, image embedding, patchify and the default hooks are shared with
+Matrix-Game's DiT in `wan_tpu.layers.dit`.
+
 Hooks (plain attributes, replaceable after construction; `wan_tpu.parallel.sharding` sets mesh-aware ones):
   `self_attention(q, k, v)`, `cross_attention(q, k, v)`: (B, S, H, D) attention functions.
   `shard_activation(x, name)`: called on activations so a mesh can constrain them; names:
@@ -34,68 +38,12 @@ from flax import nnx
 
 from wan_tpu.configs.models import WanTransformerConfig
 from wan_tpu.errors import WanInputError
-from wan_tpu.layers import attention as attention_lib
+from wan_tpu.layers.dit import WanAttention, WanImageEmbedding, default_attention, identity, patchify, unpatchify
 from wan_tpu.layers.embeddings import FeedForward, TextProjection, TimestepEmbedding, linear, timestep_embedding
-from wan_tpu.layers.norms import FP32LayerNorm, RMSNorm, layer_norm, modulated_layer_norm
-from wan_tpu.layers.rope import apply_rope, rope_tables, rotate
-from wan_tpu.loading.stacking import stack_layers
-
-
-def _heads(x, num_heads):
-    b, s, d = x.shape
-    return x.reshape(b, s, num_heads, d // num_heads)
-
-
-class WanAttention(nnx.Module):
-    """Projections of one attention layer; the attention function itself is passed in."""
-
-    def __init__(self, dim: int, num_heads: int, eps: float, *, added_kv_proj_dim=None, dtype, rngs):
-        self.num_heads = num_heads
-        self.to_q = linear(dim, dim, dtype, rngs)
-        self.to_k = linear(dim, dim, dtype, rngs)
-        self.to_v = linear(dim, dim, dtype, rngs)
-        self.to_out = linear(dim, dim, dtype, rngs)
-        self.norm_q = RMSNorm(dim, eps, dtype=dtype)
-        self.norm_k = RMSNorm(dim, eps, dtype=dtype)
-        if added_kv_proj_dim is not None:
-            self.add_k_proj = linear(added_kv_proj_dim, dim, dtype, rngs)
-            self.add_v_proj = linear(added_kv_proj_dim, dim, dtype, rngs)
-            self.norm_added_k = RMSNorm(dim, eps, dtype=dtype)
-        else:
-            self.add_k_proj = self.add_v_proj = self.norm_added_k = None
-
-    def query(self, x):
-        """Normalised queries (B, S, H, D)."""
-        return _heads(self.norm_q(self.to_q(x)), self.num_heads)
-
-    def key_value(self, x):
-        """Normalised keys and values (B, S, H, D) of `x`; a cross-attention's K/V depend only on its context."""
-        return _heads(self.norm_k(self.to_k(x)), self.num_heads), _heads(self.to_v(x), self.num_heads)
-
-    def qkv(self, x, rope, fused=True):
-        """Self-attention inputs: q and k rotated by `rope`, v; separate from attending so a causal
-        model can cache k and v. `fused`: RMSNorm and RoPE as one float32 expression per
-        projection, rounded once (False: norm, round, rotate, round — diffusers' order)."""
-        v = _heads(self.to_v(x), self.num_heads)
-        if fused:
-            q = rotate(_heads(self.norm_q.normalize(self.to_q(x)), self.num_heads), *rope).astype(x.dtype)
-            k = rotate(_heads(self.norm_k.normalize(self.to_k(x)), self.num_heads), *rope).astype(x.dtype)
-            return q, k, v
-        k, _ = self.key_value(x)
-        return apply_rope(self.query(x), *rope), apply_rope(k, *rope), v
-
-    def self_attention(self, x, rope, attn_fn, fused=True):
-        out = attn_fn(*self.qkv(x, rope, fused))
-        return self.to_out(out.reshape(x.shape[0], x.shape[1], -1))
-
-    def cross_attention(self, x, context, context_image, attn_fn):
-        q = self.query(x)
-        out = attn_fn(q, *self.key_value(context))
-        if context_image is not None:
-            k_img = _heads(self.norm_added_k(self.add_k_proj(context_image)), self.num_heads)
-            v_img = _heads(self.add_v_proj(context_image), self.num_heads)
-            out = out + attn_fn(q, k_img, v_img)
-        return self.to_out(out.reshape(x.shape[0], x.shape[1], -1))
+from wan_tpu.layers.norms import FP32LayerNorm, layer_norm, modulated_layer_norm
+from wan_tpu.layers.rope import rope_tables
+from wan_tpu.loading.stacking import eval_shape, stack_layers
+from wan_tpu.wan import lora as lora_lib
 
 
 class WanTransformerBlock(nnx.Module):
@@ -138,25 +86,6 @@ class WanTransformerBlock(nnx.Module):
         return (layer_norm(x, self.eps) * (1 + scale) + shift).astype(x.dtype)
 
 
-class WanImageEmbedding(nnx.Module):
-    """CLIP image tokens → model width: FP32LayerNorm → FF(GELU) → FP32LayerNorm (+ optional pos_embed)."""
-
-    def __init__(self, image_dim: int, dim: int, pos_embed_seq_len, *, dtype, rngs: nnx.Rngs):
-        self.norm1 = FP32LayerNorm(image_dim, 1e-5)
-        self.ff = FeedForward(image_dim, image_dim, dim, approximate=False, dtype=dtype, rngs=rngs)
-        self.norm2 = FP32LayerNorm(dim, 1e-5)
-        self.pos_embed = (
-            nnx.Param(jnp.zeros((1, pos_embed_seq_len, image_dim), dtype)) if pos_embed_seq_len is not None else None
-        )
-
-    def __call__(self, x):
-        if self.pos_embed is not None:
-            # FLF2V: first- and last-frame tokens (2 × 257) of one sample share one position table.
-            n = self.pos_embed.shape[1]
-            x = x.reshape(-1, n, x.shape[-1]) + self.pos_embed[...]
-        return self.norm2(self.ff(self.norm1(x)))
-
-
 class WanConditionEmbedder(nnx.Module):
     def __init__(self, cfg: WanTransformerConfig, *, dtype, rngs: nnx.Rngs):
         dim = cfg.inner_dim
@@ -184,9 +113,9 @@ class WanTransformer(nnx.Module):
         self.proj_out = linear(dim, cfg.out_channels * cfg.patch_volume, dtype, rngs)
         self.scale_shift_table = nnx.Param(jax.random.normal(rngs.params(), (1, 2, dim), jnp.float32) / dim**0.5)
 
-        self.self_attention = _default_attention(attention_impl)
-        self.cross_attention = _default_attention(attention_impl)
-        self.shard_activation = _identity
+        self.self_attention = default_attention(attention_impl)
+        self.cross_attention = default_attention(attention_impl)
+        self.shard_activation = identity
         # "fp8" once `wan_tpu.wan.quantize.quantize_transformer` has replaced the block linears.
         self.quantization = None
 
@@ -198,15 +127,11 @@ class WanTransformer(nnx.Module):
 
     def load_lora(self, path, scale: float = 1.0):
         """Merge the LoRA file at `path` into the weights, in place, on device (`wan_tpu.wan.lora`); calls stack."""
-        from wan_tpu.wan.lora import load_lora
-
-        return load_lora(self, path, scale)
+        return lora_lib.load_lora(self, path, scale)
 
     def unload_lora(self) -> None:
         """Undo every `load_lora`: the weights as they were before, bit for bit."""
-        from wan_tpu.wan.lora import unload_lora
-
-        unload_lora(self)
+        lora_lib.unload_lora(self)
 
     def apply(self, hidden_states, timestep, encoder_hidden_states, encoder_hidden_states_image=None):
         """The forward computation, traced op by op; call it under jit (see `forward`)."""
@@ -267,24 +192,6 @@ class WanTransformer(nnx.Module):
         return unpatchify(self.proj_out(x), inputs.grid, cfg.patch_size)
 
 
-def patchify(x, patch_size):
-    """(B, C, F, H, W) → tokens (B, S, C·pt·ph·pw) in (f, h, w) order, features (c, pt, ph, pw) — the
-    Conv3d patch embedding as a matmul — and the token grid (F/pt, H/ph, W/pw)."""
-    b, c, f, h, w = x.shape
-    pt, ph, pw = patch_size
-    grid = (f // pt, h // ph, w // pw)
-    x = x.reshape(b, c, grid[0], pt, grid[1], ph, grid[2], pw).transpose(0, 2, 4, 6, 1, 3, 5, 7)
-    return x.reshape(b, grid[0] * grid[1] * grid[2], c * pt * ph * pw), grid
-
-
-def unpatchify(x, grid, patch_size):
-    """Tokens (B, S, pt·ph·pw·C) → (B, C, F, H, W): the original "bfhwpqrc->bcfphqwr"."""
-    b = x.shape[0]
-    pt, ph, pw = patch_size
-    x = x.reshape(b, *grid, pt, ph, pw, -1).transpose(0, 7, 1, 4, 2, 5, 3, 6)
-    return x.reshape(b, x.shape[1], grid[0] * pt, grid[1] * ph, grid[2] * pw)
-
-
 class DiTInputs(NamedTuple):
     """What `WanTransformer.embed` computes once per forward for the blocks and the head."""
 
@@ -297,17 +204,6 @@ class DiTInputs(NamedTuple):
     grid: tuple[int, int, int]  # tokens along (frames, height, width)
 
 
-def _identity(x, name):
-    return x
-
-
-@functools.cache
-def _default_attention(impl):
-    # One hook object per impl: models of one config then have equal graphdefs and share compiled
-    # code (the two A14B experts compile once).
-    return functools.partial(attention_lib.attention, impl=impl)
-
-
 def forward(graphdef, state, hidden_states, timestep, encoder_hidden_states, encoder_hidden_states_image=None):
     """Pure functional forward: `graphdef, state = nnx.split(dit)`; safe inside jit / fori_loop."""
     return nnx.merge(graphdef, state).apply(hidden_states, timestep, encoder_hidden_states,
@@ -315,6 +211,13 @@ def forward(graphdef, state, hidden_states, timestep, encoder_hidden_states, enc
 
 
 _forward_jit = jax.jit(forward, static_argnums=0)
+
+
+@functools.cache
+def abstract_transformer(config: WanTransformerConfig) -> WanTransformer:
+    """A shapes-only `WanTransformer` of `config` (float32, no device memory; cached per config): what
+    checks against a model's parameters (`wan_tpu.wan.lora.check_lora`) need before the weights load."""
+    return eval_shape(lambda: WanTransformer(config, rngs=nnx.Rngs(0)))
 
 
 def _check_inputs(cfg, x, timestep, context, context_image):
@@ -346,3 +249,17 @@ def _check_inputs(cfg, x, timestep, context, context_image):
             f"encoder_hidden_states_image has shape {tuple(context_image.shape)}; "
             f"expected (batch, tokens, {cfg.image_dim})"
         )
+
+
+def set_attention(dit, impl: str | None, mesh):
+    """Point the DiT's attention hooks at kernel `impl` (None: the backend's fastest), mesh-aware if a mesh is given."""
+    if mesh is not None:
+        from wan_tpu.parallel.sharding import shard_transformer
+
+        return shard_transformer(dit, mesh, **({} if impl is None else {"impl": impl}))
+    if impl is not None:
+        from wan_tpu.layers import attention as attention_lib
+
+        dit.self_attention = functools.partial(attention_lib.attention, impl=impl)
+        dit.cross_attention = functools.partial(attention_lib.attention, impl=impl)
+    return dit

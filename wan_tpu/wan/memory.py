@@ -1,0 +1,301 @@
+"""Will the run fit? Working-set estimates per stage, checked before anything is loaded.
+
+    from wan_tpu.wan.memory import check_fits
+    check_fits(pipe, settings)        # WanInputError naming a smaller size or a --mesh if it would not fit
+
+A run that does not fit must be refused in a second with one line, not killed by the kernel's OOM
+killer after minutes of loading (on CPU) or stopped by an XLA allocation error after the text encoder
+ran (on a GPU/TPU). Each stage's peak, in bytes per device, is estimated from the weights' element
+counts (the safetensors headers, `wan_tpu.runtime.validate.check_checkpoint`) and the activation shapes:
+
+- text encode: the UMT5 weights in the run dtype (read from the memory-mapped files straight onto the
+  devices: no second host copy).
+- image encode (I2V/TI2V): CLIP + VAE weights + 1.15× the 2-strip VAE decode working set (the
+  encode/decode peak ratio measured in docs/PERFORMANCE.md: 2.51/2.21 GiB at 480p, 5.34/4.79 at 720p;
+  the estimate gives 2.56 and 5.54 GiB).
+- denoise: the DiT weights (both A14B experts: both are loaded) + one step's activations:
+  `tokens · (ffn_dim + 6·dim) · 4` bytes with `tokens = batch · S` (batch 2 with CFG, S the patch
+  count): the float32 temporaries of one block, as XLA's buffer assignment reports them for the 1.3B
+  DiT at 832×480×81 (4.95 GiB of temporaries for 65,520 tokens, 4.15 GiB without the attention
+  chunks: 66 kB per token ≈ (8960 + 4.7·1536)·4, rounded up to 6·dim). With the `reference`
+  attention (the CPU default; GPU float32) add `2.5 · batch · heads · S² · 4` bytes, the float32
+  logits and softmax of one layer: measured 2.73 GB of resident-set growth for the 1.07 GB of
+  logits of the tiny DiT at 832×480×21 (S = 8,190). Every other kernel is a flash kernel and keeps
+  attention O(S) (`wan_tpu.layers.attention.MATERIALISES_LOGITS` names the ones that do not).
+- decode: VAE weights + the VAE's own decode estimate (`WanVAE.decode_bytes`), which matches the
+  peaks in docs/PERFORMANCE.md (bf16, default 2 strips): 2.26 vs 2.21 GiB at 480p, 4.85 vs 4.79 GiB at
+  720p; for the fewest strips that fit, else the tiled decode (one tile + twice the video: 2.43 vs
+  2.17 GiB measured at 720p).
+
+With a mesh the DiT and UMT5 weights are FSDP-sharded over every device and DiT activations over
+`dp` (when the batch divides), `sp` and `tp`; VAE weights are replicated and its activations split
+on width. On CPU all devices share the host's RAM, so the sum over devices is compared with the
+RAM available (`MemAvailable`, capped by the cgroup limit); on GPU/TPU each device's estimate is
+compared with its free memory (`memory_stats`). Where neither is known nothing is refused.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import dataclass
+
+import jax
+
+from wan_tpu.errors import WanInputError
+from wan_tpu.loading import stacking
+from wan_tpu.runtime.memory import GiB, available_bytes
+
+@dataclass(frozen=True)
+class Layout:
+    """How a run spreads over devices: mesh axis sizes (1 each without a mesh) and the platform."""
+
+    dp: int = 1
+    sp: int = 1
+    tp: int = 1
+    platform: str = "cpu"
+
+    @property
+    def devices(self) -> int:
+        return self.dp * self.sp * self.tp
+
+    @classmethod
+    def of(cls, mesh) -> Layout:
+        import jax
+
+        if mesh is None:
+            return cls(platform=jax.devices()[0].platform)
+        shape = dict(mesh.shape)
+        return cls(shape.get("dp", 1), shape.get("sp", 1), shape.get("tp", 1), mesh.devices.flat[0].platform)
+
+
+def attention_impl(impl: str | None, platform: str, cfg, tokens: int, dtype) -> str:
+    """The DiT self-attention kernel: `impl`, else what `wan_tpu.attention(impl=None)` picks for it here."""
+    import jax
+
+    from wan_tpu.layers import attention as attention_lib
+
+    if impl is not None:
+        return impl
+    q = jax.ShapeDtypeStruct((1, tokens, cfg.num_attention_heads, cfg.attention_head_dim), dtype)
+    return attention_lib._default_impl(q, q, platform)
+
+
+def dit_step_bytes(cfg, tokens: int, batch: int, attention: str, layout: Layout) -> int:
+    """One denoising step's activations per device (see the module docstring for the formula)."""
+    dp = layout.dp if batch % layout.dp == 0 else 1
+    split = dp * layout.sp * layout.tp
+    act = batch * tokens * (cfg.ffn_dim + 6 * cfg.inner_dim) * 4 / split
+    from wan_tpu.layers import attention as attention_lib
+
+    if attention in attention_lib.MATERIALISES_LOGITS:
+        # Heads over tp, queries over sp (keys are gathered), batch over dp.
+        act += 2.5 * batch * cfg.num_attention_heads * tokens * tokens * 4 / split
+    return int(act)
+
+
+@functools.lru_cache(maxsize=8)
+def _dit_elements(cfg) -> int:
+    """Parameter count of a DiT config (presets have no safetensors headers to count from)."""
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from wan_tpu.wan.transformer import WanTransformer
+
+    abstract = stacking.eval_shape(lambda: WanTransformer(cfg, dtype=jnp.float32, rngs=nnx.Rngs(0)))
+    return sum(x.size for x in jax.tree.leaves(nnx.state(abstract)))
+
+
+@functools.lru_cache(maxsize=8)
+def _abstract_vae(config, dtype: str = "float32"):
+    """(an abstract WanVAE of `config` in `dtype`, its parameter count): shapes only, nothing allocated."""
+    import jax
+    from flax import nnx
+
+    from wan_tpu.vae.model import WanVAE
+
+    vae = nnx.eval_shape(lambda: WanVAE(config, dtype=dtype, rngs=nnx.Rngs(0)))
+    return vae, sum(x.size for x in jax.tree.leaves(nnx.state(vae)))
+
+
+def stage_bytes(pipe, s, stages=("text", "image", "denoise", "decode"), attention_impl_name: str | None = None,
+                keep_dit: bool = False, image: bool = False) -> dict[str, tuple[int, str]]:
+    """Stage → (peak bytes per device, what dominates it) for run settings `s` of pipeline `pipe`.
+
+    `keep_dit`: the DiT stays loaded while decoding (`--prompts` runs). `image`: an image is encoded.
+    The decode entry is its fastest plan (`decode_plans` lists the others).
+    """
+    import jax
+    import jax.numpy as jnp
+
+    from wan_tpu.layers import attention as attention_lib
+
+    layout = Layout.of(pipe.mesh)
+    n = layout.devices
+    size = jnp.dtype(pipe.dtype).itemsize
+    elements = pipe.weight_elements or {}
+    variant = pipe.variant
+    experts = [variant.transformer] + ([variant.transformer_2] if variant.transformer_2 is not None else [])
+    names = ["transformer", "transformer_2"][: len(experts)]
+    dit_weights = sum((elements.get(name) or _dit_elements(cfg)) * size for name, cfg in zip(names, experts)) // n
+    latent = pipe.latent_shape(s.height, s.width, s.num_frames)
+    z = jax.ShapeDtypeStruct(latent, pipe.vae_dtype)
+    out = {}
+    if "text" in stages:
+        te = elements.get("text_encoder", 0) * size
+        out["text encode"] = (te // n, "text encoder weights")
+    if "image" in stages and image:
+        model, vae_weights = _vae(pipe)
+        clip = elements.get("image_encoder", 0) * 4
+        out["image encode"] = (vae_weights + clip + int(1.15 * model.decode_bytes(z, 2)), "VAE encode")
+    if "denoise" in stages:
+        cfg = variant.transformer
+        pt, ph, pw = cfg.patch_size
+        tokens = (latent[2] // pt) * (latent[3] // ph) * (latent[4] // pw)
+        impl = attention_impl(attention_impl_name, layout.platform, cfg, tokens, pipe.dtype)
+        step = dit_step_bytes(cfg, tokens, 2 if s.do_cfg else 1, impl, layout)
+        logits = impl in attention_lib.MATERIALISES_LOGITS
+        what = f"DiT activations over {tokens:,} tokens" + (f", {impl} attention's logits" if logits else "")
+        out["denoise"] = (dit_weights + step + 8 * math.prod(latent) * 4, what)
+    if "decode" in stages:
+        model, vae_weights = _vae(pipe)
+        plan, need = next(decode_plans(model, z, layout))
+        out["decode"] = (vae_weights + (dit_weights if keep_dit else 0) + need, f"VAE decode, {plan}")
+    return out
+
+
+def _vae(pipe):
+    """(abstract VAE, weight bytes) of the pipeline's VAE."""
+    import jax.numpy as jnp
+
+    dtype = jnp.dtype(pipe.vae_dtype)
+    model, count = _abstract_vae(pipe.vae_config, dtype.name)
+    return model, (pipe.weight_elements or {}).get("vae", count) * dtype.itemsize
+
+
+def decode_plans(model, z, layout: Layout):
+    """(plan, working-set bytes per device) of the VAE decode, in the order `WanVAE.decode` tries them:
+    the fewest exact strips first, tiles last (one 256-pixel tile's decode + the tile rows and the
+    whole video). Lazy: each costs a trace of the decoder (cached per shape)."""
+    import jax
+
+    if layout.devices > 1:
+        yield "width-sharded", model.decode_bytes(z, 1) // layout.devices
+        return
+    for k in model.strip_counts(z) or [1]:
+        yield f"{k} strip{'s' * (k > 1)}", model.decode_bytes(z, k)
+    b, c, f, h, w = z.shape
+    video = 3 * (1 + 4 * (f - 1)) * h * w * model.config.scale_factor_spatial**2 * 4
+    tile = jax.ShapeDtypeStruct((b, c, f, min(32, h), min(32, w)), z.dtype)
+    yield "tiles", model.decode_bytes(tile, 1) + 2 * video
+
+
+def check_fits(pipe, s, stages=("text", "image", "denoise", "decode"), attention_impl_name: str | None = None,
+               keep_dit: bool = False, image: bool = False) -> None:
+    """Raise `WanInputError` (one line: what does not fit, a size that would, `--mesh`) when a stage's
+    estimated peak exceeds the memory available; nothing when it fits or the memory is unknown."""
+    free, where = available_bytes()
+    if free is None:
+        return
+    layout = Layout.of(pipe.mesh)
+    # CPU devices share one RAM: compare the sum over them.
+    scale = layout.devices if layout.platform == "cpu" else 1
+    for stage, (need, what) in stage_bytes(pipe, s, stages, attention_impl_name, keep_dit, image).items():
+        if need * scale <= free:
+            continue
+        if stage == "decode":
+            # The VAE picks more strips, then tiles, from the free memory by itself: fine if any fits.
+            import jax
+
+            model, _ = _vae(pipe)
+            z = jax.ShapeDtypeStruct(pipe.latent_shape(s.height, s.width, s.num_frames), pipe.vae_dtype)
+            plans = list(decode_plans(model, z, layout))
+            first = plans[0][1]
+            if any((need - first + p) * scale <= free for _, p in plans):
+                continue
+            need, what = need - first + plans[-1][1], "VAE decode, even tiled"
+        raise WanInputError(
+            f"this run needs about {need * scale / GiB:.1f} GiB for {stage} ({what}) but {free / GiB:.1f} GiB of "
+            f"{where} is free; {_advice(pipe, s, stage, layout, free / scale, attention_impl_name)}"
+            " (--no-memory-check runs it anyway)"
+        )
+
+
+def _advice(pipe, s, stage, layout, free, attention_impl_name) -> str:
+    import jax
+
+    tips = []
+    if stage == "denoise":
+        smaller = _smaller_run(pipe, s, layout, free, attention_impl_name)
+        if smaller:
+            tips.append(f"a smaller run fits, e.g. --size {smaller[0]}*{smaller[1]} --frames {smaller[2]}")
+        else:
+            tips.append("use a smaller --size or fewer --frames")
+    elif stage == "decode":
+        tips.append("use a smaller --size or fewer --frames (the VAE decode already splits into strips and tiles)")
+    else:
+        tips.append("use a machine with more memory")
+    count = len(jax.devices())
+    # CPU "devices" share one RAM: sharding over them saves nothing.
+    if count > layout.devices and layout.platform != "cpu":
+        tips.append(f"shard over all {count} devices with --mesh 1,{count},1")
+    return "; or ".join(tips)
+
+
+def _smaller_run(pipe, s, layout, free, attention_impl_name) -> tuple[int, int, int] | None:
+    """The largest (width, height, frames) among simple reductions of this run whose denoise fits."""
+    multiple = pipe.vae_config.scale_factor_spatial * pipe.variant.transformer.patch_size[1]
+    t = pipe.vae_config.scale_factor_temporal
+    candidates = set()
+    for scale in (1.0, 0.75, 0.5, 0.375, 0.25):
+        w = max(multiple, int(s.width * scale) // multiple * multiple)
+        h = max(multiple, int(s.height * scale) // multiple * multiple)
+        for div in (1, 2, 4, 8, 16):
+            frames = ((s.num_frames - 1) // t // div) * t + 1
+            if (w, h, frames) != (s.width, s.height, s.num_frames):
+                candidates.add((w, h, frames))
+    for w, h, frames in sorted(candidates, key=lambda c: -(c[0] * c[1] * c[2])):
+        smaller = type(s)(h, w, frames, s.num_inference_steps, s.guidance_scale, s.guidance_scale_2, s.flow_shift)
+        need, _ = stage_bytes(pipe, smaller, ("denoise",), attention_impl_name)["denoise"]
+        if need <= free:
+            return w, h, frames
+    return None
+
+
+def weights_fit(weight_bytes: dict[str, int], names, mesh) -> bool:
+    """Whether the weights of `names` fit together in 90% of the free memory of a device (their bytes
+    split over the mesh's devices); True where the backend does not report memory (CPU) or sizes are unknown."""
+    stats = jax.devices()[0].memory_stats() or {}
+    if "bytes_limit" not in stats or not weight_bytes:
+        return True
+    free = stats["bytes_limit"] - stats.get("bytes_in_use", 0)
+    devices = 1 if mesh is None else mesh.devices.size
+    return sum(weight_bytes.get(n, 0) for n in names) / devices <= 0.9 * free
+
+
+def decode_compiles_beside_denoise(pipe, s) -> bool:
+    """Whether the VAE decode may compile while the DiT denoises. On a GPU, XLA's autotuner runs the
+    decode's convolutions on device buffers of their real sizes while it compiles, so that compile needs
+    about the decode's working set beside the denoise's; where both do not fit in 90% of a device's
+    memory, the decode compiles before the first step instead (a 14B 720p run from an empty compile
+    cache on an 80 GB H100 ran out of memory in its first steps otherwise). True off GPUs (TPU
+    compiles take no device memory) and where the memory is unknown."""
+    device = jax.devices()[0]
+    stats = device.memory_stats() or {}
+    if device.platform != "gpu" or "bytes_limit" not in stats:
+        return True
+    need = stage_bytes(pipe, s, ("denoise", "decode"))
+    return sum(b for b, _ in need.values()) <= 0.9 * stats["bytes_limit"]
+
+
+def free_bytes_after_release(vae) -> int | None:
+    """The free device memory `decode` will see once the encoders and the DiT are released: all of it
+    but the VAE's weights (None where the backend does not report memory)."""
+    stats = jax.devices()[0].memory_stats() or {}
+    if "bytes_limit" not in stats:
+        return None
+    from flax import nnx
+
+    weights = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(nnx.state(vae)))
+    return stats["bytes_limit"] - weights
