@@ -22,8 +22,8 @@ so V comes in transposed; P stays in registers as the 8-bit A operand, its keys 
 each thread already holds them (FA3's trick, `KEY_ORDER_16`: V's keys are stored in that order, so
 no value crosses threads). At 8 bits a step takes 256 keys (P 32 registers a thread where bf16
 would need 128): 64×256×2 runs at 849-855 / 893-902 TFLOP/s on an H200 at 12 h × 32,760 / 40 h ×
-75,600 (thirteenth session; 841 / 879 in the same call with P through shared memory, which Mosaic
-GPU's own relayout to the 8-bit operand would have needed).
+75,600, against 841 / 879 with P through shared memory, which Mosaic GPU's own relayout to the
+8-bit operand would need.
 
 Scheduling variants (`benchmarks/bench_attention.py` sweeps them; `wan_tpu/kernels/tuning.py` holds the pick):
 - one CTA per (head, q tile, batch), heads fastest in the grid (default), or q tiles fastest
@@ -39,16 +39,16 @@ Scheduling variants (`benchmarks/bench_attention.py` sweeps them; `wan_tpu/kerne
   multicasts it into both CTAs' rings, so the pair reads each tile from L2 once. A ring slot is
   refilled once all four compute warpgroups of the pair are done with it (cluster barriers), and
   neither CTA exits before the other is done arriving on its barriers. At 64×192 a CTA streams
-  ~38 GB/s of K/V, ~5 TB/s out of L2 over 132 SMs. Pairs took self-attention
-  from 627-631 to 640-651 TFLOP/s on an H200 (twelfth session); clusters of 4 were slower.
+  ~38 GB/s of K/V, ~5 TB/s out of L2 over 132 SMs. Pairs take self-attention from 627-631 to
+  640-651 TFLOP/s on an H200; clusters of 4 are slower than single CTAs (625 / 618).
 - `half_p` (bf16 inputs; on in `tuning.GPU_BLOCKS`): P in f16 instead of bf16 and P·V in f16 (V
   converted first, `v_in_half`), so that the row sums are packed f16 adds, one a pair of keys,
   where f32 adds took one a key. The softmax's instruction count per step and thread falls from
   638 to 619 in the main loop (ptxas, 64×192; the f16 pairs cost 27 register moves back), and P
   keeps 11 significant bits instead of 8: 1.7e-3 against 2.3e-3 relative error on random inputs.
-  Fifteenth session: +0.3-1.6% at 12 h × 32,760 and 40 h × 75,600 in four calls on an H100 and an
-  H200; the 14B forward 1.0% faster on both; the 1.3B forward 1.5-2.3% on the H100, within the
-  noise on the H200. With the overlap (cross-attention's persistent walk) it is 23% slower.
+  +0.3-1.6% at 12 h × 32,760 and 40 h × 75,600 on an H100 and an H200; the 14B forward 1.0% faster
+  on both; the 1.3B forward 1.5-2.3% on the H100, within the noise on the H200. With the overlap
+  (cross-attention's persistent walk) it is 23% slower, so "cross" leaves it off.
 - `stale_max` (with `half_p`; on in `tuning.GPU_BLOCKS`): FA4's conditional rescale taken one step
   further. A step keeps the running row max and skips both the max (an FMNMX a score, shuffles) and
   the accumulator's rescale (an FMUL an output element); its packed f16 row sums, which it needs
@@ -58,48 +58,32 @@ Scheduling variants (`benchmarks/bench_attention.py` sweeps them; `wan_tpu/kerne
   normalisation by l is exact for any max. One copy of the step serves the whole tile: its ragged
   kv block is walked first (the memory warpgroup loads it first), where the exact branch always
   runs and masks it, so the fast path has no mask. With the first and last steps as copies of
-  their own, 64×192 was 5% slower at 27,280-32,760 keys than at 75,600, presumably because code
+  their own, 64×192 is 5% slower at 27,280-32,760 keys than at 75,600, presumably because code
   that runs once a tile is fetched from outside the instruction cache. The fast path is 316
   instructions a thread and step at 64×128 (ptxas), where `half_p` alone takes 619 at 64×192 for
   1.5 times the keys; at 64×192 the scores, P and the accumulator no longer fit beside each other
-  and ptxas serialises the wgmmas. Sixteenth session, H200: self-attention 1.23-1.25× jax cuDNN at
-  27,280-75,600 keys (64×128×2, pairs, `fa3_turns`).
+  and ptxas serialises the wgmmas (492-502 TFLOP/s), hence 64×128 tiles: 695 / 708-709 TFLOP/s on
+  an H200 at 12 h × 32,760 / 40 h × 75,600 (64×128×2, pairs, `fa3_turns`) against 654-658 / 659-663
+  for 64×192 tiles without `stale_max`; 1.23-1.25× jax's cuDNN at 27,280-75,600 keys.
 - `overlap` (bf16; implies `fa3_turns`): FA3's intra-warpgroup overlap. One turn issues Q·Kᵀ of
   step j+1 and P·V of step j together; the softmax of step j+1 starts as soon as its scores are
   in and runs while that P·V does. Live registers: the scores, P of step j and the accumulator,
   64 + 32 + 64 a thread at 64 × 128; at 64 × 192 (96 + 48 + 64) ptxas spills and serialises the
-  wgmmas at 232 registers, and at 240 it gains 1%.
+  wgmmas at 232 registers, and at 240 it gains 1%. On an H200 it takes cross-attention (4-7 kv
+  steps a tile) past cuDNN as a persistent 64×128×3 walk (the tuned "cross" choice); bf16
+  self-attention gains nothing from it (64×128×2 with the overlap equals 64×192×2 without): its
+  two softmaxes alternating is not what holds it back. The 8-bit path has none: the scores, P, the
+  accumulator and each step's fresh P·V sum would need 288 registers a thread at 64 × 256.
 - `pv_row_sums` (the 8-bit kernel; on in `tuning.GPU_FP8_BLOCKS`): the row sums taken by P·V, whose
-  transposed V gets a row of ones (`mgpu_attention_fp8`). Seventeenth session, H100: the main loop
-  890 → 825 instructions a thread and step (the 136 FADDs of the row sums gone; 73 IMADs, presumably
-  register moves for the wider accumulator, come back), 888 → 942 / 931 → 984 TFLOP/s at 12 h × 32,760 / 40 h ×
-  75,600. Tried there and not kept for the 8-bit kernel: `stale_max` (at 64×256 the scores, P's
-  bytes and the accumulator spill, 647 / 620; at 64×128 it gains 3-5% over 64×128 but stays under
-  64×256), FA4's exp2 on the FMA units for 2-6 of a row's 32 register groups (4-5% slower), and
-  the int8 scores converted by an integer add instead of I2FP (the same instruction count).
-Measured on an H200 (eleventh session, docs/PERFORMANCE.md): the overlap took cross-attention
-(4-7 kv steps a tile) past cuDNN as a persistent 64×128×3 walk (the tuned cross choice), and
-`fa3_turns` made the 8-bit path 2-5% faster while its P went through shared memory, and equals
-the alternation with P in registers (it has no overlap: scores, P, the accumulator and each step's
-fresh P·V sum would need 288 registers a thread at 64 × 256); bf16 self-attention gained nothing
-from either (64×128×2 with the overlap equals 64×192×2 without): its two softmaxes alternating was
-not what held it back.
-Tried on an H100 and not kept (docs/PERFORMANCE.md, eighth session): a third of the exp2 as an
-FMA-unit polynomial (-6%), packed `ex2.approx.bf16x2` (-2%, and 1.6× the error), FA3's 240/240/24
-register split (-1%; 240/240/32 hangs in `setmaxnreg`), and lazy rescaling in a per-thread
-branch (+0.6-1.1%, within the noise). Taking work off the MUFU slowed the kernel: the softmax is
-bound by its instruction count, not by the MUFU. The same held at 8 bits (H200, twelfth session):
-`ex2.approx.f16x2` for the FP8 kernel's exp2 (two a MUFU instruction, plus two conversions a pair)
-took it from 845 / 884 to 732 / 767 TFLOP/s. Thirteenth session (H200), against 637-641 / 652-653
-for 64×192 with pairs: FA3's 176-key tile (and 160 again, now with pairs), with or without the
-overlap, V in 32- / 64-byte swizzled rows as Mosaic GPU then needs for P·V, 604-637; P·V of step j
-and Q·Kᵀ of step j+1 issued back to back in one turn with no wait between them, 491 / 501 at
-64×192 (P, the scores and the output all live at the issue) and 610 / 623 at 64×128.
-Fifteenth session (H100): `ex2.approx.f16x2` is no packed MUFU op on sm_90 either (ptxas emits two
-`MUFU.EX2.F16` and repacks them, which also explains the 8-bit figure above): 3-4% slower; lazy
-rescaling again, in an `scf.if` per thread: 666 / 638 against 663 / 663; the row max and sum as
-pairwise trees per thread: no change. Under load every kernel here runs at the card's 700 W cap
-(`benchmarks/bench_power.py`): its softmax costs 11% of what the kernel without it reaches.
+  transposed V gets a row of ones (`mgpu_attention_fp8`). On an H100 the main loop falls from 890
+  to 825 instructions a thread and step (the 136 FADDs of the row sums gone; 73 IMADs, presumably
+  register moves for the wider accumulator, come back), and the kernel goes from 888 / 931 to
+  942 / 984 TFLOP/s at 12 h × 32,760 / 40 h × 75,600.
+The softmax is bound by its instruction count, not by the MUFU: taking work off the MUFU (part of
+the exp2 as an FMA-unit polynomial) slows the kernel, and `ex2.approx.f16x2` / `ex2.approx.bf16x2`
+are no packed MUFU ops on sm_90 (ptxas emits two `MUFU.EX2.F16` and repacks them), so exp2 stays
+in f32. Under load every kernel here runs at the card's 700 W cap (`benchmarks/bench_power.py`): its
+softmax costs 11% of what the kernel without it reaches.
 """
 
 from __future__ import annotations
@@ -387,7 +371,7 @@ def fp8_operands(q, k, v, qk_int8=False, v_operand_order=False):
     k8 = _pad_to_8(quant(k, k_scale))
     # V transposed in bf16, in a pass of its own, then quantised (and its keys put in order) in the
     # next: fused, XLA emits the whole as one many-dimensional transpose of 1-byte elements at ~0.4
-    # TB/s (2.96 ms a 14B layer, 1.20 ms apart; H200, docs/PERFORMANCE.md, fourteenth session).
+    # TB/s (on an H200: 2.96 ms a 14B layer, against 1.20 ms as two passes).
     vt = lax.optimization_barrier(jnp.pad(v, ((0, 0), (0, -skv % 128), (0, 0), (0, 0))).transpose(0, 2, 3, 1))
     vt8 = _to_f8(vt, v_scale.transpose(0, 2, 3, 1))
     if v_operand_order:
@@ -415,8 +399,8 @@ def mgpu_attention_fp8(q, k, v, block_q=64, block_kv=256, stages=2, persistent=0
     the loss with it (`benchmarks/fp8_error.py --accumulation` emulates that rule). Each step's P·V in a
     fresh accumulator, added in float32, took the 1.3B forward's error against bf16 from 1.12e-1 to
     8.5e-3 on an H200, and the kernel 3% faster (the rescale became the add's multiply).
-    `fa3_turns` (on in `tuning.GPU_FP8_BLOCKS`): FA3's turn hand-over (module docstring); 2-5% faster
-    while P went through shared memory, equal since.
+    `fa3_turns` (on in `tuning.GPU_FP8_BLOCKS`): FA3's turn hand-over (module docstring); with P in
+    registers as fast as the alternation (a tie, kept on).
     `cluster=2` (on there too): CTA pairs sharing each K/V tile (module docstring), 0.6-1.6% faster.
     `pv_row_sums` (default: with `pv_two_level`; on in `tuning.GPU_FP8_BLOCKS`): the row sums l come
     from P·V itself. V's transposed tile gets 8 more rows in shared memory, loaded once: ones, then

@@ -29,7 +29,7 @@ import os
 import shutil
 import tempfile
 
-from wan_tpu.runtime.cli import CliParser, exit_now, run_cli
+from wan_tpu.runtime.cli import CliParser, add_overwrite, exit_now, run_cli
 
 VAE_FILE = "Wan2.1_VAE.pth"
 CLIP_FILE = "models_clip_open-clip-xlm-roberta-large-vit-huge-14.pth"
@@ -151,7 +151,7 @@ def build_parser():
     parser = CliParser(prog="wan-convert-matrix-game", description=__doc__.split("\n\n")[0])
     parser.add_argument("src", help="the Skywork/Matrix-Game-2.0 download")
     parser.add_argument("dst", help="folder to write (may be SRC)")
-    parser.add_argument("--overwrite", action="store_true", help="replace converted parts that already exist in DST")
+    add_overwrite(parser, "replace converted parts that already exist in DST")
     parser.add_argument("--clip-heads", type=int, default=None, help=argparse.SUPPRESS)  # only for small test towers
     return parser
 

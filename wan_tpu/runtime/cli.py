@@ -74,12 +74,17 @@ def add_common_args(p: argparse.ArgumentParser, *, model_default, model_help: st
     if seed:
         p.add_argument(*names("--seed"), dest="seed", type=int, default=seed_default, help=seed_help)
     p.add_argument(*names("--output"), dest="output", default=output_default, help=output_help)
-    p.add_argument("--overwrite", action="store_true", help="replace existing outputs")
+    add_overwrite(p)
     p.add_argument("--no-compile-cache", action="store_true",
                    help="neither read nor write compiled programs on disk (see wan_tpu.runtime.compile_cache)")
     if profile:
         p.add_argument("--profile", default=None, metavar="DIR", help="write a JAX profiler trace into DIR")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
+
+
+def add_overwrite(p: argparse.ArgumentParser, help: str = "replace existing outputs") -> None:
+    """`--overwrite`, also for commands without the other shared flags (the converters)."""
+    p.add_argument("--overwrite", action="store_true", help=help)
 
 
 def parse_mesh(spec: str | None):

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import time
 
-from wan_tpu.runtime.cli import CliParser, exit_now, run_cli
+from wan_tpu.runtime.cli import CliParser, add_overwrite, exit_now, run_cli
 from wan_tpu.unifolm.convert import TEXT_HEAD_WIDTH, VISION_HEAD_WIDTH, convert
 
 
@@ -28,7 +28,7 @@ def build_parser() -> CliParser:
     ap.add_argument("--tokenizer", default=None, help="a CLIP tokenizer folder (default: open_clip's BPE)")
     ap.add_argument("--vision-head-width", type=int, default=VISION_HEAD_WIDTH, help="CLIP vision head width (ViT-H-14: 80)")
     ap.add_argument("--text-head-width", type=int, default=TEXT_HEAD_WIDTH, help="CLIP text head width (ViT-H-14: 64)")
-    ap.add_argument("--overwrite", action="store_true", help="replace an existing output folder")
+    add_overwrite(ap, "replace an existing output folder")
     return ap
 
 
