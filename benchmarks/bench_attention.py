@@ -37,11 +37,13 @@ import argparse
 import functools
 import os
 import re
-import statistics
+import sys
 import time
 
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # harness.py, beside this script
+import harness  # noqa: E402
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
@@ -110,25 +112,6 @@ def parse_variant(spec: str, sms: int) -> dict:
     return kw
 
 
-def time_calls(call, sync, seconds_per_call_hint):
-    """Median ms per call over 5 batches of back-to-back calls (≥ ~0.2 s each)."""
-    sync(call())
-    n = max(2, min(50, int(0.2 / max(seconds_per_call_hint, 1e-5))))
-    per_call = []
-    for _ in range(5):
-        start = time.perf_counter()
-        for _ in range(n - 1):
-            call()
-        sync(call())
-        per_call.append((time.perf_counter() - start) / n)
-    return statistics.median(per_call) * 1e3
-
-
-def rel_error(out_slice, ref_slice):
-    out_slice = np.asarray(out_slice, np.float32)
-    return float(np.linalg.norm(out_slice - ref_slice) / np.linalg.norm(ref_slice))
-
-
 def _short(e: Exception) -> str:
     lines = [line for line in str(e).splitlines() if line.strip()]
     return f"{type(e).__name__}: {(lines[0] if lines else '')[:150]}"
@@ -190,16 +173,17 @@ def bench_shape(name, shape, variants, peers, sms, interpret):
     heads_checked = jnp.array([0, heads - 1])
     pick = lambda o: o[:, rows][:, :, heads_checked]  # noqa: E731
     ref = np.asarray(reference_attention(*(x[:, :, heads_checked].astype(jnp.float32) for x in (q[:, rows], k, v))))
-    hint = flops / 500e12
+    # Median of 5 batches of back-to-back calls, each batch ≥ ~0.2 s (a guess at 500 TFLOP/s).
+    batch = max(2, min(50, int(0.2 / max(flops / 500e12, 1e-5))))
     results = []
 
     def run(label, fn, out_slice, sync):
         try:
-            err = rel_error(out_slice(), ref)  # correctness first: a wrong variant is never timed
+            err = harness.rel_error(out_slice(), ref)  # correctness first: a wrong variant is never timed
             if not err <= (TOL_FP8 if {"f", "i"} & set(label.split()[-1].split("x")) else TOL):
                 results.append((label, None, f"FAIL rel. err {err:.1e}"))
             else:
-                results.append((label, time_calls(fn, sync, hint), err))
+                results.append((label, harness.measure(fn, sync, iters=5, batch=batch).ms, err))
         except Exception as e:  # one failing entry must not hide the others
             results.append((label, None, _short(e)))
         print(f"  {name}: {results[-1]}", flush=True)
@@ -228,10 +212,10 @@ def bench_shape(name, shape, variants, peers, sms, interpret):
     for label, ms, err in results:
         where = f"{name} {heads}h {sq}×{skv}" + (f" B{batch} D{d}" if (batch, d) != (1, D) else "")
         if ms is None:
-            rows.append(f"| {where} | {label} | – | – | – | {err} |")
+            rows.append(harness.row(where, label, "–", "–", "–", err))
         else:
             ratio = f"{cudnn_ms / ms:.3f}" if cudnn_ms else "–"
-            rows.append(f"| {where} | {label} | {ms:.3f} | {flops / ms / 1e9:.0f} | {ratio} | {err:.1e} |")
+            rows.append(harness.row(where, label, f"{ms:.3f}", f"{flops / ms / 1e9:.0f}", ratio, f"{err:.1e}"))
     print("\n".join(rows), flush=True)
     return rows
 
@@ -245,15 +229,15 @@ def main():
     args = parser.parse_args()
     from wan_tpu.runtime.profiling import measured_peak_flops
 
+    harness.print_env(jax.devices())
     device = jax.devices()[0]
     interpret = args.tiny or device.platform != "gpu"
     sms = getattr(device, "core_count", 0) or 132
     peak = measured_peak_flops(8192 if not interpret else 256) / 1e12
     import torch
 
-    print(f"device: {device.device_kind} ({sms} SMs); jax {jax.__version__}; torch {torch.__version__}; cuDNN (torch) "
-          f"{torch.backends.cudnn.version()}; bf16 matmul {'8192' if not interpret else '256'}^3 {peak:.0f} TFLOP/s",
-          flush=True)
+    print(f"{sms} SMs; cuDNN (torch) {torch.backends.cudnn.version()}; "
+          f"bf16 matmul {'8192' if not interpret else '256'}^3 {peak:.0f} TFLOP/s", flush=True)
     shapes = TINY_SHAPES if interpret else SHAPES
     rows = []
     for name in args.shapes.split(","):
@@ -263,7 +247,7 @@ def main():
         variants = given or (SELF_VARIANTS if name.startswith("self") else CROSS_VARIANTS)
         rows += bench_shape(name, shapes[name], variants, args.peers.split(","), sms, interpret)
     print(f"\nbf16 8192^3 matmul in this run: {peak:.0f} TFLOP/s")
-    print("| shape | impl | ms | TFLOP/s | × jax cuDNN | rel. err (≤1e-2) |\n|---|---|---|---|---|---|")
+    print(harness.header("shape", "impl", "ms", "TFLOP/s", "× jax cuDNN", "rel. err (≤1e-2)"))
     print("\n".join(rows))
 
 

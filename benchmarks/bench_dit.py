@@ -45,10 +45,8 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import gc
-import json
 import os
 import re
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -60,6 +58,8 @@ from wan_tpu.runtime.xla_defaults import apply_xla_defaults  # noqa: E402
 
 apply_xla_defaults()
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # harness.py, beside this script
+import harness  # noqa: E402
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
@@ -96,18 +96,10 @@ def model_flops(cfg, latent) -> float:
 TIMED = {}
 
 
-def median_ms(call, sync, iters, warmup, key=None):
-    for _ in range(warmup):
-        sync(call())
-    times = []
-    t0 = time.time()
-    for _ in range(iters):
-        start = time.perf_counter()
-        sync(call())
-        times.append(time.perf_counter() - start)
-    if key is not None:
-        TIMED[key] = (t0, time.time())
-    return statistics.median(times) * 1e3
+def record(results, name, label, timing, scale=1):
+    """`results[label]`: the timing's median ms (× `scale`); `TIMED` keeps when its calls ran."""
+    TIMED[name, label] = timing.span
+    results[label] = scale * timing.ms
 
 
 def inputs(cfg, latent, seed=0):
@@ -133,11 +125,6 @@ def gemm_summary(hlo: str) -> str:
     return f"{len(calls)} cuBLAS GEMM calls (epilogue: {by_kind or '-'}), {pads} pad ops"
 
 
-def rel(a, b) -> float:
-    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-    return float(np.linalg.norm(a - b) / np.linalg.norm(b))
-
-
 # ---- diffusers ------------------------------------------------------------------------------------
 
 def diffusers_model(cfg):
@@ -146,7 +133,7 @@ def diffusers_model(cfg):
 
     torch.manual_seed(0)
     torch.set_default_dtype(torch.bfloat16)
-    with torch.device(_torch_device()):
+    with torch.device(harness.torch_device()):
         model = WanTransformer3DModel(**config_to_json(cfg)).eval()
     torch.set_default_dtype(torch.float32)
     # As from_pretrained(torch_dtype=bfloat16) does: _keep_in_fp32_modules stay float32.
@@ -157,30 +144,24 @@ def diffusers_model(cfg):
     return model
 
 
-def _torch_device():
-    import torch
-
-    return "cuda" if torch.cuda.is_available() else "cpu"
-
-
 def run_torch(cfg, latent, args, name, results):
     import torch
 
     model = diffusers_model(cfg)
-    x, t, c = (torch.from_numpy(a).to(_torch_device()) for a in inputs(cfg, latent))
+    x, t, c = (torch.from_numpy(a).to(harness.torch_device()) for a in inputs(cfg, latent))
     x, c = x.bfloat16(), c.bfloat16()
-    sync = (lambda _: torch.cuda.synchronize()) if torch.cuda.is_available() else (lambda _: None)
     ref = folder = None
     with torch.inference_mode():
         call = lambda: model(x, t, c, return_dict=False)[0]  # noqa: E731
-        results["diffusers eager"] = median_ms(call, sync, args.iters, 1, (name, "diffusers eager"))
+        record(results, name, "diffusers eager", harness.measure(call, harness.torch_sync, iters=args.iters))
         if name in args.check:
             ref = call().float().cpu().numpy()
             folder = tempfile.mkdtemp(prefix=f"bench_dit_{name}_")
             model.save_pretrained(folder)
         if name in args.compile:
             model.compile_repeated_blocks(fullgraph=True)
-            results["diffusers torch.compile"] = median_ms(call, sync, args.iters, 2, (name, "diffusers torch.compile"))
+            record(results, name, "diffusers torch.compile",
+                   harness.measure(call, harness.torch_sync, iters=args.iters, warmup=2))
     del model, x, c
     gc.collect()
     if torch.cuda.is_available():
@@ -254,13 +235,13 @@ def run_jax(cfg, latent, args, name, folder, results, notes):
             print(f"{name}: ours {variant} compiled (at {time.perf_counter() - START:.0f} s)", flush=True)
         call = lambda: compiled(state, x, t, c)  # noqa: E731
         label = f"ours {variant}"
-        results[label] = median_ms(call, jax.block_until_ready, args.iters, 1, (name, label))
+        record(results, name, label, harness.measure(call, jax.block_until_ready, iters=args.iters))
         if not args.json:  # as it comes: a run killed at a time limit still leaves its rows
             print(f"{name}: {label} {results[label]:.1f} ms (at {time.perf_counter() - START:.0f} s)", flush=True)
         outs[variant] = np.asarray(call().astype(jnp.float32))
         if variant in QUANT_RECIPES and "fused" in outs:
             notes.append(f"{name}: {variant} forward vs bf16 (ours fused), relative error "
-                         f"{rel(outs[variant], outs['fused']):.2e}")
+                         f"{harness.rel_error(outs[variant], outs['fused']):.2e}")
             if not args.json:
                 print(notes[-1], flush=True)
         hlo = compiled.as_text()
@@ -295,7 +276,8 @@ def run_jax(cfg, latent, args, name, folder, results, notes):
                                  jnp.bfloat16) for i in range(3))
     attn = jax.jit(functools.partial(attention, impl=None if args.attention == "None" else args.attention))
     only = "self-attention only ×layers"
-    results[only] = cfg.num_layers * median_ms(lambda: attn(q, k, v), jax.block_until_ready, args.iters, 1, (name, only))
+    record(results, name, only, harness.measure(lambda: attn(q, k, v), jax.block_until_ready, iters=args.iters),
+           scale=cfg.num_layers)
     del dit
     gc.collect()
     return outs.get("fused")
@@ -305,12 +287,11 @@ def run_xla_variants(args, rows):
     """Ours fused in a fresh process per XLA_FLAGS setting (XLA reads its flags once per process)."""
     for spec in filter(None, args.xla_variants.split(";")):
         label, _, flags = spec.partition("=")
-        env = dict(os.environ, XLA_FLAGS=f"{os.environ.get('XLA_FLAGS', '')} {flags}".strip())
         cmd = [sys.executable, os.path.abspath(__file__), "--configs", ",".join(args.xla_configs), "--no-diffusers",
                "--variants", "fused", "--iters", str(args.iters), "--attention", args.attention, "--json"]
         try:
-            done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=args.xla_timeout)
-            found = [json.loads(line[7:]) for line in done.stdout.splitlines() if line.startswith("RESULT ")]
+            done = harness.run_fresh(cmd, env=harness.xla_flags_env(flags), timeout=args.xla_timeout)
+            found = done.results()
             if not found:
                 raise RuntimeError((done.stderr.strip().splitlines() or ["no output"])[-1][:200])
             for name, ms in found[0].items():
@@ -347,14 +328,13 @@ def main():
     if args.psnr and not ("fused" in args.variants and set(QUANT_RECIPES) & set(args.variants)):
         raise SystemExit("--psnr needs the fused variant and a quantised one")
 
-    import torch
-
+    if not args.json:
+        harness.print_env(jax.devices())
     # Off GPU only the script itself is being tried: a small product keeps that quick.
     n = 8192 if jax.default_backend() == "gpu" else 512
     peak = measured_peak_flops(n) / 1e12
     if not args.json:
-        print(f"device {jax.devices()[0].device_kind}; jax {jax.__version__}; torch {torch.__version__}; "
-              f"bf16 {n}^3 matmul {peak:.0f} TFLOP/s; XLA_FLAGS={os.environ.get('XLA_FLAGS', '')!r}", flush=True)
+        print(f"bf16 {n}^3 matmul {peak:.0f} TFLOP/s; XLA_FLAGS={os.environ.get('XLA_FLAGS', '')!r}", flush=True)
     rows, notes, errs = {}, [], {}
     with GpuMonitor() as monitor:
         for name in args.configs.split(","):
@@ -364,11 +344,11 @@ def main():
             ref, folder = run_torch(cfg, latent, args, name, results) if args.diffusers else (None, None)
             out = run_jax(cfg, latent, args, name, folder, results, notes)
             if ref is not None:
-                errs[name] = f"{rel(out, ref):.2e}"
+                errs[name] = f"{harness.rel_error(out, ref):.2e}"
             if not args.json:
                 print(f"{name}: {results}", flush=True)
     if args.json:
-        print("RESULT " + json.dumps({name: r["ours fused"] for name, r in rows.items()}), flush=True)
+        harness.emit_result({name: r["ours fused"] for name, r in rows.items()})
         return
     if args.xla_variants:
         run_xla_variants(args, rows)
@@ -376,9 +356,8 @@ def main():
     print()
     print("\n".join(notes))
     print(f"\nbf16 {n}^3 matmul in this run: {peak:.0f} TFLOP/s")
-    print("| config | latent F×H×W | model FLOPs | entry | ms/forward | entry ÷ ours fused | MFU | rel err vs diffusers "
-          "| while timed (medians) |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    print(harness.header("config", "latent F×H×W", "model FLOPs", "entry", "ms/forward", "entry ÷ ours fused", "MFU",
+                         "rel err vs diffusers", "while timed (medians)"))
     for name, results in rows.items():
         variant, latent = CONFIGS[name]
         flops = model_flops(VARIANTS[variant].transformer, latent)
@@ -388,8 +367,7 @@ def main():
             ratio = f"{ms / ours:.3f}" if ours else ""
             err = errs.get(name, "") if entry == OURS else ""
             clocks = clock_summary(monitor.window(*TIMED[name, entry])) if (name, entry) in TIMED else ""
-            print(f"| {name} | {'×'.join(map(str, latent))} | {flops:.3g} | {entry} | {ms:.1f} | {ratio} | {mfu} | {err} "
-                  f"| {clocks} |")
+            print(harness.row(name, "×".join(map(str, latent)), f"{flops:.3g}", entry, f"{ms:.1f}", ratio, mfu, err, clocks))
 
 
 if __name__ == "__main__":

@@ -12,13 +12,16 @@ with random data the tensor cores draw more power and may clock lower. Median of
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
+import functools
+import os
+import sys
 
 from wan_tpu.runtime.xla_defaults import apply_xla_defaults
 
 apply_xla_defaults()  # as the command lines compile: XLA's Triton GEMM search off
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # harness.py, beside this script
+import harness  # noqa: E402
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
@@ -27,25 +30,12 @@ SHAPES = "32768x1536x8960,32768x8960x1536,8192x8192x8192,32768x5120x13824"
 FORMATS = {"bf16": (jnp.bfloat16, jnp.bfloat16), "fp8": (jnp.float8_e4m3fn, jnp.bfloat16), "int8": (jnp.int8, jnp.int32)}
 
 
-def seconds_per_call(f, *args, calls=20):
-    jax.block_until_ready(f(*args))
-    batches = []
-    for _ in range(5):
-        start = time.perf_counter()
-        for _ in range(calls):
-            out = f(*args)
-        jax.block_until_ready(out)
-        batches.append((time.perf_counter() - start) / calls)
-    return statistics.median(batches)
-
-
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--shapes", default=SHAPES, help="comma-separated MxKxN")
     args = p.parse_args()
-    print(f"device {jax.devices()[0].device_kind}; jax {jax.__version__}")
-    print("| M×K×N | format | TFLOP/s | library call |")
-    print("|---|---|---|---|")
+    harness.print_env(jax.devices())
+    print(harness.header("M×K×N", "format", "TFLOP/s", "library call"))
     for shape in args.shapes.split(","):
         m, k, n = map(int, shape.split("x"))
         for name, (dtype, acc) in FORMATS.items():
@@ -55,8 +45,9 @@ def main():
             hlo = product.lower(a, b).compile().as_text()
             calls = [line.split('custom_call_target="')[1].split('"')[0] for line in hlo.splitlines()
                      if "custom_call_target" in line] or ["XLA's own emitter"]
-            rate = 2 * m * k * n / seconds_per_call(product, a, b) / 1e12
-            print(f"| {m}×{k}×{n} | {name} | {rate:.0f} | {', '.join(calls)} |", flush=True)
+            seconds = harness.measure(functools.partial(product, a, b), jax.block_until_ready, iters=5, batch=20).median
+            rate = 2 * m * k * n / seconds / 1e12
+            print(harness.row(f"{m}×{k}×{n}", name, f"{rate:.0f}", ", ".join(calls)), flush=True)
 
 
 if __name__ == "__main__":

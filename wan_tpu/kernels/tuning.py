@@ -2,8 +2,8 @@
 
 TPU: the v6e row is the published Wan 2.1 exp2 splash tuning (block_q 3328, block_kv 2816,
 block_kv_compute 256, inner step 256, low-latency LLO scheduler). The other rows are NOT measured
-(no TPU is lent here): they are derived from each chip's public figures (`TPU_CHIPS`) by three
-rules, which `tests/test_splash_exp2.py` checks row by row:
+on their chips: they are derived from each chip's public figures (`TPU_CHIPS`) by three
+rules, which `tests/shared/test_splash_exp2.py` checks row by row:
 1. block_q ≥ 4 × (bf16 peak ÷ HBM bandwidth). Each K/V row (2·D·2 bytes) fetched from HBM feeds
    4·block_q·D FLOPs, so block_q FLOP/byte is the kernel's arithmetic intensity; 4× the ridge point
    keeps the K/V stream (re-read once per q block) far from the bandwidth roof.
@@ -117,43 +117,28 @@ def tpu_block_sizes(overrides=None) -> BlockSizes:
 
 
 # Keys of a row: `flash_mgpu.mgpu_attention`'s block_q, block_kv, stages, and optionally
-# persistent (a CTA count, or "sms": one per streaming multiprocessor), q_major, overlap, fa3_turns
-# and cluster.
-# Measured on one H200 (benchmarks/bench_attention.py, 2026-11-21, jax 0.11.2, bf16, D=128, B=1):
-# self-attention 12 × 32,760: block_kv 192 654 TFLOP/s, block_kv 128 627, cuDNN 574; 40 × 75,600:
-# 665 / 626 / 577. H100 (2026-11-25, three runs): self 64×192×2 1.12-1.13× cuDNN.
-# pv_two_level (each step's P·V into a fresh accumulator, rescaled and added after the product; H200,
-# 2026-11-26): 12 × 32,760 627 / 636 → 646 TFLOP/s, 40 × 75,600 637 / 639 → 645 in one call, but the
-# 1.3B forward 467.5 / 467.6 → 468.8 / 466.4 ms (alternating fresh processes): within the noise, so off.
-# FA3's intra-warpgroup overlap and turn hand-over (eleventh session, H200, four calls): self-attention
-# gains nothing (64×128×2 with overlap 618-626 TFLOP/s against 64×192×2's 622-643; at 64×192 the
-# overlap spills); cross-attention 32,760 × 512 goes from 0.90-0.93× cuDNN (64×128×2) to 1.015-1.029×
-# as a persistent 64×128×3 walk with the overlap, and × 769 keys from 1.015× to 1.060-1.070×: ours takes it.
-# "short" (both sides under 4,096 tokens; H200, one call, `bench_attention.py --shapes
-# mg2640,wma_spatial,wma_temporal`): no kernel wins them all, so cuDNN keeps them. Ours at D=128,
-# Matrix-Game-2's first chunk (12 h × 2,640²): 1.18× cuDNN at 64×128×2 (1.22× with the overlap).
-# At D=64, UnifoLM-WMA's spatial attention (16 × 5 h × 2,560²): 0.94×. Its temporal attention
-# (2,560 × 5 h × 16²): 0.83×, or 1.08× as the persistent walk with the overlap. An explicit
-# impl="pallas_gpu" gets the plain 64×128×2 tiles there.
-# cluster=2 (FA3's CTA pairs: each K/V tile loaded once, multicast to two q tiles' CTAs; twelfth
-# session, H200, two calls): self-attention 12 × 32,760 631 → 640 / 631 → 642 TFLOP/s, 40 × 75,600
-# 631 → 648 / 627 → 651; the 1.3B forward 465.4 → 460.9 ms. Four CTAs a cluster were slower than
-# one (625 / 618), and so was 64×128×3 with pairs (609 / 621).
-# half_p (P in f16, row sums by packed f16 adds; fifteenth session): on an H100, 663 / 666 / 658 →
-# 673 / 673 / 670 TFLOP/s at 12 × 32,760 and 663 / 672 / 668 → 665 / 677 / 679 at 40 × 75,600 (three
-# calls); on an H200 627 → 634 and 645 → 655. In alternating fresh processes, the 1.3B forward
-# 460.7 / 459.6 → 453.8 / 448.9 ms (H100), 459.7 / 456.7 → 455.8 / 456.6 (H200); 14B 9,855 / 9,859 →
-# 9,761 / 9,755 ms (H100), 9,992 → 9,895 (H200). Not for "cross": 0.77× with its overlap.
-# stale_max (the row max kept from step to step unless the row sums pass a limit; sixteenth session,
-# H200): 64×128×2 with pairs, half_p and fa3_turns 693-700 / 687-698 TFLOP/s at 12 × 32,760 / 40 ×
-# 75,600 and 701-704 at 24 × 27,280 (TI2V 5B), 1.22-1.24× jax cuDNN, against 654-658 / 659-663 / 655
-# for the former 64×192×2 tiles. At 64×192 stale_max keeps the scores live across its branch and
-# ptxas spills (492-502); with its first and last steps as copies of their own it spilled less
-# (662-668 at 27,280-32,760 keys, 703-707 at 75,600: presumably those copies, run once a tile, come
-# from outside the instruction cache). Without fa3_turns 1% slower; 3 stages 682 / 685; regrouping
-# the launch order so that the resident CTAs share 4-16 heads' K/V, no gain. The 1.3B forward
-# 446.1 / 449.4 → 424.7 / 425.0 ms, the 14B 9,727 → 9,477 (alternating fresh processes). The ragged
-# kv block walked first (no mask in the fast path): 695 / 708-709 / 699-701, the 14B forward 9,362 ms.
+# persistent (a CTA count, or "sms": one per streaming multiprocessor), q_major, overlap, fa3_turns,
+# cluster, half_p and stale_max.
+# Figures from `benchmarks/bench_attention.py` (jax 0.11.2, bf16, D=128, B=1), TFLOP/s at 12 h ×
+# 32,760 / 40 h × 75,600 self-attention unless stated; forward times in alternating fresh processes.
+# "self", on an H200: 64×128×2 with CTA pairs (cluster=2), half_p, stale_max and fa3_turns, the ragged
+# kv block walked first: 695 / 708-709 TFLOP/s (699-701 at 24 × 27,280, TI2V 5B), 1.22-1.24× jax's
+# cuDNN, against 654-658 / 659-663 for 64×192×2, the best tiles without stale_max (at 64×192 stale_max
+# keeps the scores live across its branch and ptxas spills: 492-502). The pieces: pairs (each K/V
+# tile loaded once, multicast to two q tiles' CTAs) 631 → 640-651, the 1.3B forward 465.4 → 460.9 ms;
+# half_p +0.3-1.6% on H100 and H200, the 14B forward 1% faster on both; stale_max the 1.3B forward
+# 446.1 / 449.4 → 424.7 / 425.0 ms and the 14B 9,727 → 9,477 (9,362 with the ragged block first);
+# fa3_turns 1% (stale_max without it is 1% slower). Without stale_max, 64×192×2 is 1.12-1.13× cuDNN
+# on an H100 and beats 64×128×2 on an H200 (654 / 665 against 627 / 626; cuDNN 574 / 577).
+# "cross" (32,760 queries × 512 or 769 keys): the persistent 64×128×3 walk with FA3's intra-warpgroup
+# overlap, 1.015-1.029× cuDNN at 512 keys and 1.060-1.070× at 769, where plain 64×128×2 tiles reach
+# 0.90-0.93× and 1.015×. No half_p there: with the overlap it is 0.77×.
+# "short" (both sides under 4,096 tokens; `bench_attention.py --shapes mg2640,wma_spatial,wma_temporal`,
+# H200): no kernel of ours wins them all, so cuDNN keeps them. Ours at D=128, Matrix-Game-2's first
+# chunk (12 h × 2,640²): 1.18× cuDNN at 64×128×2 (1.22× with the overlap). At D=64, UnifoLM-WMA's
+# spatial attention (16 × 5 h × 2,560²): 0.94×. Its temporal attention (2,560 × 5 h × 16²): 0.83×,
+# or 1.08× as the persistent walk with the overlap. An explicit impl="pallas_gpu" gets the plain
+# 64×128×2 tiles there.
 GPU_BLOCKS = {
     "self": {"block_q": 64, "block_kv": 128, "stages": 2, "cluster": 2, "half_p": True, "stale_max": True,
              "fa3_turns": True},
@@ -161,21 +146,18 @@ GPU_BLOCKS = {
     "short": {"block_q": 64, "block_kv": 128, "stages": 2},
 }
 GPU_FASTEST = {"self": "pallas_gpu", "cross": "pallas_gpu", "short": "cudnn"}
-# The FP8 kernel (`attention(impl="pallas_gpu_fp8")`, self-attention only), measured on an H200 at
-# 12 h × 32,760 / 40 h × 75,600 (the bf16 kernel: 631 / 629 TFLOP/s in the same run). block_kv must
-# be a multiple of 128 (P's 128-byte swizzle), and 256 beats 128 by 16%: 64×256×2 e4m3 Q·Kᵀ
-# 803 / 828 TFLOP/s at 5.3e-2 relative error (random inputs), int8 Q·Kᵀ 785 / 816 at 4.0e-2,
-# 64×128×4 int8 678 / 722. int8 Q·Kᵀ: a quarter less error for 2% of the speed. pv_two_level
-# (2026-11-26, H200, same call): 780 → 806 / 811 → 829 TFLOP/s, and the 1.3B forward's error against
-# bf16 1.12e-1 → 8.5e-3 (the running FP8 accumulator's ~14 bits were the cause). fa3_turns (FA3's
-# hand-over: a warpgroup waits only before issuing its products, so the two softmaxes may overlap;
-# eleventh session, same call): 807 → 847 / 848 → 881 TFLOP/s. cluster=2 (CTA pairs sharing each K/V
-# tile; twelfth session, two calls): 834 → 847 / 836 → 849 and 877 → 882 / 877 → 883 (four: 800 / 838).
-# P kept in registers as the 8-bit operand (FA3's key order; thirteenth session, two calls): 841 → 849 /
-# 879 → 893, then 852 / 902; without fa3_turns 851 / 902 and 855 / 902, so the hand-over stays (a tie).
-# pv_row_sums (the row sums taken by P·V, V's transposed tile with a row of ones; seventeenth session,
-# H100, one call): 888 → 942 / 931 → 984 TFLOP/s; at the 700 W cap (`bench_power.py`) 843.8 → 896.7 /
-# 902.6 → 961.4; the 1.3B forward with FP8 attention 381.7 → 369.1 ms (fresh processes, one each).
+# The FP8 kernel (`attention(impl="pallas_gpu_fp8")`, self-attention only), TFLOP/s at 12 h × 32,760 /
+# 40 h × 75,600 on an H200 unless stated (the bf16 kernel then: 631 / 629). block_kv must be a
+# multiple of 128 (P's 128-byte swizzle), and 256 beats 128 by 16%. int8 Q·Kᵀ (qk_int8): a quarter
+# less error than e4m3 for 2% of the speed (4.0e-2 against 5.3e-2 relative error on random inputs;
+# 785 / 816 against 803 / 828 at 64×256×2). pv_two_level: the running FP8 accumulator's ~14 bits
+# took the 1.3B forward's error against bf16 to 1.12e-1, a fresh accumulator a step to 8.5e-3, and
+# the kernel from 780 / 811 to 806 / 829. fa3_turns: a tie with P in registers (849-852 / 893-902
+# with it, 851-855 / 902 without). cluster=2 (CTA pairs sharing each K/V tile): 834 → 847 / 836 → 849 and
+# 877 → 882 / 877 → 883. P in registers as the 8-bit operand (FA3's key order): 841 → 849 / 879 →
+# 893. pv_row_sums (the row sums taken by P·V, V's transposed tile with a row of ones; H100): 888 →
+# 942 / 931 → 984 TFLOP/s; at the 700 W cap (`bench_power.py`) 843.8 → 896.7 / 902.6 → 961.4; the
+# 1.3B forward with FP8 attention 381.7 → 369.1 ms.
 GPU_FP8_BLOCKS = {"block_q": 64, "block_kv": 256, "stages": 2, "qk_int8": True, "pv_two_level": True,
                   "fa3_turns": True, "cluster": 2, "pv_row_sums": True}
 

@@ -1,4 +1,9 @@
-"""Steering XLA's GPU fusion where its choice costs memory passes (docs/PERFORMANCE.md, fourteenth session)."""
+"""Steering XLA's GPU fusion where its choice costs memory passes.
+
+On GPUs XLA fuses a cheap producer into each of its consumers, or one consumer writes a wider copy
+for the others. Where the producer reads a wide input (a product's int32 output, in
+`quantized.quantized_matmul`) or the fusion writes a float32 copy of bf16 rows (an RMS norm's
+statistic, in `norms`), writing the intermediate once in a pass of its own saves memory passes."""
 
 from __future__ import annotations
 

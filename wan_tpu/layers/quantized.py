@@ -74,11 +74,11 @@ def quantized_matmul(x, wq, w_scale, bias=None, fmt: str = "fp8", out_dtype=jnp.
     lead = x.shape[:-1]
     if FORMATS[fmt].integer:
         # x written once in its dtype before the amax and the casting pass. Its producer starts
-        # from a product's 4-byte int32 output; presumably XLA read those twice, once per pass (not
-        # profiled). Measured on an H200: 1.3B int8 forward 380.4 / 381.7 → 376.2 / 376.3 ms; 14B
-        # 7,152.8 → 7,098.8 ms in one call, 7,202.6 → 7,199.9 in another. FP8 products come back in
-        # bf16, and there the extra write cost more than it saved: 1.3B 359.7 / 359.8 → 367.6 /
-        # 366.6 ms, 14B 6,875.0 → 6,907.4 ms.
+        # from a product's 4-byte int32 output, which XLA, fusing it, presumably reads once per
+        # pass. On an H200: 1.3B int8 forward 380.4 / 381.7 → 376.2 / 376.3 ms; 14B 7,152.8 →
+        # 7,098.8 ms and 7,202.6 → 7,199.9. FP8 products come back in bf16, and there the extra
+        # write costs more than it saves (1.3B 359.7 → 367.6 ms, 14B 6,875.0 → 6,907.4 ms), hence
+        # integer formats only.
         x = own_pass_on_gpu(x)
     xq, x_scale = quantize_rows(x.reshape(-1, x.shape[-1]), fmt)
     tokens = xq.shape[0]
@@ -89,10 +89,9 @@ def quantized_matmul(x, wq, w_scale, bias=None, fmt: str = "fp8", out_dtype=jnp.
     acc_dtype = jnp.int32 if FORMATS[fmt].integer else out_dtype
     # 2-D operands, contracting x's minor dimension with w's major one: the shape the FP8 GEMM
     # rewrite accepts (it transposes w to the column-major layout cuBLASLt wants itself). Default
-    # precision, so cuBLASLt may use FP8 fast accumulation: HIGHEST (float32 sums) measured no
-    # different (FFN-only 1.3B forward 5.71e-2 from bf16 against 5.73e-2; the CPU's exact sums give
-    # 5.80e-2 on those weights) and kept the 14B FP8 forward from finishing within 350 s on an H200
-    # (docs/PERFORMANCE.md, ninth session).
+    # precision, so cuBLASLt may use FP8 fast accumulation: HIGHEST (float32 sums) is no more
+    # accurate (FFN-only 1.3B forward 5.71e-2 from bf16 against 5.73e-2; the CPU's exact sums give
+    # 5.80e-2 on those weights) and keeps the 14B FP8 forward from finishing within 350 s on an H200.
     y = jax.lax.dot_general(xq, wq, (((1,), (0,)), ((), ())), preferred_element_type=acc_dtype)[:tokens]
     y = y.astype(jnp.float32) * x_scale * w_scale.astype(jnp.float32)
     if bias is not None:

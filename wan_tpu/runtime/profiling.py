@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 import jax
 
 # Peak dense bf16 FLOP/s per device used as the MFU denominator. NVIDIA Hopper: the 8192³ bf16
-# matmul ceiling measured on an H200 (772 TFLOP/s, docs in shared anchors), applied to the H100 too
+# matmul ceiling measured on an H200 (772 TFLOP/s, `measured_peak_flops`), applied to the H100 too
 # (same SM count and clocks; the spec sheet's 989 TFLOP/s is not reached by any matmul). TPUs: the
 # published dense bf16 peaks.
 PEAK_BF16_FLOPS = {
@@ -158,7 +158,7 @@ OP_CLASSES = (  # (class, pattern on XLA op names), first match wins: `op_class_
 
 
 def op_class_table(log_dir: str, title: str, top: int = 8) -> list[str]:
-    """Device time of one traced forward by op class, then its largest ops."""
+    """Time on the device of one traced forward, by op class, then its largest ops."""
     rows = op_times(log_dir)
     total = sum(t for _, t, _ in rows) or 1e-12
     classes: dict[str, float] = {}

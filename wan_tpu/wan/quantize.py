@@ -24,7 +24,7 @@ the bf16 rate; int8 × int8 → int32, exact accumulation). The CPU runs both em
 Anything else is refused with a `WanInputError` naming what would work (no matching matrix units:
 the operands would be widened back to bf16 and run slower than bf16).
 
-int8 or FP8 on a GPU (H200, random weights, docs/PERFORMANCE.md, twelfth session): XLA's int8 GEMMs
+int8 or FP8 on a GPU (H200, random weights; docs/PERFORMANCE.md): XLA's int8 GEMMs
 ran at 1,411–1,663 TOPS against FP8's 1,567–1,687 TFLOP/s, and int8 keeps ~7 bits at a token's scale
 where e4m3 keeps 3: one forward moved by 1.47e-2 (1.3B) / 2.38e-2 (14B) against bf16 in int8,
 5.97e-2 / 5.44e-2 in FP8. Its products come back in int32, twice the bytes of FP8's bf16: at 1.3B
