@@ -15,7 +15,7 @@ ROOT = Path(__file__).resolve().parents[2]
 PACKAGE = ROOT / "wan_tpu"
 FAMILIES = ("wan_tpu.wan", "wan_tpu.matrix_game", "wan_tpu.unifolm")
 # Entry modules that stand above the families (they only forward to one).
-ENTRY = {"wan_tpu", "wan_tpu.generate"}
+ENTRY = {"wan_tpu", "wan_tpu.generate", "wan_tpu.commands"}
 
 
 def module_name(path: Path) -> str:
@@ -172,14 +172,22 @@ def console_scripts() -> dict[str, str]:
 
 @pytest.mark.parametrize("script", sorted(console_scripts()))
 def test_console_scripts(script):
-    """Every console script's target exists and answers --help (through its `main`, as installed)."""
+    """Every console script runs `wan_tpu.commands.run(script)`, whose command line answers --help."""
     import importlib
 
+    from wan_tpu import commands
+
     module, func = console_scripts()[script].split(":")
-    main = getattr(importlib.import_module(module), func)
+    assert module == "wan_tpu.commands" and callable(getattr(commands, func))
+    main = importlib.import_module(commands.COMMANDS[script]).main
     with pytest.raises(SystemExit) as done:
         main(["--help"])
     assert done.value.code == 0
+
+
+def test_an_installed_command_runs():
+    done = subprocess.run(["wan-generate", "--help"], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and "--prompt" in done.stdout, done.stderr
 
 
 COMMON_FLAGS = ("--model", "--dtype", "--mesh", "--attention", "--seed", "--output", "--overwrite",

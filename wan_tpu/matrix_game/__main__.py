@@ -1,6 +1,5 @@
-"""`python -m wan_tpu.matrix_game`: play Matrix-Game-2 from an image (`wan_tpu.matrix_game.cli`)."""
+"""`python -m wan_tpu.matrix_game`: the same command as `wan-matrix-game`."""
 
-from wan_tpu.matrix_game.cli import main
-from wan_tpu.runtime.cli import exit_now
+from wan_tpu.commands import matrix_game
 
-exit_now(main())
+matrix_game()

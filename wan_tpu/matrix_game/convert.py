@@ -29,7 +29,7 @@ import os
 import shutil
 import tempfile
 
-from wan_tpu.runtime.cli import CliParser, add_overwrite, exit_now, run_cli
+from wan_tpu.runtime.cli import CliParser, add_overwrite, run_cli
 
 VAE_FILE = "Wan2.1_VAE.pth"
 CLIP_FILE = "models_clip_open-clip-xlm-roberta-large-vit-huge-14.pth"
@@ -163,7 +163,3 @@ def run(args) -> None:
 
 def main(argv=None) -> int:
     return run_cli(run, build_parser(), argv)
-
-
-if __name__ == "__main__":
-    exit_now(main())

@@ -133,6 +133,7 @@ def run_cli(run: Callable, parser: argparse.ArgumentParser, argv=None) -> int:
     warnings.filterwarnings("ignore", message="Explicitly requested dtype int64")
     with interrupt.handled():
         try:
+            interrupt.check()  # a signal that came during the imports
             args = parser.parse_args(argv)
             if argv is None:
                 from wan_tpu.runtime.memory import claim_device_memory
@@ -145,15 +146,18 @@ def run_cli(run: Callable, parser: argparse.ArgumentParser, argv=None) -> int:
             # `startup` counts from the process start for a command line, from this call for a call from Python.
             args.started = process_start() if argv is None else called
             run(args)
+            # A signal during the last write or after it is not dropped: the files are complete, and the
+            # closing line says which were kept.
+            interrupt.check()
         except WanInputError as e:
-            print(f"error: {e}", file=sys.stderr)
+            interrupt.say(f"error: {e}")
             return 2
         except (interrupt.Interrupted, KeyboardInterrupt) as e:
             kept = interrupt.written()
-            print(f"interrupted; {'kept ' + ', '.join(kept) if kept else 'nothing written'}", file=sys.stderr)
+            interrupt.say(f"interrupted; {'kept ' + ', '.join(kept) if kept else 'nothing written'}")
             return e.exit_status if isinstance(e, interrupt.Interrupted) else 130
         except NonFiniteError as e:
-            print(f"error: {e}", file=sys.stderr)
+            interrupt.say(f"error: {e}")
             return 1
     return 0
 

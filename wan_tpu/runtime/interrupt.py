@@ -33,7 +33,7 @@ import threading
 import time
 
 SIGNALS = (signal.SIGINT, signal.SIGTERM)
-_state = {"signum": None, "count": 0}
+_state = {"signum": None, "count": 0, "said": False, "depth": 0}
 _temporaries: set[str] = set()
 _written: list[str] = []
 _lock = threading.Lock()
@@ -105,8 +105,28 @@ def _received(signum: int) -> None:
 
 
 def _say_stopping():
-    print(f"{signal.Signals(_state['signum']).name}: stopping at the next safe point (again to stop at once)",
-          file=sys.stderr, flush=True)
+    with _lock:
+        if _state["said"]:
+            return
+        sys.stderr.write(f"{signal.Signals(_state['signum']).name}: stopping at the next safe point (again to stop at once)\n")
+        sys.stderr.flush()
+
+
+def say(line: str) -> None:
+    """Print a command's closing line on stderr in one write, after which the "stopping" notice stays quiet
+    (the notice runs on a timer thread: two prints could otherwise share a line)."""
+    with _lock:
+        _state["said"] = True
+        _notice.cancel()
+        sys.stderr.write(line + "\n")
+        sys.stderr.flush()
+
+
+def install() -> None:
+    """For a command line's first instruction: SIGINT/SIGTERM set the flag from now on, for the whole
+    process, so that a signal during the imports before the command's `handled()` is kept and stops the
+    command at its first safe point instead of raising inside an import."""
+    handled().__enter__()
 
 
 _notice = threading.Timer(1.0, _say_stopping)
@@ -134,14 +154,16 @@ def _watch(fd: int) -> None:
 def handled():
     """SIGINT and SIGTERM set a flag (see the module docstring) inside; the previous handlers after.
 
-    Outside the main thread (where Python cannot install handlers) this does nothing. A signal that
-    was ignored when the process started (`nohup`, a background job) stays ignored.
+    Nested inside another `handled()` (or after `install()`) it changes nothing, so that a signal taken
+    earlier stays pending for the next `check`. Outside the main thread (where Python cannot install
+    handlers) this does nothing. A signal that was ignored when the process started (`nohup`, a
+    background job) stays ignored.
     """
     global _notice
-    if threading.current_thread() is not threading.main_thread():
+    if threading.current_thread() is not threading.main_thread() or _state["depth"]:
         yield
         return
-    _state.update(signum=None, count=0)
+    _state.update(signum=None, count=0, said=False, depth=1)
     _written.clear()
     _notice = threading.Timer(1.0, _say_stopping)
     _notice.daemon = True
@@ -165,4 +187,4 @@ def handled():
         watcher.join(timeout=1)
         os.close(read_fd)
         # A signal taken here must not stop later work of this process (a notebook, the next run).
-        _state.update(signum=None, count=0)
+        _state.update(signum=None, count=0, depth=0)

@@ -1,6 +1,5 @@
-"""`python -m wan_tpu.unifolm`: UnifoLM-WMA decision, world model, interaction, generation and serving."""
+"""`python -m wan_tpu.unifolm`: the same command as `wan-unifolm`."""
 
-from wan_tpu.runtime.cli import exit_now
-from wan_tpu.unifolm.cli import main
+from wan_tpu.commands import unifolm
 
-exit_now(main())
+unifolm()

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import time
 
-from wan_tpu.runtime.cli import CliParser, add_overwrite, exit_now, run_cli
+from wan_tpu.runtime.cli import CliParser, add_overwrite, run_cli
 from wan_tpu.unifolm.convert import TEXT_HEAD_WIDTH, VISION_HEAD_WIDTH, convert
 
 
@@ -41,7 +41,3 @@ def run(args) -> None:
 
 def main(argv=None) -> int:
     return run_cli(run, build_parser(), argv)
-
-
-if __name__ == "__main__":
-    exit_now(main())

@@ -1,6 +1,5 @@
-"""`python -m wan_tpu.wan`: the same command as `python -m wan_tpu.generate`."""
+"""`python -m wan_tpu.wan`: the same command as `wan-generate` (and `python -m wan_tpu.generate`)."""
 
-from wan_tpu.runtime.cli import exit_now
-from wan_tpu.wan.cli import main
+from wan_tpu.commands import generate
 
-exit_now(main())
+generate()

@@ -9,7 +9,7 @@ embeddings; I2V/TI2V encode `--image` at that size and length). `--overwrite` re
 output.
 """
 
-from wan_tpu.runtime.cli import CliParser, exit_now, run_cli
+from wan_tpu.runtime.cli import CliParser, run_cli
 from wan_tpu.runtime.validate import check_output
 from wan_tpu.wan.cli import add_model_args, add_prompt_args, add_run_args, check_jobs, encode_stage, load_pipeline, resolve_defaults, run_settings, single_job, stage1_meta
 from wan_tpu.runtime.profiling import StageTimer
@@ -44,7 +44,3 @@ def parser():
 
 def main(argv=None) -> int:
     return run_cli(run, parser(), argv)
-
-
-if __name__ == "__main__":
-    exit_now(main())

@@ -9,7 +9,7 @@ output records the run (seed, steps, shift, scheduler too) for stage 3. `--overw
 existing output.
 """
 
-from wan_tpu.runtime.cli import CliParser, exit_now, run_cli
+from wan_tpu.runtime.cli import CliParser, run_cli
 from wan_tpu.runtime.validate import check_output
 from wan_tpu.wan.cli import add_adapter_args, add_denoise_args, add_model_args, add_run_args, denoise_stage, load_pipeline, report, resolve_defaults, run_settings, stage1_expect, stage2_meta
 from wan_tpu.runtime.profiling import StageTimer, trace
@@ -48,7 +48,3 @@ def parser():
 
 def main(argv=None) -> int:
     return run_cli(run, parser(), argv)
-
-
-if __name__ == "__main__":
-    exit_now(main())
