@@ -174,7 +174,7 @@ def bench_shape(name, shape, variants, peers, sms, interpret):
     pick = lambda o: o[:, rows][:, :, heads_checked]  # noqa: E731
     ref = np.asarray(reference_attention(*(x[:, :, heads_checked].astype(jnp.float32) for x in (q[:, rows], k, v))))
     # Median of 5 batches of back-to-back calls, each batch ≥ ~0.2 s (a guess at 500 TFLOP/s).
-    batch = max(2, min(50, int(0.2 / max(flops / 500e12, 1e-5))))
+    calls = max(2, min(50, int(0.2 / max(flops / 500e12, 1e-5))))
     results = []
 
     def run(label, fn, out_slice, sync):
@@ -183,7 +183,7 @@ def bench_shape(name, shape, variants, peers, sms, interpret):
             if not err <= (TOL_FP8 if {"f", "i"} & set(label.split()[-1].split("x")) else TOL):
                 results.append((label, None, f"FAIL rel. err {err:.1e}"))
             else:
-                results.append((label, harness.measure(fn, sync, iters=5, batch=batch).ms, err))
+                results.append((label, harness.measure(fn, sync, iters=5, batch=calls).ms, err))
         except Exception as e:  # one failing entry must not hide the others
             results.append((label, None, _short(e)))
         print(f"  {name}: {results[-1]}", flush=True)

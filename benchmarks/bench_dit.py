@@ -19,7 +19,7 @@ timed (medians of `nvidia-smi` samples every 50 ms, `wan_tpu.runtime.profiling.G
 work an H100 or H200 sits at its 700 W limit, and its clock is whatever that power allows.
 
 Options:
-- `--profile DIR --profile-configs 1.3b`: one traced forward per variant; prints the device time
+- `--profile DIR --profile-configs 1.3b`: one traced forward per variant; prints the GPU time
   per op class (matmuls, attention, fusions, …) and the largest ops, from `wan_tpu.runtime.profiling.op_times`.
 - `--psnr 1.3b --psnr-steps 8`: a short sampling run (flow UniPC, CFG 5, 512 random text tokens)
   with the bf16 and then the FP8 DiT from the same noise, both decoded by a Wan 2.1 VAE, and the
@@ -47,7 +47,6 @@ import dataclasses
 import gc
 import os
 import re
-import subprocess
 import sys
 import tempfile
 import time
@@ -152,7 +151,7 @@ def run_torch(cfg, latent, args, name, results):
     x, c = x.bfloat16(), c.bfloat16()
     ref = folder = None
     with torch.inference_mode():
-        call = lambda: model(x, t, c, return_dict=False)[0]  # noqa: E731
+        call = lambda m=model, x=x, c=c: m(x, t, c, return_dict=False)[0]  # noqa: E731
         record(results, name, "diffusers eager", harness.measure(call, harness.torch_sync, iters=args.iters))
         if name in args.check:
             ref = call().float().cpu().numpy()
@@ -162,7 +161,7 @@ def run_torch(cfg, latent, args, name, results):
             model.compile_repeated_blocks(fullgraph=True)
             record(results, name, "diffusers torch.compile",
                    harness.measure(call, harness.torch_sync, iters=args.iters, warmup=2))
-    del model, x, c
+    del model, x, c, call
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
@@ -233,7 +232,7 @@ def run_jax(cfg, latent, args, name, folder, results, notes):
         compiled = jax.jit(forward, static_argnums=0).lower(graphdef, state, x, t, c).compile()
         if not args.json:
             print(f"{name}: ours {variant} compiled (at {time.perf_counter() - START:.0f} s)", flush=True)
-        call = lambda: compiled(state, x, t, c)  # noqa: E731
+        call = functools.partial(compiled, state, x, t, c)
         label = f"ours {variant}"
         record(results, name, label, harness.measure(call, jax.block_until_ready, iters=args.iters))
         if not args.json:  # as it comes: a run killed at a time limit still leaves its rows
@@ -264,7 +263,7 @@ def run_jax(cfg, latent, args, name, folder, results, notes):
             notes += op_class_table(log_dir, f"{name} {label}")
         if name in args.psnr and (variant == "fused" or variant in QUANT_RECIPES):
             psnr_latents[variant] = sample_latents(model, cfg, latent, args.psnr_steps)
-        del state, model
+        del state, model, call
     for variant in QUANT_RECIPES:
         if variant in psnr_latents and "fused" in psnr_latents:
             psnr = decode_psnr(psnr_latents["fused"], psnr_latents[variant], tiny=name == "tiny")

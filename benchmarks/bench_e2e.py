@@ -60,7 +60,6 @@ import os
 import re
 import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -68,7 +67,10 @@ import zlib
 
 import numpy as np
 
-from wan_tpu.errors import WanInputError
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # harness.py, beside this script
+import harness  # noqa: E402
+
+from wan_tpu.errors import WanInputError  # noqa: E402
 
 PROMPT = "a cat walks on the grass, realistic"
 SEED = 0
@@ -355,7 +357,7 @@ def run_mesh(ckpt: str, mesh_spec: str, args) -> dict:
         basis = f"{side}^3 bf16 matmul measured here"
     else:
         peak, basis = peak_flops(devices[0])
-    pipe = WanPipeline.from_pretrained(ckpt, mesh=mesh, dtype=jnp.bfloat16, attention_impl=args.attention,
+    pipe = WanPipeline.from_pretrained(ckpt, mesh=mesh, dtype=jnp.bfloat16, attention=args.attention,
                                        quantize=args.quantize)
     width, height = parse_size(args.size)
     s = pipe.settings(height=height, width=width, num_frames=args.frames, num_inference_steps=args.steps)
@@ -459,13 +461,8 @@ def format_table(rows: list[dict]) -> str:
                      f"{r['denoise_excl_compile']:.1f}", f"{r['s_per_step']:.3f}", f"{st['vae decode']:.1f}",
                      f"{st['mp4 write']:.1f}", f"{r['total']:.1f}", f"{r['total_default_steps']:.1f}",
                      "n/a" if r["mfu"] is None else f"{100 * r['mfu']:.1f}%", _gib(max(peaks) if peaks else None)))
-    widths = [max([len(head[i])] + [len(b[i]) for b in body if len(b) == len(head)]) for i in range(len(head))]
-    lines = ["  ".join(h.rjust(w) for h, w in zip(head, widths))]
-    for b in body:
-        lines.append("  ".join(c.rjust(w) for c, w in zip(b, widths)) if len(b) == len(head) else
-                     f"{b[0].rjust(widths[0])}  {b[1]}")
-    return "\n".join(lines) + "\n(seconds; peak GiB: the largest per-device peak; total@default: projected to the " \
-                              "model's default step count)"
+    return harness.table(head, body) + "\n(seconds; peak GiB: the largest per-device peak; total@default: projected " \
+                                       "to the model's default step count)"
 
 
 # ---- whole commands beside the peer (--peer diffusers) ---------------------------------------------
@@ -504,13 +501,6 @@ def run_settings(ckpt: str, args):
                                      num_inference_steps=steps, guidance_scale=1.0 if args.few_step else None)
 
 
-def _timed(argv: list[str], env: dict | None = None) -> tuple[float, str, int]:
-    """(wall seconds from spawn to exit, stdout + stderr, exit status) of one process."""
-    start = time.perf_counter()
-    run = subprocess.run(argv, env={**os.environ, **(env or {})}, capture_output=True, text=True)
-    return time.perf_counter() - start, run.stdout + run.stderr, run.returncode
-
-
 def _failed(name: str, rc: int, out: str) -> dict:
     print(out[-3000:], file=sys.stderr)
     return {"entry": name, "status": f"failed (exit status {rc}; its output is above)"}
@@ -530,9 +520,10 @@ def entry_ours(name: str, ckpt: str, args, s, cache: str) -> dict:
         argv += ["--lora", args.lora]
     if args.cache:
         argv += ["--cache", args.cache]
-    wall, text, rc = _timed(argv, {"WAN_TPU_CACHE_DIR": cache})
-    if rc:
-        return _failed(name, rc, text)
+    proc = harness.run_fresh(argv, env={"WAN_TPU_CACHE_DIR": cache})
+    wall, text = proc.wall, proc.output
+    if proc.rc:
+        return _failed(name, proc.rc, text)
     rows = dict(re.findall(r"^(\S.*?)\s{2,}([\d.]+) s\s*$", text, flags=re.M))
     print("\n".join(f"    {line}" for line in text.splitlines() if re.match(r"(startup|load|text|denoise|decode|write"
                                                                          r"|total|compile cache) ", line)), flush=True)
@@ -545,24 +536,56 @@ def entry_ours(name: str, ckpt: str, args, s, cache: str) -> dict:
 
 def entry_diffusers(name: str, ckpt: str, args, s, compiled: bool) -> dict:
     """diffusers' `WanPipeline` as a whole script (load → text → denoise → decode → mp4) in a fresh process."""
-    with tempfile.TemporaryDirectory() as tmp:
-        result = os.path.join(tmp, "row.json")
-        argv = [sys.executable, os.path.abspath(__file__), "--diffusers-child", ckpt, "--result-json", result,
-                "--workdir", args.workdir, "--config", args.config, "--size", f"{s.width}*{s.height}",
-                "--frames", str(s.num_frames), "--steps", str(s.num_inference_steps)]
-        argv += (["--compile"] if compiled else []) + (["--few-step"] if args.few_step else [])
-        argv += ["--cache", args.cache] if args.cache else []
-        wall, text, rc = _timed(argv + (["--lora-file", args.lora] if args.lora else []))
-        if rc or not os.path.isfile(result):
-            return _failed(name, rc, text)
-        with open(result) as f:
-            child = json.load(f)
-    return {"entry": name, "status": "ok", "wall": wall, **child}
+    argv = [sys.executable, os.path.abspath(__file__), "--diffusers-child", ckpt, "--workdir", args.workdir,
+            "--config", args.config, "--size", f"{s.width}*{s.height}", "--frames", str(s.num_frames),
+            "--steps", str(s.num_inference_steps)]
+    argv += (["--compile"] if compiled else []) + (["--few-step"] if args.few_step else [])
+    argv += ["--cache", args.cache] if args.cache else []
+    proc = harness.run_fresh(argv + (["--lora-file", args.lora] if args.lora else []), result_json=True)
+    if proc.rc or proc.result is None:
+        return _failed(name, proc.rc, proc.output)
+    return {"entry": name, "status": "ok", "wall": proc.wall, **proc.result}
+
+
+def diffusers_pipeline(ckpt: str, device: str):
+    """diffusers' `WanPipeline` on `ckpt` as a user loads it: bf16 DiT and UMT5, float32 VAE, on `device`."""
+    import diffusers
+    import torch
+
+    vae = diffusers.AutoencoderKLWan.from_pretrained(ckpt, subfolder="vae", torch_dtype=torch.float32)
+    return diffusers.WanPipeline.from_pretrained(ckpt, vae=vae, torch_dtype=torch.bfloat16).to(device)
+
+
+def merge_lora(pipe, path: str) -> None:
+    """The LoRA file merged into the pipeline's DiT, like ours: no LoRA matmuls in the steps."""
+    pipe.load_lora_weights(path)
+    pipe.fuse_lora()
+    pipe.unload_lora_weights()
+
+
+def few_step_scheduler():
+    """Euler at `FEW_STEP_SIGMAS`, shift `FEW_STEP_SHIFT`, whatever step count the pipeline asks for."""
+    import diffusers
+
+    class Given(diffusers.FlowMatchEulerDiscreteScheduler):
+        def set_timesteps(self, num_inference_steps=None, device=None, **_):
+            super().set_timesteps(device=device, sigmas=FEW_STEP_SIGMAS)
+
+    return Given(shift=FEW_STEP_SHIFT)
+
+
+def diffusers_decode(vae, latents):
+    """The VAE decode of diffusers' `WanPipeline` (latents denormalised, then decoded): the video tensor."""
+    import torch
+
+    z = latents.to(vae.dtype)
+    mean = torch.tensor(vae.config.latents_mean).view(1, -1, 1, 1, 1).to(z)
+    std = torch.tensor(vae.config.latents_std).view(1, -1, 1, 1, 1).to(z)
+    return vae.decode(z * std + mean, return_dict=False)[0]
 
 
 def diffusers_child(args) -> dict:
     """The peer's script: what a diffusers user runs, timed part by part (the parent times the process)."""
-    import diffusers
     import torch
     from diffusers.utils import export_to_video
 
@@ -570,24 +593,18 @@ def diffusers_child(args) -> dict:
 
     ckpt, parts, steps = args.diffusers_child, {}, []
     width, height = (int(v) for v in args.size.split("*"))
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-
-    def sync():
-        if device == "cuda":
-            torch.cuda.synchronize()
+    device = harness.torch_device()
 
     def part(name, start):
-        sync()
+        harness.torch_sync()
         parts[name] = time.perf_counter() - start
         return time.perf_counter()
 
     t = time.perf_counter()
-    vae = diffusers.AutoencoderKLWan.from_pretrained(ckpt, subfolder="vae", torch_dtype=torch.float32)
-    pipe = diffusers.WanPipeline.from_pretrained(ckpt, vae=vae, torch_dtype=torch.bfloat16).to(device)
+    pipe = diffusers_pipeline(ckpt, device)
+    vae = pipe.vae
     if args.lora:  # part of "load", as our merge is part of the transformer's load
-        pipe.load_lora_weights(args.lora)
-        pipe.fuse_lora()  # merged, like ours: no LoRA matmuls in the steps
-        pipe.unload_lora_weights()
+        merge_lora(pipe, args.lora)
     t = part("load", t)
     if args.cache:
         pipe.transformer.enable_cache(diffusers_cache_config(args.cache, args.steps))
@@ -595,18 +612,14 @@ def diffusers_child(args) -> dict:
         pipe.transformer.compile_repeated_blocks(fullgraph=True)
     guidance = 1.0 if args.few_step else 5.0
     if args.few_step:
-        class Given(diffusers.FlowMatchEulerDiscreteScheduler):
-            def set_timesteps(self, num_inference_steps=None, device=None, **_):
-                super().set_timesteps(device=device, sigmas=FEW_STEP_SIGMAS)
-
-        pipe.scheduler = Given(shift=FEW_STEP_SHIFT)
+        pipe.scheduler = few_step_scheduler()
     with torch.no_grad():
         embeds, negative = pipe.encode_prompt(PROMPT, WAN_NEGATIVE_PROMPT, do_classifier_free_guidance=guidance > 1,
                                               max_sequence_length=512, device=device)
     t = part("text", t)
 
     def on_step(pipeline, i, timestep, kwargs):
-        sync()
+        harness.torch_sync()
         steps.append(time.perf_counter())
         return kwargs
 
@@ -617,10 +630,7 @@ def diffusers_child(args) -> dict:
     denoise_start = t
     t = part("denoise", t)
     with torch.no_grad():
-        shape = (1, vae.config.z_dim, 1, 1, 1)
-        mean = torch.tensor(vae.config.latents_mean).view(shape).to(latents.device, vae.dtype)
-        inv_std = 1.0 / torch.tensor(vae.config.latents_std).view(shape).to(latents.device, vae.dtype)
-        video = vae.decode(latents.to(vae.dtype) / inv_std + mean, return_dict=False)[0]
+        video = diffusers_decode(vae, latents)
         frames = pipe.video_processor.postprocess_video(video, output_type="np")[0]
     t = part("decode", t)
     export_to_video(list(frames), os.path.join(os.path.abspath(args.workdir), f"peer_{args.config}_diffusers.mp4"),
@@ -669,7 +679,7 @@ def format_peer_table(rows: list[dict], s, default_steps: int) -> str:
     """Walls, parts and the ratios to diffusers eager (projected to the model's step count if fewer ran)."""
     projected = s.num_inference_steps != default_steps
     base = next((r for r in rows if r.get("key") == "diffusers-eager" and r["status"] == "ok"), None)
-    head = ("entry", "wall", *PEER_PARTS, "other", "s/step", f"wall@{default_steps}" if projected else "",
+    head = ("entry", "wall", *PEER_PARTS, "other", "s/step", *([f"wall@{default_steps}"] if projected else []),
             "vs diffusers eager")
     body = []
     for r in rows:
@@ -680,16 +690,11 @@ def format_peer_table(rows: list[dict], s, default_steps: int) -> str:
         key = "projected" if projected else "wall"
         ratio = f"{r[key] / base[key]:.2f}x" if base else "n/a"
         body.append((r["entry"], f"{r['wall']:.1f}", *(f"{v:.1f}" for v in parts), f"{r['wall'] - sum(parts):.1f}",
-                     f"{r['s_per_step']:.3f}", f"{r['projected']:.1f}" if projected else "", ratio))
-    widths = [max([len(head[i])] + [len(b[i]) for b in body if len(b) == len(head)]) for i in range(len(head))]
-    lines = ["  ".join(h.rjust(w) if i else h.ljust(w) for i, (h, w) in enumerate(zip(head, widths)))]
-    for b in body:
-        lines.append("  ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(b, widths)))
-                     if len(b) == len(head) else f"{b[0].ljust(widths[0])}  {b[1]}")
+                     f"{r['s_per_step']:.3f}", *([f"{r['projected']:.1f}"] if projected else []), ratio))
     note = (f"\n(wall@{default_steps}: projected from {s.num_inference_steps} steps to {default_steps} with each "
             "entry's own s/step, the cold run with the warm run's; the ratios use it)") if projected else ""
-    return "\n".join(lines) + ("\n(seconds, whole process from spawn to exit, mp4 written; other = start-up, "
-                               "imports and exit)") + note
+    return harness.table(head, body) + ("\n(seconds, whole process from spawn to exit, mp4 written; other = start-up, "
+                                        "imports and exit)") + note
 
 
 # ---- driver ---------------------------------------------------------------------------------
@@ -734,9 +739,9 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def _child(args, mesh: str, result: str) -> list[str]:
+def _child(args, mesh: str) -> list[str]:
     argv = [sys.executable, os.path.abspath(__file__), "--config", args.config, "--workdir", args.workdir,
-            "--mesh", mesh, "--result-json", result]
+            "--mesh", mesh]
     for flag, value in (("--size", args.size), ("--frames", args.frames), ("--steps", args.steps),
                         ("--attention", args.attention), ("--quantize", args.quantize),
                         ("--peak-matmul", args.peak_matmul)):
@@ -747,19 +752,8 @@ def _child(args, mesh: str, result: str) -> list[str]:
 
 def _run_child(args, mesh: str, deadline: float | None) -> dict:
     """Run one mesh in a child process (stopped at `deadline`, a perf_counter time); its result row."""
-    timeout = None if deadline is None else deadline - time.perf_counter()
-    if timeout is not None and timeout <= 0:
-        return {"mesh": mesh, "status": f"not run (--time-limit {args.time_limit:g} s reached)"}
-    with tempfile.TemporaryDirectory() as tmp:
-        result = os.path.join(tmp, "row.json")
-        try:
-            rc = subprocess.run(_child(args, mesh, result), timeout=timeout).returncode
-        except subprocess.TimeoutExpired:
-            return {"mesh": mesh, "status": f"stopped at --time-limit {args.time_limit:g} s"}
-        if not os.path.isfile(result):
-            return {"mesh": mesh, "status": f"failed (exit status {rc}; see its output above)"}
-        with open(result) as f:
-            return json.load(f)
+    row, why = harness.run_part(_child(args, mesh), deadline, args.time_limit)
+    return row if why is None else {"mesh": mesh, "status": why}
 
 
 def run(args) -> list[dict]:
@@ -788,6 +782,8 @@ def main(argv=None) -> int:
         with open(args.result_json, "w") as f:
             json.dump(diffusers_child(args), f)
         return 0
+    if not args.result_json:  # this process leaves the device to the meshes' and the entries' processes
+        harness.print_env()
     try:
         if args.peer:
             ckpt = ensure_checkpoint(args.workdir, args.config)

@@ -27,16 +27,18 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # harness.py and bench_e2e.py, beside this script
+import harness  # noqa: E402
 from bench_e2e import (CONFIGS, FEW_STEP_SHIFT, FEW_STEP_SIGMAS, PROMPT, SEED,  # noqa: E402
-                       diffusers_cache_config, ensure_checkpoint, write_lora)
+                       diffusers_cache_config, diffusers_decode, diffusers_pipeline, ensure_checkpoint,
+                       few_step_scheduler, merge_lora, write_lora)
 
 from wan_tpu.errors import WanInputError  # noqa: E402
+
 
 def _excl_compile(steps: list[float], computed: list[bool]) -> float:
     """The loop's time without compilation: the first step (compile + a computed step) counted at the
@@ -117,25 +119,18 @@ def peer(args, ckpt: str, lora: str | None) -> list[dict]:
     from wan_tpu.wan.cli import parse_size
     from wan_tpu.encoders.umt5_text import WAN_NEGATIVE_PROMPT
 
-    dev = "cuda" if torch.cuda.is_available() else "cpu"
-
-    def sync():
-        if dev == "cuda":
-            torch.cuda.synchronize()
-
+    dev = harness.torch_device()
+    sync = harness.torch_sync
     width, height = parse_size(args.size)
     few = args.mode == "lora"
     sec = {"load": 0.0, "lora": 0.0}
     t0 = time.perf_counter()
-    vae = diffusers.AutoencoderKLWan.from_pretrained(ckpt, subfolder="vae", torch_dtype=torch.float32)
-    pipe = diffusers.WanPipeline.from_pretrained(ckpt, vae=vae, torch_dtype=torch.bfloat16).to(dev)
+    pipe = diffusers_pipeline(ckpt, dev)
     sync()
     sec["load"] = time.perf_counter() - t0
     if lora:
         t0 = time.perf_counter()
-        pipe.load_lora_weights(lora)
-        pipe.fuse_lora()  # merged, like ours: no LoRA matmuls in the steps
-        pipe.unload_lora_weights()
+        merge_lora(pipe, lora)
         sync()
         sec["lora"] = time.perf_counter() - t0
     variant = VARIANTS[CONFIGS[args.config].variant]
@@ -150,13 +145,7 @@ def peer(args, ckpt: str, lora: str | None) -> list[dict]:
     sync()
     sec["text"] = time.perf_counter() - t0
     if few:
-        base = diffusers.FlowMatchEulerDiscreteScheduler
-
-        class Given(base):
-            def set_timesteps(self, num_inference_steps=None, device=None, **_):
-                super().set_timesteps(device=device, sigmas=FEW_STEP_SIGMAS)
-
-        pipe.scheduler = Given(shift=FEW_STEP_SHIFT)
+        pipe.scheduler = few_step_scheduler()
         steps, variants = len(FEW_STEP_SIGMAS), [("no cache", None)]
     else:
         from wan_tpu.wan.settings import default_shift
@@ -206,10 +195,7 @@ def peer(args, ckpt: str, lora: str | None) -> list[dict]:
                      "skipped": int((~per_step).all(axis=1).sum())})
     t0 = time.perf_counter()
     with torch.no_grad():
-        z = latents.to(pipe.vae.dtype)
-        mean = torch.tensor(pipe.vae.config.latents_mean).view(1, -1, 1, 1, 1).to(z)
-        std = torch.tensor(pipe.vae.config.latents_std).view(1, -1, 1, 1, 1).to(z)
-        pipe.vae.decode(z * std + mean, return_dict=False)
+        diffusers_decode(pipe.vae, latents)
     sync()
     sec["decode"] = time.perf_counter() - t0
     peak = torch.cuda.max_memory_allocated() if dev == "cuda" else None
@@ -238,12 +224,7 @@ def format_table(rows: list[dict]) -> str:
                      f"{r['excl_compile']:.1f}", f"{r['excl_compile'] / r['steps']:.3f}",
                      f"{r['skipped']}/{r['steps']}", f"{r['decode']:.1f}", f"{total:.1f}",
                      f"{wall:.1f}", peak))
-    widths = [max([len(head[i])] + [len(b[i]) for b in body if len(b) == len(head)]) for i in range(len(head))]
-    lines = ["  ".join(h.rjust(w) if i else h.ljust(w) for i, (h, w) in enumerate(zip(head, widths)))]
-    for b in body:
-        lines.append("  ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(b, widths)))
-                     if len(b) == len(head) else f"{b[0].ljust(widths[0])}  {b[1]}")
-    return "\n".join(lines) + ("\n(seconds; total = load + lora + text + denoise excl. compile + decode; wall = the same with the "
+    return harness.table(head, body) + ("\n(seconds; total = load + lora + text + denoise excl. compile + decode; wall = the same with the "
                                  "denoise's compilation: what the user waits for)")
 
 
@@ -267,25 +248,16 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _run_side(args, side: str, deadline: float | None) -> list[dict]:
-    timeout = None if deadline is None else deadline - time.perf_counter()
-    if timeout is not None and timeout <= 0:
-        return [{"run": side, "status": "not run (--time-limit reached)"}]
-    with tempfile.TemporaryDirectory() as tmp:
-        result = os.path.join(tmp, "rows.json")
-        argv = [sys.executable, os.path.abspath(__file__), *sys.argv[1:], "--side", side, "--result-json", result]
-        try:
-            rc = subprocess.run(argv, timeout=timeout).returncode
-        except subprocess.TimeoutExpired:
-            return [{"run": side, "status": f"stopped at --time-limit {args.time_limit:g} s"}]
-        if not os.path.isfile(result):
-            return [{"run": side, "status": f"failed (exit status {rc}; see its output above)"}]
-        with open(result) as f:
-            return json.load(f)
+    rows, why = harness.run_part([sys.executable, os.path.abspath(__file__), *sys.argv[1:], "--side", side], deadline,
+                                 args.time_limit)
+    return rows if why is None else [{"run": side, "status": why}]
 
 
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     args.config = args.config or ("14b" if args.mode == "lora" else "1.3b")
+    if not args.side:  # this process leaves the device to the sides' processes
+        harness.print_env()
     start = time.perf_counter()
     try:
         ckpt = ensure_checkpoint(args.workdir, args.config)

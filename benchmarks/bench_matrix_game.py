@@ -47,13 +47,16 @@ import os
 import re
 import shutil
 import statistics
-import subprocess
 import sys
 import time
 import types
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # harness.py, beside this script
+import harness  # noqa: E402
+
 CONFIGS = {"universal": dict(latent_frames=150, preset=None), "tiny": dict(latent_frames=9, preset="matrix-game-tiny")}
 SEED = 0
+T0 = "MG_BENCH_T0"  # a part's process start (time.time()), set by the parent just before the spawn
 
 
 def log(msg):
@@ -65,71 +68,32 @@ def log(msg):
 
 def import_reference(ref: str):
     """Their modules with runtime patches (see the module docstring); returns a namespace of them."""
-    import importlib
-
     import torch
-    import torch.nn.functional as F
 
-    # What their modules import from diffusers, imported before the stand-ins below exist: diffusers
-    # and transformers probe for flash_attn and torchvision while importing.
-    for name in ("diffusers.configuration_utils", "diffusers.models.modeling_utils",
-                 "diffusers.loaders.single_file_model", "diffusers.loaders.peft"):
-        importlib.import_module(name)
+    class Normalize:  # the one torchvision transform their CLIP runs, where torchvision is absent
+        def __init__(self, mean, std):
+            self.mean, self.std = torch.tensor(mean), torch.tensor(std)
 
-    root = os.path.join(os.path.abspath(ref), "Matrix-Game-2")
-    sys.path.insert(0, root)
+        def __call__(self, x):
+            return (x - self.mean.to(x)[:, None, None]) / self.std.to(x)[:, None, None]
 
-    def sdpa_bshd(q, k, v, *args, **kwargs):
-        """flash-attn's (B, S, H, D) contract on torch SDPA."""
-        out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2).to(q.dtype), v.transpose(1, 2).to(q.dtype),
-                                             is_causal=kwargs.get("causal", False))
-        return out.transpose(1, 2)
-
-    flash = types.ModuleType("flash_attn")
-    flash.flash_attn_func = sdpa_bshd
-    sys.modules["flash_attn"] = flash
-
-    try:
-        import torchvision.transforms  # noqa: F401
-    except ImportError:
-        class Normalize:
-            def __init__(self, mean, std):
-                self.mean, self.std = torch.tensor(mean), torch.tensor(std)
-
-            def __call__(self, x):
-                return (x - self.mean.to(x)[:, None, None]) / self.std.to(x)[:, None, None]
-
-        transforms = types.ModuleType("torchvision.transforms")
-        transforms.Normalize = Normalize
-        vision = types.ModuleType("torchvision")
-        vision.transforms = transforms
-        sys.modules.update({"torchvision": vision, "torchvision.transforms": transforms})
-    for name in ("wan", "wan.modules", "wan.vae", "wan.vae.wanx_vae_src"):
-        package = types.ModuleType(name)
-        package.__path__ = [os.path.join(root, *name.split("."))]
-        sys.modules[name] = package
-    for name in ("wan.modules.tokenizers", "wan.vae.wanx_vae_src.tokenizers"):
-        stub = types.ModuleType(name)
-        stub.HuggingfaceTokenizer = object
-        sys.modules[name] = stub
-    visualize = types.ModuleType("utils.visualize")
-    visualize.process_video = None
-    sys.modules["utils.visualize"] = visualize
-
-    import demo_utils.vae_block3 as vae_block3
-    import pipeline.causal_inference as causal_inference
-    import utils.conditions as conditions
-    import utils.wan_wrapper as wan_wrapper
-    import wan.modules.attention as attention
-    import wan.modules.model as model
-    import wan.vae.wanx_vae_src.clip as clip
-    import wan.vae.wanx_vae_src.vae as wanx_vae
-
-    attention.FLASH_ATTN_2_AVAILABLE = attention.FLASH_ATTN_3_AVAILABLE = False  # their own SDPA fallback
-    model.flash_attention = sdpa_bshd
-    clip.flash_attention = sdpa_bshd
-    return types.SimpleNamespace(root=root, vae_block3=vae_block3, causal_inference=causal_inference,
-                                 conditions=conditions, wan_wrapper=wan_wrapper, clip=clip, wanx_vae=wanx_vae)
+    tokenizers = {"HuggingfaceTokenizer": object}
+    ref = harness.import_reference(
+        os.path.join(ref, "Matrix-Game-2"),
+        ("demo_utils.vae_block3", "pipeline.causal_inference", "utils.conditions", "utils.wan_wrapper",
+         "wan.modules.attention", "wan.modules.model", "wan.vae.wanx_vae_src.clip", "wan.vae.wanx_vae_src.vae"),
+        # What their modules import from diffusers, imported before the stand-ins exist: diffusers and
+        # transformers probe for flash_attn and torchvision while importing.
+        first=("diffusers.configuration_utils", "diffusers.models.modeling_utils", "diffusers.loaders.single_file_model",
+               "diffusers.loaders.peft"),
+        packages=("wan", "wan.modules", "wan.vae", "wan.vae.wanx_vae_src"),
+        stubs={"flash_attn": {"flash_attn_func": harness.sdpa_flash_attn}, "wan.modules.tokenizers": tokenizers,
+               "wan.vae.wanx_vae_src.tokenizers": tokenizers, "utils.visualize": {"process_video": None}},
+        missing={"torchvision": {}, "torchvision.transforms": {"Normalize": Normalize}})
+    ref.attention.FLASH_ATTN_2_AVAILABLE = ref.attention.FLASH_ATTN_3_AVAILABLE = False  # their own SDPA fallback
+    ref.model.flash_attention = harness.sdpa_flash_attn
+    ref.clip.flash_attention = harness.sdpa_flash_attn
+    return ref
 
 
 # ---- parts -------------------------------------------------------------------------------------
@@ -143,15 +107,15 @@ def prepare(args) -> dict:
     ref = import_reference(args.ref)
     src = os.path.join(args.workdir, "download")
     os.makedirs(os.path.join(src, "base_distilled_model"), exist_ok=True)
-    device = "cuda" if torch.cuda.is_available() else "cpu"
+    device = harness.torch_device()
     start = time.perf_counter()
     torch.manual_seed(SEED)
     with torch.device(device):
-        dit = ref.wan_wrapper.WanDiffusionWrapper(model_config=os.path.join(ref.root, "wan_tpu/configs/distilled_model/universal"))
+        dit = ref.wan_wrapper.WanDiffusionWrapper(model_config=os.path.join(ref.root, "configs/distilled_model/universal"))
         save_file({k: v.to(torch.bfloat16).contiguous() for k, v in dit.state_dict().items()},
                   os.path.join(src, "base_distilled_model/base_distill.safetensors"))
         del dit
-        vae = ref.wanx_vae.VideoVAE_(z_dim=16)
+        vae = ref.vae.VideoVAE_(z_dim=16)
         torch.save({k: v.float() for k, v in vae.state_dict().items()}, os.path.join(src, "Wan2.1_VAE.pth"))
         del vae
         clip = ref.clip.clip_xlm_roberta_vit_h_14(pretrained=False, return_transforms=False)
@@ -160,10 +124,11 @@ def prepare(args) -> dict:
                    os.path.join(src, "models_clip_open-clip-xlm-roberta-large-vit-huge-14.pth"))
         del clip
     made = time.perf_counter() - start
-    converter = os.path.join(os.path.dirname(__file__), "convert_matrix_game_checkpoint.py")
-    start = time.perf_counter()
-    subprocess.run([sys.executable, converter, src, os.path.join(args.workdir, "converted"), "--overwrite"], check=True)
-    return {"prepare": {"weights_s": made, "convert_s": time.perf_counter() - start}}
+    converted = harness.run_fresh([sys.executable, "-m", "wan_tpu.matrix_game.convert", src,
+                                   os.path.join(args.workdir, "converted"), "--overwrite"], capture=False)
+    if converted.rc:
+        raise SystemExit(f"the converter failed (status {converted.rc})")
+    return {"prepare": {"weights_s": made, "convert_s": converted.wall}}
 
 
 def actions_for(frames: int):
@@ -186,19 +151,19 @@ def theirs(args) -> dict:
     import torch
 
     ref = import_reference(args.ref)
-    t0 = float(os.environ.get("MG_BENCH_T0", time.time()))
+    t0 = harness.process_start(T0)
     dev = torch.device("cuda")
     n_lat = args.latent_frames
     frames = 1 + 4 * (n_lat - 1)
     src = os.path.join(args.workdir, "download")
-    yaml_path = os.path.join(ref.root, "wan_tpu/configs/inference_yaml/inference_universal.yaml")
+    yaml_path = os.path.join(ref.root, "configs/inference_yaml/inference_universal.yaml")
     config = _yaml_namespace(yaml_path)
 
     from safetensors.torch import load_file
 
     with torch.device(dev):  # built on the GPU: seconds instead of a minute of host-side init
         generator = ref.wan_wrapper.WanDiffusionWrapper(
-            model_config=os.path.join(ref.root, "wan_tpu/configs/distilled_model/universal"), timestep_shift=5.0, is_causal=True)
+            model_config=os.path.join(ref.root, "configs/distilled_model/universal"), timestep_shift=5.0, is_causal=True)
         clip_model = ref.clip.clip_xlm_roberta_vit_h_14(pretrained=False, return_transforms=False)
     del clip_model.textual  # encode_video runs the visual tower only
     decoder = ref.vae_block3.VAEDecoderWrapper()
@@ -211,7 +176,7 @@ def theirs(args) -> dict:
     pipe.generator.load_state_dict(load_file(os.path.join(src, "base_distilled_model/base_distill.safetensors")))
     pipe = pipe.to(device=dev, dtype=torch.bfloat16)
     pipe.vae_decoder.to(torch.float16)
-    wanx = ref.wanx_vae.WanVAE(z_dim=16)
+    wanx = ref.vae.WanVAE(z_dim=16)
     wanx.model.load_state_dict(vae_state)
     wanx = wanx.to(dev, torch.bfloat16)
     clip_state = torch.load(os.path.join(src, "models_clip_open-clip-xlm-roberta-large-vit-huge-14.pth"),
@@ -351,8 +316,8 @@ class StackSampler:
 
 def ours(args, first_frame_only=False) -> dict:
     """Our stream as the CLI runs it: `prepare` (every load and every program's compile start at once),
-    then `stream` and `step`. Times are seconds from the process start (`MG_BENCH_T0`)."""
-    t0 = float(os.environ.get("MG_BENCH_T0", time.time()))
+    then `stream` and `step`. Times are seconds from the process start (`T0`)."""
+    t0 = harness.process_start(T0)
     sampler = StackSampler(t0) if first_frame_only and args.sample_stacks else None
     _enable_compile_cache(args.cache_dir)
     from wan_tpu.runtime.xla_defaults import apply_xla_defaults
@@ -378,7 +343,7 @@ def ours(args, first_frame_only=False) -> dict:
             loading[name] = (begin, time.time() - t0)
 
     executable_cache.load = timed_load
-    calling = {}  # each program's first call (dispatch, not its device time): (start, end) in s from start
+    calling = {}  # each program's first call (dispatch, not its GPU time): (start, end) in s from start
     call = executable_cache.Programs.call
 
     def timed_call(self, name, dynamic, fallback):
@@ -428,7 +393,7 @@ def ours(args, first_frame_only=False) -> dict:
 
 def _our_forward_ms(pipe, session, keyboard, mouse, profile=None):
     """One DiT forward (`MatrixGameTransformer.__call__`, jitted) of the last chunk over the full window;
-    → (median ms, lines): with `profile` (a folder), one more forward traced there, and its device time
+    → (median ms, lines): with `profile` (a folder), one more forward traced there, and its GPU time
     by op class in the lines (printed under the table)."""
     import jax
     import jax.numpy as jnp
@@ -442,11 +407,9 @@ def _our_forward_ms(pipe, session, keyboard, mouse, profile=None):
     cond = jnp.zeros((1, model.config.in_dim - 16, f, *pipe.variant.latent_size), model.dtype)
     t = np.full((1, f), 1000.0, np.float32)
     windows = [jnp.asarray(chunk_action_window(a[: len(session.keyboard)], k, f)[None]) for a in (keyboard, mouse)]
-    times = []
-    for _ in range(12):
-        start = time.perf_counter()
-        jax.block_until_ready(model(latents, cond, t, *windows, session.cache, jnp.int32(k * f)))
-        times.append(time.perf_counter() - start)
+    # 12 calls, the first 2 not counted
+    times = harness.measure(lambda: model(latents, cond, t, *windows, session.cache, jnp.int32(k * f)),
+                            jax.block_until_ready, warmup=2, iters=10)
     # The same forward as the chunk program runs it: the jitted pure function on a state split once, inputs
     # on the device (the module call above also splits the module and moves its inputs every call).
     from flax import nnx
@@ -457,35 +420,24 @@ def _our_forward_ms(pipe, session, keyboard, mouse, profile=None):
     graphdef, state = nnx.split(model)
     t_dev, offset = jnp.asarray(t), jnp.int32(k * f)
     valid = valid_window_frames(model.config.window_frames, k * f + f)
-    pure = []
-    for _ in range(12):
-        start = time.perf_counter()
-        jax.block_until_ready(_forward_jit(graphdef, state, latents, cond, t_dev, *windows, session.cache, offset,
-                                           valid))
-        pure.append(time.perf_counter() - start)
+    pure = harness.measure(lambda: _forward_jit(graphdef, state, latents, cond, t_dev, *windows, session.cache, offset,
+                                                valid), jax.block_until_ready, warmup=2, iters=10)
     # Inside one program, as the chunk program runs its forwards: FORWARDS of them in a scan over different
     # timesteps (no call or argument dispatch between them), the program's time divided by FORWARDS.
     ts = jnp.asarray(np.linspace(1000.0, 100.0, FORWARDS, dtype=np.float32)[:, None, None].repeat(f, axis=2))
     args = (graphdef, state, latents, cond, ts, *windows, session.cache, offset, valid)
     forwards = jax.jit(_forwards, static_argnums=(0, 9))
-    jax.block_until_ready(forwards(*args))
-    scanned = []
-    for _ in range(5):
-        start = time.perf_counter()
-        jax.block_until_ready(forwards(*args))
-        scanned.append((time.perf_counter() - start) / FORWARDS)
-    in_program = 1e3 * statistics.median(scanned)
+    in_program = harness.measure(lambda: forwards(*args), jax.block_until_ready, iters=5).ms / FORWARDS
     lines = [f"DiT forward inside one program ({FORWARDS} in a scan, as the chunk program runs them): {in_program:.1f} ms; "
-             f"one jitted call (a state split once, inputs on the device): {1e3 * statistics.median(pure[2:]):.1f} ms; "
-             f"a module call (split and input transfers every call, the table's row): "
-             f"{1e3 * statistics.median(times[2:]):.1f} ms"]
+             f"one jitted call (a state split once, inputs on the device): {pure.ms:.1f} ms; "
+             f"a module call (split and input transfers every call, the table's row): {times.ms:.1f} ms"]
     if profile:
         from wan_tpu.runtime.profiling import op_class_table, trace
 
         with trace(profile):
             jax.block_until_ready(model(latents, cond, t, *windows, session.cache, jnp.int32(k * f)))
         lines += op_class_table(profile, "Matrix-Game DiT forward", top=16)
-    return 1e3 * statistics.median(times[2:]), lines
+    return times.ms, lines
 
 
 FORWARDS = 10
@@ -508,7 +460,7 @@ def _forwards(graphdef, state, latents, cond, timesteps, keyboard, mouse, cache,
 def startup(args) -> dict:
     """A warm start taken apart (fresh process, the cache `first-frame` filled): each step alone, one after
     the other, in seconds: what the concurrent start of `first` overlaps."""
-    t0 = float(os.environ.get("MG_BENCH_T0", time.time()))
+    t0 = harness.process_start(T0)
     steps, last = {"python start": time.time() - t0}, time.time()
 
     def mark(name):
@@ -566,12 +518,11 @@ def warm_runs(argv) -> int:
 
 def run_child(part: str, argv) -> dict:
     """A part in a fresh process (`--parts _child:PART`), timed from just before its start."""
-    env = dict(os.environ, MG_BENCH_T0=repr(time.time()))
-    result = subprocess.run([sys.executable, os.path.abspath(__file__), *argv, "--parts", f"_child:{part}"],
-                            env=env, capture_output=True, text=True)
-    if result.returncode:
+    result = harness.run_fresh([sys.executable, os.path.abspath(__file__), *argv, "--parts", f"_child:{part}"],
+                               start_var=T0)
+    if result.rc:
         log(result.stderr[-6000:])
-        raise SystemExit(f"part {part} failed (status {result.returncode})")
+        raise SystemExit(f"part {part} failed (status {result.rc})")
     return json.loads(result.stdout.strip().splitlines()[-1])
 
 
@@ -623,11 +574,12 @@ def table(results: dict) -> str:
             ("data preparation (s)", "prep_s", "{:.2f}"), ("generation wall (s)", "wall_s", "{:.1f}"),
             ("peak device memory (GiB)", "peak_gib", "{:.2f}"), ("frames", "frames", "{}")]
     t, o = results.get("theirs", {}), results.get("ours", {})
-    lines = [f"{'':34s} {'theirs':>10s} {'ours':>10s} {'ours/theirs':>12s}"]
+    body = []
     for label, key, fmt in rows:
         a, b = t.get(key), o.get(key)
         ratio = f"{b / a:.2f}x" if isinstance(a, (int, float)) and isinstance(b, (int, float)) and a else ""
-        lines.append(f"{label:34s} {fmt.format(a) if a is not None else '-':>10s} {fmt.format(b) if b is not None else '-':>10s} {ratio:>12s}")
+        body.append((label, fmt.format(a) if a is not None else "-", fmt.format(b) if b is not None else "-", ratio))
+    lines = [harness.table(("", "theirs", "ours", "ours/theirs"), body)]
     for label, r in results.get("first_frame", {}).items():
         lines.append(f"ours start → first frame, {label} compile cache: {r['first_frame_s']:.1f} s "
                      f"(from start: imports {r.get('startup_s', 0):.1f}, loads ready {r['load_s']:.1f}, "
@@ -678,6 +630,7 @@ def main(argv=None):
                  "startup": startup}
         print(json.dumps(child[args.parts[len("_child:"):]](args)))
         return 0
+    harness.print_env()  # this process leaves the device to the parts' processes
     results_path = os.path.join(args.workdir, "results.json")
     results = {}
     if os.path.exists(results_path):
@@ -689,7 +642,7 @@ def main(argv=None):
         if part in ("prepare", "theirs") and args.ref is None:
             log(f"skipping {part}: pass --ref (the authors' checkout)")
             continue
-        if part == "theirs" and not _has_cuda():
+        if part == "theirs" and not harness.has_cuda():
             log("skipping theirs: their code needs CUDA")
             continue
         log(f"== {part}")
@@ -704,15 +657,6 @@ def main(argv=None):
             json.dump(results, f, indent=2)
     print(table(results))
     return 0
-
-
-def _has_cuda():
-    try:
-        import torch
-
-        return torch.cuda.is_available()
-    except ImportError:
-        return False
 
 
 if __name__ == "__main__":

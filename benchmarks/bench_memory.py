@@ -15,15 +15,19 @@ from __future__ import annotations
 
 import argparse
 import functools
+import os
+import sys
 
-import jax
-import jax.numpy as jnp
-from flax import nnx
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # harness.py, beside this script
+import harness  # noqa: E402
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+from flax import nnx  # noqa: E402
 
-from wan_tpu.wan import memory
-from wan_tpu.configs.models import VARIANTS
-from wan_tpu.wan.transformer import WanTransformer, forward
-from wan_tpu.wan.transformer import set_attention
+from wan_tpu.wan import memory  # noqa: E402
+from wan_tpu.configs.models import VARIANTS  # noqa: E402
+from wan_tpu.wan.transformer import WanTransformer, forward  # noqa: E402
+from wan_tpu.wan.transformer import set_attention  # noqa: E402
 
 CONFIGS = {  # name: (variant, latent (F, H, W))
     "1.3b": ("wan2.1-t2v-1.3b", (21, 60, 104)),
@@ -57,15 +61,15 @@ def main(argv=None) -> None:
     p.add_argument("--attention", default=None, help="kernel(s), comma-separated (default: the backend's choice)")
     p.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16")
     args = p.parse_args(argv)
-    device = jax.devices()[0]
-    print(f"{device.device_kind} · jax {jax.__version__} · {args.dtype}, CFG batch 2, 512 text tokens")
-    print("| config | tokens | attention | XLA temporaries GiB | estimate GiB | estimate ÷ XLA | weights GiB |")
-    print("|---|---|---|---|---|---|---|")
+    harness.print_env(jax.devices())
+    print(f"{args.dtype}, CFG batch 2, 512 text tokens")
+    print(harness.header("config", "tokens", "attention", "XLA temporaries GiB", "estimate GiB", "estimate ÷ XLA",
+                         "weights GiB"))
     for name in args.configs.split(","):
         for impl in (args.attention or "").split(",") if args.attention else [None]:
             r = measure(name, impl, jnp.dtype(args.dtype))
-            print(f"| {r['config']} | {r['tokens']:,} | {r['impl']} | {r['temp'] / GiB:.2f} | {r['estimate'] / GiB:.2f} | "
-                  f"{r['estimate'] / max(r['temp'], 1):.2f} | {r['weights'] / GiB:.2f} |", flush=True)
+            print(harness.row(r["config"], f"{r['tokens']:,}", r["impl"], f"{r['temp'] / GiB:.2f}", f"{r['estimate'] / GiB:.2f}",
+                              f"{r['estimate'] / max(r['temp'], 1):.2f}", f"{r['weights'] / GiB:.2f}"), flush=True)
 
 
 if __name__ == "__main__":

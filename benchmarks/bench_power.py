@@ -32,6 +32,8 @@ import time
 
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # harness.py, beside this script
+import harness  # noqa: E402
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
@@ -45,12 +47,9 @@ FLOPS_PER_CLOCK = 132 * 4096  # H100 / H200 SXM dense bf16, per clock
 def run_entry(fn, args, seconds):
     """(steady seconds per call, first call's seconds after 2 s idle, steady window's wall-clock span)."""
     f = jax.jit(fn)
-    jax.block_until_ready(f(*args))
-    jax.block_until_ready(f(*args))
+    harness.measure(lambda: f(*args), jax.block_until_ready, warmup=2, iters=0)
     time.sleep(2.0)
-    start = time.perf_counter()
-    jax.block_until_ready(f(*args))
-    first = time.perf_counter() - start
+    first = harness.timed(lambda: jax.block_until_ready(f(*args)))[1]
     t0, n, start = time.time(), 0, time.perf_counter()
     while time.time() - t0 < seconds:
         out = f(*args)
@@ -67,6 +66,7 @@ def main():
     parser.add_argument("--seconds", type=float, default=4.0, help="back-to-back run per entry")
     parser.add_argument("--only", default="", help="run only the entries whose name holds this text (e.g. FP8)")
     args = parser.parse_args()
+    harness.print_env(jax.devices())
     if jax.default_backend() != "gpu" or not shutil.which("nvidia-smi"):
         sys.exit("bench_power.py needs an NVIDIA GPU and nvidia-smi; run it on the device")
     from wan_tpu.kernels.flash_mgpu import mgpu_attention, mgpu_attention_fp8
@@ -101,20 +101,20 @@ def main():
                 results.append((f"{shape} {name}", flops, 2 if "FP8" in name else 1, *run_entry(fn, qkv, args.seconds)))
             del qkv
     samples = monitor.samples()
-    print(f"\n{jax.devices()[0].device_kind}; jax {jax.__version__}; {len(samples)} nvidia-smi samples")
-    print("| entry | TFLOP/s | first call after 2 s idle | SM MHz median (min) | per clock | W median | °C | throttle |")
-    print("|---|---|---|---|---|---|---|---|")
+    print(f"\n{len(samples)} nvidia-smi samples")
+    print(harness.header("entry", "TFLOP/s", "first call after 2 s idle", "SM MHz median (min)", "per clock", "W median", "°C",
+                         "throttle"))
     for name, flops, rate, per_call, first, (t0, t1) in results:
         window = monitor.window(t0, t1)
         tflops = flops / per_call / 1e12
         if not window:
-            print(f"| {name} | {tflops:.1f} | {flops / first / 1e12:.1f} | no samples | | | | |")
+            print(harness.row(name, f"{tflops:.1f}", f"{flops / first / 1e12:.1f}", "no samples", "", "", "", ""))
             continue
         clock = statistics.median(r[1] for r in window)
         reasons = ",".join(sorted({r[4][-2:] for r in window}))
-        print(f"| {name} | {tflops:.1f} | {flops / first / 1e12:.1f} | {clock:.0f} ({min(r[1] for r in window):.0f}) | "
-              f"{tflops * 1e12 / (clock * 1e6 * FLOPS_PER_CLOCK * rate):.1%} | {statistics.median(r[2] for r in window):.0f} | "
-              f"{window[-1][3]:.0f} | 0x{reasons} |")
+        print(harness.row(name, f"{tflops:.1f}", f"{flops / first / 1e12:.1f}", f"{clock:.0f} ({min(r[1] for r in window):.0f})",
+                          f"{tflops * 1e12 / (clock * 1e6 * FLOPS_PER_CLOCK * rate):.1%}",
+                          f"{statistics.median(r[2] for r in window):.0f}", f"{window[-1][3]:.0f}", f"0x{reasons}"))
 
 
 if __name__ == "__main__":

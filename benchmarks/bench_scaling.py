@@ -17,9 +17,10 @@ longer fit in `--budget` seconds are reported as skipped. Runs on CPU too with `
 from __future__ import annotations
 
 import argparse
+import functools
 import gc
 import os
-import statistics
+import sys
 import time
 
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
@@ -28,6 +29,8 @@ from wan_tpu.runtime.xla_defaults import apply_xla_defaults  # noqa: E402
 
 apply_xla_defaults()
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # harness.py, beside this script
+import harness  # noqa: E402
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 from flax import nnx  # noqa: E402
@@ -97,18 +100,12 @@ def time_step(cfg, latent, shape, n, args):
     graphdef, state = random_dit(cfg, mesh, args.attention)
     x, t, c = inputs(cfg, latent, mesh)
     step = jax.jit(forward, static_argnums=0)
-    start = time.perf_counter()
-    jax.block_until_ready(step(graphdef, state, x, t, c))
-    warmup = time.perf_counter() - start
-    times = []
-    for _ in range(args.iters):
-        start = time.perf_counter()
-        out = jax.block_until_ready(step(graphdef, state, x, t, c))
-        times.append(time.perf_counter() - start)
-    resident = resident_gib(devices)
-    del state, x, t, c, step, out
+    timing = harness.measure(functools.partial(step, graphdef, state, x, t, c), jax.block_until_ready, iters=args.iters)
+    resident = resident_gib(devices)  # the last step's output still held
+    ms, warmup = timing.ms, timing.first
+    del state, x, t, c, step, timing
     gc.collect()
-    return statistics.median(times) * 1e3, warmup, resident
+    return ms, warmup, resident
 
 
 def main():
@@ -122,8 +119,8 @@ def main():
     args.attention = None if args.attention == "None" else args.attention
     counts = [int(g) for g in args.gpus.split(",") if int(g) <= jax.device_count()]
     began = time.perf_counter()
-    print(f"devices {jax.device_count()}× {jax.devices()[0].device_kind}; jax {jax.__version__}; "
-          f"attention {args.attention}; NCCL_NVLS_ENABLE={os.environ.get('NCCL_NVLS_ENABLE')}", flush=True)
+    harness.print_env(jax.devices())
+    print(f"attention {args.attention}; NCCL_NVLS_ENABLE={os.environ.get('NCCL_NVLS_ENABLE')}", flush=True)
 
     # Order: every model's baseline, then every model's widest CFG-on-dp mesh, then the other
     # shapes, interleaving models, so that a budget cut drops the least telling rows.
@@ -154,18 +151,17 @@ def main():
         print(f"{name} n={n} mesh={shape}: {row[4:]}", flush=True)
 
     print()
-    print("| model | latent F×H×W | GPUs | mesh dp×sp×tp | ms/step (CFG batch 2) | speedup | efficiency t1/(n·tn) | "
-          "warm-up s | resident GiB/GPU | note |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+    print(harness.header("model", "latent F×H×W", "GPUs", "mesh dp×sp×tp", "ms/step (CFG batch 2)", "speedup",
+                         "efficiency t1/(n·tn)", "warm-up s", "resident GiB/GPU", "note"))
     for name, latent, n, shape, ms, warmup, resident, note in rows:
         lat = "×".join(map(str, latent))
         mesh = "plain (no mesh)" if n == 1 else "×".join(map(str, shape))
         if ms is None:
-            print(f"| {name} | {lat} | {n} | {mesh} | | | | | | {note} |")
+            print(harness.row(name, lat, n, mesh, "", "", "", "", "", note))
             continue
         t1 = baseline.get(name)
         speedup, efficiency = ("", "") if t1 is None else (f"{t1 / ms:.2f}", f"{t1 / (n * ms):.1%}")
-        print(f"| {name} | {lat} | {n} | {mesh} | {ms:.0f} | {speedup} | {efficiency} | {warmup:.0f} | {resident:.1f} | {note} |")
+        print(harness.row(name, lat, n, mesh, f"{ms:.0f}", speedup, efficiency, f"{warmup:.0f}", f"{resident:.1f}", note))
 
 
 if __name__ == "__main__":

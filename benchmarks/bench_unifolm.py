@@ -7,19 +7,19 @@
     XLA_PYTHON_CLIENT_PREALLOCATE=false python benchmarks/bench_unifolm.py --ref third_party/unifolm-world-model-action \
         --workdir /tmp/unifolm-bench --variants theirs-bf16-compile,ours-bf16 --steps 16
     # CPU smoke test (reduced configs, 2 steps, no torch.compile)
-    python benchmarks/bench_unifolm.py --ref /work/refs/unifolm-world-model-action --size tiny --steps 2 \
+    python benchmarks/bench_unifolm.py --ref third_party/unifolm-world-model-action --size tiny --steps 2 \
         --variants theirs-fp32,theirs-bf16,ours-fp32,ours-bf16
 
 Variants: `theirs-fp32` is their code as shipped (float32), except that xformers (not installed on the
 device) is replaced by `torch.nn.functional.scaled_dot_product_attention` with the same additive
 bias (and, on newer diffusers, three typing names their lr_scheduler.py imports from
 `diffusers.optimization` are put back); `theirs-bf16-compile` adds `torch.autocast(bfloat16)` and `torch.compile` of the UNet (the
-fixes the seed suggested); `ours-fp32` / `ours-bf16` are `UnifolmPipeline` with the UNet and heads in
+first speed-ups a user of their code would try); `ours-fp32` / `ours-bf16` are `UnifolmPipeline` with the UNet and heads in
 that dtype (VAE float32, the CLIP towers `--encoder-dtype`, float32 by default); `ours-bf16-fresh` is
 `ours-bf16` again in a new process after the first `ours-*` filled the compile cache (a fresh folder per
 run of this script), as a user's second run: its first sampling loads the compiled programs, and its peak
 memory holds no compile-time autotuning (JAX's peak is cumulative over a process). `--size real` builds their model from
-`wan_tpu/configs/inference/world_model_interaction.yaml` (OpenCLIP ViT-H-14 created without downloading:
+their `configs/inference/world_model_interaction.yaml` (OpenCLIP ViT-H-14 created without downloading:
 random weights), converts its state dict with `wan_tpu.unifolm.convert` and loads ours from that
 folder, so both run the same weights. `--size tiny` uses the reduced configs of the golden tests
 (their CLIP towers replaced by random embeddings, ours the `unifolm-tiny` preset: timings only).
@@ -39,48 +39,42 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import importlib.machinery
 import importlib.util
 import json
 import os
-import statistics
-import subprocess
 import sys
 import tempfile
 import time
-import types
 import typing
 
 import numpy as np
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # harness.py, beside this script
+import harness  # noqa: E402
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 VARIANTS = ("theirs-fp32", "theirs-bf16-compile", "ours-bf16", "ours-bf16-fresh", "ours-fp32")
+T0 = "UNIFOLM_BENCH_T0"  # the fresh process's start (time.time()), set by the parent just before the spawn
 
 
-def _module(name: str) -> types.ModuleType:
-    module = types.ModuleType(name)
-    module.__spec__ = importlib.machinery.ModuleSpec(name, None)  # importlib.util.find_spec probes it
-    return module
-
-
-def install_stubs():
-    """Imports their code needs that the device lacks: xformers (→ SDPA), and on a bare CPU box
-    cv2 / decord / pytorch_lightning placeholders and torchvision without its C ops."""
+def install_stubs(ref: str):
+    """Their code (`ref`/src) importable, with the imports it needs that the device lacks: xformers (→ SDPA),
+    and on a bare CPU box cv2 / decord / pytorch_lightning placeholders (and torchvision without its C ops)."""
     import torch
 
-    try:
-        import torchvision  # noqa: F401
-    except RuntimeError:  # PyPI's torchvision beside a CPU torch: skip its fake-kernel registrations
-        register_fake = torch.library.register_fake
-        torch.library.register_fake = lambda *a, **k: (lambda f: f)
-        for name in [m for m in sys.modules if m.split(".")[0] == "torchvision"]:
-            del sys.modules[name]
-        import torchvision  # noqa: F401
+    class LightningModule(torch.nn.Module):
+        @property
+        def device(self):
+            return next(self.parameters()).device
 
-        torch.library.register_fake = register_fake
+    harness.import_reference(
+        os.path.join(ref, "src"),
+        first=("diffusers.optimization", "open_clip", "transformers"),  # before the stubs: they probe optional modules
+        stubs={"xformers": {}, "xformers.ops": {"memory_efficient_attention": harness.sdpa_xformers}},
+        missing={"cv2": {}, "decord": {},
+                 "pytorch_lightning": {"LightningModule": LightningModule, "seed_everything": torch.manual_seed},
+                 "pytorch_lightning.utilities": {"rank_zero_only": lambda f: f}})
     import diffusers.optimization
-    import open_clip  # noqa: F401  (before the stubs: it probes optional modules)
-    import transformers  # noqa: F401
 
     # Their lr_scheduler.py imports typing names through diffusers.optimization, which newer diffusers
     # no longer re-exports (0.30.2 did); the scheduler code itself is unchanged.
@@ -88,39 +82,13 @@ def install_stubs():
         if not hasattr(diffusers.optimization, name):
             setattr(diffusers.optimization, name, value)
 
-    for name in ("cv2", "decord"):
-        if importlib.util.find_spec(name) is None:
-            sys.modules[name] = _module(name)
-    if importlib.util.find_spec("pytorch_lightning") is None:
-        pl = _module("pytorch_lightning")
-
-        class LightningModule(torch.nn.Module):
-            @property
-            def device(self):
-                return next(self.parameters()).device
-
-        pl.LightningModule, pl.seed_everything = LightningModule, torch.manual_seed
-        utilities = _module("pytorch_lightning.utilities")
-        utilities.rank_zero_only = lambda f: f
-        pl.utilities = utilities
-        sys.modules["pytorch_lightning"], sys.modules["pytorch_lightning.utilities"] = pl, utilities
-
-    def memory_efficient_attention(q, k, v, attn_bias=None, op=None):
-        mask = None if attn_bias is None else attn_bias.to(q.dtype)
-        return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask)
-
-    xformers, ops = _module("xformers"), _module("xformers.ops")
-    ops.memory_efficient_attention = memory_efficient_attention
-    xformers.ops = ops
-    sys.modules["xformers"], sys.modules["xformers.ops"] = xformers, ops
-
 
 def build_theirs(ref: str, size: str, device):
-    """Their `LatentVisualDiffusion` with random weights (no download), on `device`, eval mode."""
+    """Their `LatentVisualDiffusion` with random weights (no download), on `device`, eval mode (after
+    `install_stubs`, which puts their code on the path)."""
     import open_clip
     from omegaconf import OmegaConf
 
-    sys.path.insert(0, os.path.join(ref, "src"))
     if size == "tiny":
         spec = importlib.util.spec_from_file_location("golden", os.path.join(REPO, "scripts", "make_golden_unifolm.py"))
         golden = importlib.util.module_from_spec(spec)
@@ -205,11 +173,7 @@ class Theirs:
             return self.model.decode_first_stage(samples)
 
     def sync(self, x=None):
-        import torch
-
-        if self.device.type == "cuda":
-            torch.cuda.synchronize()
-        return x
+        return harness.torch_sync(x)
 
 
 class Ours:
@@ -246,24 +210,18 @@ class Ours:
         return self.jax.block_until_ready(x)
 
 
-def timed(fn):
-    start = time.perf_counter()
-    out = fn()
-    return out, time.perf_counter() - start
-
-
 def measure(runner, steps_list, repeats: int) -> dict:
     row = {}
     for steps in steps_list:
-        out, first = timed(lambda: runner.sync(runner.sample(steps, world=False)))
+        sample = lambda steps=steps: runner.sample(steps, world=False)  # noqa: E731
+        out, first = harness.timed(lambda sample=sample: runner.sync(sample()))
         row.setdefault("_first_done", time.time())
-        warm = [timed(lambda: runner.sync(runner.sample(steps, world=False)))[1] for _ in range(repeats)]
+        warm = harness.measure(sample, runner.sync, warmup=0, iters=repeats)
         row[f"first sampling {steps} (s)"] = first
-        row[f"sampling {steps} (s)"] = statistics.median(warm)
-        row[f"s/step @{steps}"] = statistics.median(warm) / steps
+        row[f"sampling {steps} (s)"] = warm.median
+        row[f"s/step @{steps}"] = warm.median / steps
     samples = out[0]
-    runner.sync(runner.decode(samples))
-    row["VAE decode 16 frames (s)"] = statistics.median(timed(lambda: runner.sync(runner.decode(samples)))[1] for _ in range(repeats))
+    row["VAE decode 16 frames (s)"] = harness.measure(lambda: runner.decode(samples), runner.sync, iters=repeats).median
 
     def iteration():
         s, _, _ = runner.sample(steps_list[0], world=False)
@@ -271,8 +229,8 @@ def measure(runner, steps_list, repeats: int) -> dict:
         s, _, _ = runner.sample(steps_list[0], world=True)
         return runner.sync(runner.decode(s))
 
-    runner.sync(iteration())  # the world-model trace compiles here
-    row[f"interaction iteration @{steps_list[0]} (s)"] = timed(iteration)[1]
+    # the warm-up call: the world-model trace compiles here
+    row[f"interaction iteration @{steps_list[0]} (s)"] = harness.measure(iteration, None, iters=1).median
     return row
 
 
@@ -281,11 +239,11 @@ def fresh_process_row(args, folder) -> dict:
     cmd = [sys.executable, os.path.abspath(__file__), "--ref", args.ref, "--size", args.size, "--steps", args.steps,
            "--variants", "ours-bf16", "--repeats", str(args.repeats), "--encoder-dtype", args.encoder_dtype, "--json"]
     cmd += ["--workdir", folder] if folder else []
-    result = subprocess.run(cmd, capture_output=True, text=True, env=dict(os.environ, UNIFOLM_BENCH_T0=repr(time.time())))
-    rows = [line for line in result.stdout.splitlines() if line.startswith("RESULT ")]
-    if result.returncode or not rows:
-        raise SystemExit(f"ours-bf16-fresh failed (status {result.returncode}):\n{result.stderr[-4000:]}")
-    return json.loads(rows[-1][len("RESULT "):])["ours-bf16"]
+    result = harness.run_fresh(cmd, start_var=T0)
+    rows = result.results()
+    if result.rc or not rows:
+        raise SystemExit(f"ours-bf16-fresh failed (status {result.rc}):\n{result.stderr[-4000:]}")
+    return rows[-1]["ours-bf16"]
 
 
 def main(argv=None):
@@ -315,6 +273,8 @@ def main(argv=None):
     if unknown:
         ap.error(f"unknown variants {unknown}; choose from {VARIANTS} (theirs-bf16: autocast without compile)")
 
+    if not args.json:  # the fresh process of ours-bf16-fresh: its parent printed it
+        harness.print_env()
     import jax
     import jax.numpy as jnp
     import torch
@@ -328,11 +288,11 @@ def main(argv=None):
     # Their model: for their variants, and to convert its weights for ours (unless converted already).
     if any(v.startswith("theirs") for v in variants) or (args.size == "real" and not reuse):
         cwd = os.getcwd()
-        os.chdir(args.ref)  # their obs encoder reads wan_tpu/configs/train/meta.json from the working directory
+        os.chdir(args.ref)  # their obs encoder reads configs/train/meta.json from the working directory
         try:
-            install_stubs()
+            install_stubs(os.path.abspath("."))
             torch.manual_seed(0)  # their init runs on the CPU: the same weights in every run (and --workdir reuse)
-            model, load_theirs = timed(lambda: build_theirs(os.path.abspath("."), args.size, device))
+            model, load_theirs = harness.timed(lambda: build_theirs(os.path.abspath("."), args.size, device))
             notes.append("their load = instantiate + .to(device) (random init; a .ckpt read would add torch.load)")
         finally:
             os.chdir(cwd)
@@ -375,7 +335,7 @@ def main(argv=None):
             from wan_tpu.unifolm.pipeline import UnifolmPipeline
 
             dtype = jnp.float32 if variant == "ours-fp32" else jnp.bfloat16
-            pipe, load = timed(lambda: UnifolmPipeline.from_pretrained(folder or "unifolm-tiny", dtype=dtype,
+            pipe, load = harness.timed(lambda: UnifolmPipeline.from_pretrained(folder or "unifolm-tiny", dtype=dtype,
                                                                        encoder_dtype=jnp.dtype(args.encoder_dtype)))
             loaded = jax.devices()[0].memory_stats() or {}  # what the weights hold, and the load's own peak
             runner = Ours(pipe)
@@ -385,8 +345,8 @@ def main(argv=None):
                 if key in loaded:
                     row[label] = loaded[key] / 1e9
             row["model load (s)"] = load
-            if "UNIFOLM_BENCH_T0" in os.environ:  # a fresh process (ours-bf16-fresh): its start to here
-                row["process start → first sampling done (s)"] = row.pop("_first_done") - float(os.environ["UNIFOLM_BENCH_T0"])
+            if T0 in os.environ:  # a fresh process (ours-bf16-fresh): its start to here
+                row["process start → first sampling done (s)"] = row.pop("_first_done") - harness.process_start(T0)
             row.pop("_first_done", None)
             stats = jax.devices()[0].memory_stats() or {}
             if "peak_bytes_in_use" in stats:
@@ -396,16 +356,12 @@ def main(argv=None):
         print(f"{variant}: " + ", ".join(f"{k} {v:.3f}" for k, v in row.items()), flush=True)
 
     keys = list(dict.fromkeys(k for row in results.values() for k in row))
-    width = max(len(k) for k in keys)
-    print(f"\nUnifoLM-WMA ({args.size}), {torch.cuda.get_device_name() if device.type == 'cuda' else 'CPU'}, "
-          f"torch {torch.__version__}, jax {jax.__version__}")
-    print(" " * width + "".join(f"{v:>22}" for v in results))
-    for k in keys:
-        print(f"{k:<{width}}" + "".join(f"{results[v].get(k, float('nan')):>22.3f}" for v in results))
+    print(f"\nUnifoLM-WMA ({args.size})")
+    print(harness.table(("", *results), ((k, *(f"{results[v].get(k, float('nan')):.3f}" for v in results)) for k in keys)))
     for note in notes:
         print("note:", note)
     if args.json:
-        print("RESULT " + json.dumps(results))
+        harness.emit_result(results)
 
 
 if __name__ == "__main__":

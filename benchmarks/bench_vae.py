@@ -21,7 +21,6 @@ size) between the two implementations.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import subprocess
@@ -29,6 +28,9 @@ import sys
 import time
 
 import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # harness.py, beside this script
+import harness  # noqa: E402
 
 GIB = 1024**3
 
@@ -68,22 +70,17 @@ def worker_torch(args):
         for i, (h, w) in enumerate(_sizes(args.sizes if kind == "decode" else args.encode_sizes or args.sizes)):
             x = torch.from_numpy(_inputs(kind, h, w, args.frames)).cuda().to(torch.bfloat16)
             fn = (lambda: vae.decode(x).sample) if kind == "decode" else (lambda: vae.encode(x).latent_dist.mode())
-            times = []
             torch.cuda.reset_peak_memory_stats()
             with torch.no_grad():
-                for r in range(args.reps + 1):
-                    torch.cuda.synchronize()
-                    t0 = time.perf_counter()
-                    out = fn()
-                    torch.cuda.synchronize()
-                    times.append(time.perf_counter() - t0)
+                timing = harness.measure(fn, harness.torch_sync, iters=args.reps, hold=True)
+            out, times = timing.out, timing.times
             peak = torch.cuda.max_memory_allocated()
             if i == 0:
                 sl = out[:, :, :5].float().cpu().numpy() if kind == "decode" else out.float().cpu().numpy()
                 np.save(os.path.join(args.ckpt, f"torch_{kind}.npy"), sl)
-            del out
+            del out, timing
             torch.cuda.empty_cache()
-            _emit("diffusers", kind, h, w, times[1:], peak)
+            _emit("diffusers", kind, h, w, times, peak)
 
 
 def worker_jax(args):
@@ -120,13 +117,12 @@ def worker_jax(args):
             fn = lambda: vae.decode(x, tiling=True, tile_sample_size=variant[0], tile_sample_stride=variant[1])  # noqa: E731
         else:
             fn = lambda: vae.decode(x, tiling=False)  # noqa: E731
-        times = []
-        for r in range(1 if kind == "prime" else args.reps + 1):
-            t0 = time.perf_counter()
-            out = fn().block_until_ready()
-            times.append(time.perf_counter() - t0)
+        timing = harness.measure(fn, lambda out: out.block_until_ready(), iters=0 if kind == "prime" else args.reps,
+                                 hold=True)
+        out, first, times = timing.out, timing.first, timing.times
+        del timing
         if kind == "prime":
-            print(f"primed {job} {h}x{w} {variant or ''}: first call {times[0]:.1f}s", flush=True)
+            print(f"primed {job} {h}x{w} {variant or ''}: first call {first:.1f}s", flush=True)
             continue
         peak = (dev.memory_stats() or {}).get("peak_bytes_in_use", 0)
         if args.profile and job == "decode":
@@ -144,11 +140,11 @@ def worker_jax(args):
         else:
             label = "wan_tpu" + (f" tiled {variant[0][0]}x{variant[0][1]}" if variant else "")
         label += " (peak ≤)" if masked else ""
-        _emit(label, job, h, w, times[1:], peak)
+        _emit(label, job, h, w, times, peak)
 
 
 def _profile(fn, title, top=14):
-    """One more run under the profiler: the XLA ops that took the most device time."""
+    """One more run under the profiler: the XLA ops that took the most time on the device."""
     import tempfile
 
     from wan_tpu.runtime.profiling import op_times, trace
@@ -197,8 +193,7 @@ def memory_analysis(args):
 
 
 def _emit(impl, kind, h, w, times, peak):
-    row = dict(impl=impl, kind=kind, size=f"{h}x{w}", ms=1000 * statistics.median(times), peak_gib=peak / GIB)
-    print("RESULT " + json.dumps(row), flush=True)
+    harness.emit_result(dict(impl=impl, kind=kind, size=f"{h}x{w}", ms=1000 * statistics.median(times), peak_gib=peak / GIB))
 
 
 def main():
@@ -217,10 +212,12 @@ def main():
     ap.add_argument("--label", default="", help=argparse.SUPPRESS)
     ap.add_argument("--impls", default="diffusers,wan_tpu", help="which sides to run")
     ap.add_argument("--profile", action="store_true", help="after timing each JAX decode, run it once more under the "
-                    "profiler and print the XLA ops that took the most device time")
+                    "profiler and print the XLA ops that took the most time on the device")
     ap.add_argument("--memory-analysis", action="store_true", help="only compile decode's steps and print XLA's memory accounting "
                     "(with --variants: besides the timings, once per distinct XLA_FLAGS)")
     args = ap.parse_args()
+    if not args.worker:  # the workers' parent leaves the device to them
+        harness.print_env()
     if args.worker == "torch":
         return worker_torch(args)
     if args.worker.startswith("jax:"):
@@ -248,19 +245,15 @@ def _cmd(args, **flags):
     return cmd + (["--profile"] if args.profile and flags.get("worker", "") not in ("jax:prime", "torch") else [])
 
 
-def _env(xla_flags, **extra):
-    return dict(os.environ, XLA_FLAGS=f"{os.environ.get('XLA_FLAGS', '')} {xla_flags}".strip(), **extra)
-
-
 def _run(cmd, name, timeout, env=None):
     """One measuring subprocess → its RESULT rows; prints its errors if it produced none."""
     t0 = time.time()
     try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
+        proc = harness.run_fresh(cmd, env=env, timeout=timeout)
         out, err = proc.stdout, proc.stderr
     except subprocess.TimeoutExpired as e:
         out, err = (e.stdout or b"").decode() if isinstance(e.stdout, bytes) else (e.stdout or ""), "timeout"
-    got = [json.loads(line[7:]) for line in out.splitlines() if line.startswith("RESULT ")]
+    got = harness.read_results(out)
     print(f"[{name}] {time.time() - t0:.0f}s, {len(got)} results", flush=True)
     print("".join(line + "\n" for line in out.splitlines() if line.startswith(("primed", "RESULT", "PROFILE"))), end="", flush=True)
     if (not got and "prime" not in name) or "Error" in err[-2000:]:
@@ -284,13 +277,14 @@ def sweep(args):
     for label, strips, flags in variants:
         for size in args.sizes.split(","):
             cmd = _cmd(args, sizes=size, strips=strips, kinds="decode", worker="jax:prime", label=label)
-            procs.append((f"prime {label} {size}", subprocess.Popen(cmd, env=_env(flags, **grow), stdout=subprocess.PIPE,
-                                                                    stderr=subprocess.PIPE, text=True)))
+            procs.append((f"prime {label} {size}", subprocess.Popen(cmd, env=harness.xla_flags_env(flags, **grow),
+                                                                    stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)))
     analyses = list(dict.fromkeys(f for _, _, f in variants)) if args.memory_analysis else []
     for flags in analyses:
         cmd = [sys.executable, __file__, "--memory-analysis", "--sizes", args.sizes]
-        procs.append((f"memory analysis, XLA_FLAGS='{flags}'", subprocess.Popen(cmd, env=_env(flags, **grow), stdout=subprocess.PIPE,
-                                                                                stderr=subprocess.PIPE, text=True)))
+        procs.append((f"memory analysis, XLA_FLAGS='{flags}'", subprocess.Popen(cmd, env=harness.xla_flags_env(flags, **grow),
+                                                                                stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                                                                text=True)))
     notes = []
     for name, proc in procs:
         try:
@@ -307,7 +301,8 @@ def sweep(args):
             print(err[-1500:], flush=True)
     rows = _run(_cmd(args, kinds="decode", worker="torch"), "diffusers", args.timeout)
     for label, strips, flags in variants:
-        rows += _run(_cmd(args, strips=strips, kinds="decode", worker="jax:decode", label=label), label, args.timeout, _env(flags))
+        rows += _run(_cmd(args, strips=strips, kinds="decode", worker="jax:decode", label=label), label, args.timeout,
+                     harness.xla_flags_env(flags))
     print_table(rows, args)
     print("\n".join(notes))
     print("variants (XLA_FLAGS): " + "; ".join(f"{label} = {strips} strip(s) [{flags or 'default'}]" for label, strips, flags in variants))
@@ -316,13 +311,13 @@ def sweep(args):
 def print_table(rows, args):
     ref = {(r["kind"], r["size"]): r for r in rows if r["impl"] == "diffusers"}
     print(f"\nWan 2.1 VAE, bf16, {args.frames} frames, median of {args.reps} after warm-up")
-    print(f"{'work':7} {'size':9} {'impl':26} {'time ms':>9} {'peak GiB':>9} {'time ×':>7} {'mem ×':>7}")
+    print(harness.header("work", "size", "impl", "time ms", "peak GiB", "time ×", "mem ×"))
     order = [f"{h}x{w}" for h, w in _sizes(args.sizes)]
     for r in sorted(rows, key=lambda r: (r["kind"], order.index(r["size"]), r["impl"] != "diffusers", r["impl"])):
         base = ref.get((r["kind"], r["size"]))
         tr = f"{r['ms'] / base['ms']:.2f}" if base else "-"
         mr = f"{r['peak_gib'] / base['peak_gib']:.2f}" if base and base["peak_gib"] else "-"
-        print(f"{r['kind']:7} {r['size']:9} {r['impl']:26} {r['ms']:9.0f} {r['peak_gib']:9.2f} {tr:>7} {mr:>7}")
+        print(harness.row(r["kind"], r["size"], r["impl"], f"{r['ms']:.0f}", f"{r['peak_gib']:.2f}", tr, mr))
     for kind in ("decode", "encode"):
         a, b = (os.path.join(args.ckpt, f"{impl}_{kind}.npy") for impl in ("torch", "jax"))
         if os.path.exists(a) and os.path.exists(b):

@@ -12,14 +12,14 @@ figure measures the arithmetic, not a trained checkpoint's sensitivity.
 from __future__ import annotations
 
 import argparse
+import os
+import sys
 
-import jax.numpy as jnp
-import numpy as np
-
-
-def relative_error(a, b) -> float:
-    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-    return float(np.linalg.norm(a - b) / np.linalg.norm(b))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # harness.py, beside this script
+import harness  # noqa: E402
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
 
 
 def main(argv=None) -> None:
@@ -27,6 +27,7 @@ def main(argv=None) -> None:
     p.add_argument("--batch", type=int, default=2)
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
+    harness.print_env(jax.devices())
 
     from wan_tpu.encoders.clip import CLIPTextTransformer, CLIPVisionTransformer, random_clip
     from wan_tpu.encoders.openclip import OpenCLIPImageEncoder, text_config, vision_config
@@ -45,7 +46,7 @@ def main(argv=None) -> None:
                       np.asarray(text_tower(jnp.asarray(ids)), np.float32))
         del image_tower, text_tower
     for i, name in enumerate(("image tower (257 tokens × 1280)", "text tower, penultimate (77 tokens × 1024)")):
-        print(f"{name}: bf16 vs float32 relative error {relative_error(out[jnp.bfloat16][i], out[jnp.float32][i]):.2e}")
+        print(f"{name}: bf16 vs float32 relative error {harness.rel_error(out[jnp.bfloat16][i], out[jnp.float32][i]):.2e}")
 
 
 if __name__ == "__main__":

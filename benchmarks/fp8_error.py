@@ -12,30 +12,35 @@ DiT of a named config (full width and depth), one small latent, on a device with
 Prints, per recipe, the relative L2 error of the DiT output against the float32 forward of the same
 weights, and the share of the forward's linear FLOPs the recipe runs in FP8; first the bf16 model's. Also one linear alone
 (Gaussian 512×dim activations through a dim×dim N(0, 1/dim) kernel) against float64: the per-product
-floor of each format. Reference for the issue-16 quality target (≤ 3e-2 of one forward).
+floor of each format. Reference for the FP8 quality target (≤ 3e-2 relative error of one forward).
 
 Random weights decide which recipe looks best: with `--init presets` (`presets.random_module`: biases
 N(0, 0.02²)) the attention projections carry the error and the FFN alone stays near 2e-2; with
 `--init nnx` (the modules' own initialisers, zero biases: what `bench_dit.py` draws on the device)
 the FFN's proj_out does and FFN-only lands near 5e-2. The device matches the CPU for the same
-weights (docs/PERFORMANCE.md, ninth session), so neither figure says how trained weights fare.
+weights (docs/PERFORMANCE.md), so neither figure says how trained weights fare.
 """
 
 from __future__ import annotations
 
 import argparse
 import functools
+import os
+import sys
 
-import jax
-import jax.numpy as jnp
-import numpy as np
-from flax import nnx
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # harness.py, beside this script
+import harness  # noqa: E402
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+from flax import nnx  # noqa: E402
 
-from wan_tpu.wan import quantize
-from wan_tpu.configs.models import VARIANTS
-from wan_tpu.layers.quantized import quantize_weight, quantized_matmul
-from wan_tpu.wan.transformer import WanTransformer, forward
-from wan_tpu.loading.random_init import random_module
+from wan_tpu.wan import quantize  # noqa: E402
+from wan_tpu.configs.models import VARIANTS  # noqa: E402
+from wan_tpu.layers.quantized import quantize_weight, quantized_matmul  # noqa: E402
+from wan_tpu.wan.transformer import WanTransformer, forward  # noqa: E402
+from wan_tpu.loading.random_init import random_module  # noqa: E402
+
 
 ATTENTION = tuple(p for p in quantize.BLOCK_LINEARS if p[0] != "ffn")
 FFN = tuple(p for p in quantize.BLOCK_LINEARS if p[0] == "ffn")
@@ -161,12 +166,7 @@ def accumulation_study(keys: int, v_mean: float, bits: int, two_level: bool, que
         return acc + part if two_level else part
 
     out = jax.lax.fori_loop(0, keys // step, one_step, jnp.zeros((queries, d)))
-    return rel(out, exact)
-
-
-def rel(a, b) -> float:
-    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-    return float(np.linalg.norm(a - b) / np.linalg.norm(b))
+    return harness.rel_error(out, exact)
 
 
 def linear_floor(dim: int) -> dict:
@@ -176,10 +176,10 @@ def linear_floor(dim: int) -> dict:
     ref = np.asarray(x, np.float64) @ np.asarray(w, np.float64)
     wq, s = quantize_weight(w, "fp8")
     w8, s8 = quantize_weight(w, "int8")
-    return {"bf16 × bf16": rel((x.astype(jnp.bfloat16) @ w.astype(jnp.bfloat16)).astype(jnp.float32), ref),
-            "e4m3 × e4m3 (per-token, per-channel scales)": rel(quantized_matmul(x, wq, s, out_dtype=jnp.float32), ref),
-            "e4m3 weights, f32 activations": rel(x @ (wq.astype(jnp.float32) * s[None]), ref),
-            "int8 × int8 (per-token, per-channel scales)": rel(
+    return {"bf16 × bf16": harness.rel_error((x.astype(jnp.bfloat16) @ w.astype(jnp.bfloat16)).astype(jnp.float32), ref),
+            "e4m3 × e4m3 (per-token, per-channel scales)": harness.rel_error(quantized_matmul(x, wq, s, out_dtype=jnp.float32), ref),
+            "e4m3 weights, f32 activations": harness.rel_error(x @ (wq.astype(jnp.float32) * s[None]), ref),
+            "int8 × int8 (per-token, per-channel scales)": harness.rel_error(
                 quantized_matmul(x, w8, s8, fmt="int8", out_dtype=jnp.float32), ref)}
 
 
@@ -218,21 +218,21 @@ def main(argv=None) -> int:
     p.add_argument("--accumulation", action="store_true",
                    help="only the per-call study of FP8 MMA accumulation (`accumulation_study`), then exit")
     args = p.parse_args(argv)
+    harness.print_env(jax.devices())
     if args.accumulation:
         print("e4m3 P·V, one head, 64 queries; relative error of 14-bit-aligned accumulation vs exact sums")
-        print(f"  {'keys':>6s} {'V mean':>6s} {'running accumulator':>20s} {'fresh per 256 keys':>19s}")
+        print(harness.header("keys", "V mean", "running accumulator", "fresh per 256 keys"))
         for keys in (2048, 8192, 32768):
             for v_mean in (0.0, 1.0):
-                print(f"  {keys:6d} {v_mean:6.1f} {accumulation_study(keys, v_mean, 13, False):20.2e} "
-                      f"{accumulation_study(keys, v_mean, 13, True):19.2e}", flush=True)
+                print(harness.row(keys, f"{v_mean:.1f}", f"{accumulation_study(keys, v_mean, 13, False):.2e}",
+                                  f"{accumulation_study(keys, v_mean, 13, True):.2e}"), flush=True)
         return 0
     variant = {"1.3b": "wan2.1-t2v-1.3b", "14b": "wan2.1-t2v-14b", "5b": "wan2.2-ti2v-5b", "tiny": "tiny"}[args.config]
     cfg = VARIANTS[variant].transformer
     latent = tuple(int(v) for v in args.latent.split(","))
     d = cfg.num_attention_heads * cfg.attention_head_dim
     print(f"one linear, 512 × {d} through {d} × {d}, relative error against float64:")
-    for name, err in linear_floor(d).items():
-        print(f"  {name:48s} {err:.2e}")
+    print(harness.table(("product", "rel. error"), ((name, f"{err:.2e}") for name, err in linear_floor(d).items())))
 
     # The same seed draws the same weights in either dtype (rounded to bf16; float32 modules stay float32).
     def build(dtype):
@@ -250,21 +250,22 @@ def main(argv=None) -> int:
     flops = linear_flops(cfg, tokens, args.text)
     print(f"\n{variant}, {cfg.num_layers} blocks, latent {latent} ({tokens} tokens), {args.text} text tokens: "
           f"{args.format} forward against {args.dtype}")
-    print(f"  {'recipe (block linears in ' + args.format + ')':34s} {'rel. error':>10s} {'share of linear FLOPs':>22s}")
+    print(harness.header(f"recipe (block linears in {args.format})", "rel. error", "share of linear FLOPs"))
     if args.dtype == "float32":
         # The bf16 model against float32: where bench_dit.py's FP8 rows (against bf16) start from.
         gb, sb = nnx.split(build(jnp.bfloat16))
         out = run(gb, sb, x.astype(jnp.bfloat16), c.astype(jnp.bfloat16))
-        print(f"  {'bf16 weights and activations':34s} {rel(out, ref):10.2e} {'':>22s}")
+        print(harness.row("bf16 weights and activations", f"{harness.rel_error(out, ref):.2e}", ""))
     for name, linears in RECIPES.items():
         model = nnx.merge(graphdef, state)  # shares the unquantised arrays; quantising replaces its linears only
         quantize.quantize_transformer(model, args.format, linears=linears)
         g, s = nnx.split(model)
         out = run(g, s, x, c)
         share = sum(flops.get(p, 0) for p in linears) / sum(flops.values())
-        print(f"  {name:34s} {rel(out, ref):10.2e} {share:22.0%}")
+        print(harness.row(name, f"{harness.rel_error(out, ref):.2e}", f"{share:.0%}"), flush=True)
     if args.attention:
-        print("  block linears unquantised, self-attention emulated in 8 bits:")
+        print()
+        print(harness.header("self-attention emulated in 8 bits (block linears unquantised)", "rel. error"))
         kernel_loop = {f"kernel loop, {bits or 23}-bit accumulation": functools.partial(emulated_kernel_attention, acc_bits=bits)
                        for bits in args.acc_bits}
         for name, fn in {**{n: functools.partial(emulated_8bit_attention, qk=qk, pv=pv)
@@ -272,7 +273,7 @@ def main(argv=None) -> int:
             model = nnx.merge(graphdef, state)
             model.self_attention = fn
             g, s = nnx.split(model)
-            print(f"  {name:34s} {rel(run(g, s, x, c), ref):10.2e}", flush=True)
+            print(harness.row(name, f"{harness.rel_error(run(g, s, x, c), ref):.2e}"), flush=True)
     return 0
 
 

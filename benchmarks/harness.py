@@ -14,8 +14,8 @@ import contextlib
 import dataclasses
 import glob
 import importlib
-import importlib.metadata
 import importlib.machinery
+import importlib.metadata
 import importlib.util
 import json
 import os
@@ -123,24 +123,32 @@ def timed(fn: Callable, *args, **kwargs) -> tuple[Any, float]:
 
 
 def measure(call: Callable[[], Any], sync: Callable[[Any], Any] | None, *, iters: int, warmup: int = 1,
-            batch: int = 1) -> Timing:
+            batch: int = 1, hold: bool = False) -> Timing:
     """`warmup` calls, each waited for, then `iters` timed samples of `batch` calls back to back (only the
     last one waited for) → seconds per call of each sample. `sync(out)` waits for a call's work
-    (`jax.block_until_ready`, `torch_sync`); None: `call` returns only once its work is done."""
+    (`jax.block_until_ready`, `torch_sync`); None: `call` returns only once its work is done. `hold`: each
+    result stays alive while the next call runs (a loop `out = f()`: what a peak-memory reading taken after
+    the loop then includes); else it is dropped first. The last result is returned (`Timing.out`)."""
     wait = sync or (lambda out: out)
     first = out = None
     for i in range(warmup):
+        if not hold:
+            out = None
         start = time.perf_counter()
-        out = wait(call())
+        out = call()
+        wait(out)
         if i == 0:
             first = time.perf_counter() - start
     times = []
     t0 = time.time()
     for _ in range(iters):
+        if not hold:
+            out = None
         start = time.perf_counter()
         for _ in range(batch - 1):
             call()
-        out = wait(call())
+        out = call()
+        wait(out)
         times.append((time.perf_counter() - start) / batch)
     return Timing(tuple(times), first, (t0, time.time()), out)
 
@@ -334,10 +342,11 @@ def import_reference(root: str, modules: Iterable[str] = (), *, first: Iterable[
     - torchvision, where installed, imported first (`import_torchvision`);
     - `first`: modules imported before any stand-in exists (libraries such as diffusers and transformers
       probe for flash-attn or torchvision while importing and must see what is really installed);
+    - `root` put first on `sys.path`;
+    - `packages`: packages of the checkout made importable without running their `__init__`;
     - `stubs`: name → attributes of modules put in place whether installed or not (flash-attn, xformers:
       their kernels routed to torch SDPA, `sdpa_flash_attn`, `sdpa_xformers`);
     - `missing`: the same, only where the top-level package is not installed (cv2, decord, ...);
-    - `packages`: packages of the checkout made importable without running their `__init__`;
     - `modules`: then imported from the checkout; returned as a namespace by their last name, with `root`.
     """
     import_torchvision()
@@ -346,13 +355,13 @@ def import_reference(root: str, modules: Iterable[str] = (), *, first: Iterable[
     root = os.path.abspath(root)
     sys.path.insert(0, root)
     absent = {name for name in (missing or {}) if not _installed(name)}
+    for name in packages:
+        stub_module(name, path=os.path.join(root, *name.split(".")))
     for name, attrs in (stubs or {}).items():
         stub_module(name, attrs)
     for name, attrs in (missing or {}).items():
         if name in absent:
             stub_module(name, attrs)
-    for name in packages:
-        stub_module(name, path=os.path.join(root, *name.split(".")))
     found = {name.rsplit(".", 1)[-1]: importlib.import_module(name) for name in modules}
     return types.SimpleNamespace(root=root, **found)
 

@@ -19,8 +19,14 @@ from __future__ import annotations
 
 import argparse
 import collections
+import importlib
+import os
+import sys
 import threading
 import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # harness.py, beside this script
+import harness  # noqa: E402
 
 START = time.perf_counter()
 
@@ -45,16 +51,14 @@ def print_events(events) -> None:
         row = rows[(fun, "main" if thread == "MainThread" else thread, kind.replace("_duration", ""))]
         row[0] += 1
         row[1] += seconds
-    print(f"{'program':28} {'thread':10} {'event':28} {'count':>5} {'seconds':>8}")
-    for (fun, thread, kind), (n, seconds) in sorted(rows.items(), key=lambda kv: -kv[1][1]):
-        if seconds >= 0.005:
-            print(f"{fun[:28]:28} {thread[:10]:10} {kind[:28]:28} {n:5d} {seconds:8.2f}")
+    print(harness.table(("program", "thread", "event", "count", "seconds"),
+                        ((fun, thread, kind, n, f"{seconds:.2f}")
+                         for (fun, thread, kind), (n, seconds) in sorted(rows.items(), key=lambda kv: -kv[1][1])
+                         if seconds >= 0.005)))
 
 
-def timed(name: str, fn) -> None:
-    start = time.perf_counter()
-    fn()
-    print(f"{name:28} {time.perf_counter() - start:8.2f} s")
+def print_timed(name: str, fn) -> None:
+    print(f"{name:28} {harness.timed(fn)[1]:8.2f} s")
 
 
 def use_cache(folder: str | None) -> None:
@@ -83,9 +87,9 @@ def vae(args) -> None:
     events.clear()
     if args.ahead:
         thread = threading.Thread(target=model.compile_decode, args=(shape,), name="ahead")
-        timed("compile_decode (thread)", lambda: (thread.start(), thread.join()))
-    timed("first decode", lambda: np.asarray(model.decode(z)))
-    timed("second decode", lambda: np.asarray(model.decode(z)))
+        print_timed("compile_decode (thread)", lambda: (thread.start(), thread.join()))
+    print_timed("first decode", lambda: np.asarray(model.decode(z)))
+    print_timed("second decode", lambda: np.asarray(model.decode(z)))
     print_events(events)
     peak = (jax.devices()[0].memory_stats() or {}).get("peak_bytes_in_use")
     print(f"peak device memory: {'n/a' if peak is None else f'{peak / 2**30:.2f} GiB'}")
@@ -108,27 +112,30 @@ def t5(args) -> None:
     config = UMT5Config(vocab_size=256384, d_kv=64, relative_attention_num_buckets=32,
                         relative_attention_max_distance=128, feed_forward_proj="gated-gelu", layer_norm_epsilon=1e-6,
                         **size)
-    start = time.perf_counter()
-    graphdef, state = nnx.split(nnx.eval_shape(lambda: UMT5Encoder(config, jnp.bfloat16)))
-    state = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), state)  # zeros: only the program is measured
-    table = np.zeros((config.vocab_size, config.d_model), jnp.bfloat16)
-    encoder = UMT5TextEncoder(nnx.merge(graphdef, state), UMT5Embedding(table, jnp.bfloat16), tiny_tokenizer())
-    print(f"{'build (device)':28} {time.perf_counter() - start:8.2f} s")
+    def build():
+        graphdef, state = nnx.split(nnx.eval_shape(lambda: UMT5Encoder(config, jnp.bfloat16)))
+        state = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), state)  # zeros: only the program is measured
+        table = np.zeros((config.vocab_size, config.d_model), jnp.bfloat16)
+        return UMT5TextEncoder(nnx.merge(graphdef, state), UMT5Embedding(table, jnp.bfloat16), tiny_tokenizer())
+
+    encoder, seconds = harness.timed(build)
+    print(f"{'build (device)':28} {seconds:8.2f} s")
     events.clear()
     prompts = ["a cat walks on the grass", "low quality"]
-    timed("first encode", lambda: np.asarray(encoder.encode(prompts)))
-    timed("second encode", lambda: np.asarray(encoder.encode(prompts)))
+    print_timed("first encode", lambda: np.asarray(encoder.encode(prompts)))
+    print_timed("second encode", lambda: np.asarray(encoder.encode(prompts)))
     print_events(events)
 
 
 def startup(args) -> None:
-    timed("import jax", lambda: __import__("jax"))
-    timed("jax.devices() (backend)", lambda: __import__("jax").devices())
-    timed("import flax.nnx", lambda: __import__("flax.nnx"))
-    timed("import wan_tpu.wan.pipeline", lambda: __import__("wan_tpu.wan.pipeline"))
-    timed("import torch", lambda: __import__("torch"))
-    timed("import transformers UMT5", lambda: __import__("transformers").UMT5EncoderModel)
-    timed("import torchax (shimmed)", lambda: __import__("wan_tpu.runtime.torchax_compat").torchax_compat.import_torchax())
+    print_timed("import jax", lambda: __import__("jax"))
+    print_timed("jax.devices() (backend)", lambda: __import__("jax").devices())
+    print_timed("import flax.nnx", lambda: __import__("flax.nnx"))
+    print_timed("import wan_tpu.wan.pipeline", lambda: __import__("wan_tpu.wan.pipeline"))
+    print_timed("import torch", lambda: __import__("torch"))
+    print_timed("import transformers UMT5", lambda: __import__("transformers").UMT5EncoderModel)
+    print_timed("import torchax (shimmed)",
+                lambda: importlib.import_module("wan_tpu.runtime.torchax_compat").import_torchax())
 
 
 def main(argv=None) -> None:
@@ -138,6 +145,7 @@ def main(argv=None) -> None:
     p.add_argument("--ahead", action="store_true", help="vae: compile_decode in a thread before the first call")
     p.add_argument("--small", action="store_true", help="tiny sizes (a CPU check of the script itself)")
     args = p.parse_args(argv)
+    harness.print_env()  # JAX's backend not started here: `startup` times that
     {"vae": vae, "t5": t5, "startup": startup}[args.what](args)
     print(f"{'process wall so far':28} {time.perf_counter() - START:8.2f} s")
 

@@ -22,11 +22,13 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures
-import json
 import os
 import subprocess
 import sys
 import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # harness.py, beside this script
+import harness  # noqa: E402
 
 
 def _bytes(files):
@@ -162,20 +164,18 @@ PARTS = {"startup": part_startup, "read": part_read, "put-1": part_put1, "put-4"
 
 def child(args):
     fn = part_prepare if args.child == "prepare" else PARTS[args.child]
-    print("RESULT " + json.dumps(fn(args.path, args.component)), flush=True)
+    harness.emit_result(fn(args.path, args.component))
 
 
 def run(path, part, component, timeout):
     cmd = [sys.executable, os.path.abspath(__file__), path, "--child", part, "--component", component]
-    t0 = time.perf_counter()
     try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+        proc = harness.run_fresh(cmd, timeout=timeout)
     except subprocess.TimeoutExpired:
         return {"error": f"timed out after {timeout} s"}
-    wall = time.perf_counter() - t0
-    for line in proc.stdout.splitlines():
-        if line.startswith("RESULT "):
-            return {**json.loads(line[7:]), "process": wall}
+    found = proc.results()
+    if found:
+        return {**found[0], "process": proc.wall}
     return {"error": (proc.stderr.strip().splitlines() or ["no output"])[-1][:160]}
 
 
@@ -190,14 +190,15 @@ def main(argv=None):
     args = p.parse_args(argv)
     if args.child:
         return child(args)
+    harness.print_env()  # this process leaves the device to the parts' processes
     parts = args.parts.split(",")
-    print("| component | part | seconds | GB/s | process s | detail |\n|---|---|---|---|---|---|", flush=True)
+    print(harness.header("component", "part", "seconds", "GB/s", "process s", "detail"), flush=True)
     for part in parts:
         comps = ["-"] if part in ("startup", "prepare") else args.components.split(",")
         for comp in comps:
             r = run(args.path, part, comp if comp != "-" else "transformer", args.timeout)
             if "error" in r:
-                print(f"| {comp} | {part} | — | — | — | {r['error']} |", flush=True)
+                print(harness.row(comp, part, "—", "—", "—", r["error"]), flush=True)
                 continue
             nbytes = r.pop("bytes", None)
             wall = r.pop("process")
@@ -205,8 +206,8 @@ def main(argv=None):
             secs = r.get(key, sum(r.values()) if part == "startup" else None)
             rate = f"{nbytes / secs / 1e9:.2f}" if nbytes and secs else "—"
             detail = ", ".join(f"{k} {v:.2f}" for k, v in r.items() if k != key)
-            print(f"| {comp} | {part} | {secs:.2f} | {rate} | {wall:.1f} | {detail} |" if secs is not None
-                  else f"| {comp} | {part} | — | — | {wall:.1f} | {detail} |", flush=True)
+            print(harness.row(comp, part, f"{secs:.2f}", rate, f"{wall:.1f}", detail) if secs is not None
+                  else harness.row(comp, part, "—", "—", f"{wall:.1f}", detail), flush=True)
 
 
 if __name__ == "__main__":

@@ -28,6 +28,8 @@ import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # harness.py, beside this script
+import harness  # noqa: E402
 
 GB = 1024**3
 _SIZES = {"f32": 4, "bf16": 2, "f16": 2, "s32": 4, "u32": 4, "pred": 1, "s8": 1, "u8": 1, "f8e4m3fn": 1, "s64": 8}
@@ -104,7 +106,8 @@ def main(argv=None) -> int:
     cfg = CONFIGS[args.config]
     dtype = jnp.dtype(args.dtype)
     vae_cfg = AUTOENCODER_KL_CONFIGS["unifolm" if args.config == "unifolm-wma-0" else "tiny"]
-    print(f"{args.config}, {args.dtype}, {args.steps} steps, {jax.devices()[0].device_kind}; dump {DUMP}")
+    harness.print_env(jax.devices())
+    print(f"{args.config}, {args.dtype}, {args.steps} steps; dump {DUMP}")
 
     model = abstract_unifolm(cfg, dtype)
     vae = nnx.eval_shape(lambda: AutoencoderKL(vae_cfg, rngs=KeyCounter(0)))

@@ -5,7 +5,6 @@ mesh, to stay fast) and writes a playable mp4; meshes needing more devices than 
 
 import importlib.util
 import os
-import re
 import sys
 
 import numpy as np
@@ -24,6 +23,23 @@ def _load_script():
 
 
 bench = _load_script()
+
+
+def _cells(line: str) -> list[str]:
+    """The cells of one markdown table row."""
+    return [c.strip() for c in line.strip().strip("|").split("|")]
+
+
+def _table(out: str, first: str) -> list[list[str]]:
+    """The markdown table whose header starts with the cell `first`: header, then each row, as cells."""
+    lines = out[out.index(f"| {first} |"):].splitlines()
+    assert set(lines[1]) == {"|", "-"}  # the rule under the header
+    rows = [lines[0]]
+    for line in lines[2:]:
+        if not line.startswith("|"):
+            break
+        rows.append(line)
+    return [_cells(line) for line in rows]
 
 
 @pytest.fixture(scope="module")
@@ -71,14 +87,14 @@ def test_tiny_generate_end_to_end(workdir, capsys):
     assert bench.main(["--config", "tiny", "--steps", "2", "--size", "32*32", "--frames", "5", "--mesh", "1,1,1",
                        "--workdir", str(workdir)]) == 0
     out = capsys.readouterr().out
+    assert out.startswith("jax ") and " · device " in out.splitlines()[0]  # what ran where, first
     for stage in ("load text encoder", "text encode", "load transformer", "denoise (2 steps)",
                   "denoise excl. compile", "s/step", "vae decode", "mp4 write", "total (one generate)", "MFU",
                   "peak memory"):
         assert stage in out
-    table = out[out.index("mesh dp,sp,tp"):]
-    for column in ("load", "text enc", "denoise", "excl.compile", "s/step", "vae dec", "mp4", "total", "MFU", "peak GiB"):
-        assert column in table
-    row = table.splitlines()[1].split()
+    head, row = _table(out, "mesh dp,sp,tp")
+    assert head == ["mesh dp,sp,tp", "load", "text enc", "denoise", "excl.compile", "s/step", "vae dec", "mp4", "total",
+                    "total@default", "MFU", "peak GiB"]
     assert row[0] == "1,1,1" and len(row) == 12
     assert float(row[8]) > float(row[3]) > 0  # total > denoise
     frames, fps = read_video(os.path.join(workdir, "bench_e2e_tiny_1x1x1.mp4"))
@@ -90,8 +106,8 @@ def test_meshes_run_in_their_own_processes_and_skip_when_devices_are_missing(wor
     # With a time limit (or several meshes) each mesh runs in a child process; this one needs more
     # than the 8 simulated CPU devices.
     assert bench.main(["--config", "tiny", "--meshes", "2,2,8", "--time-limit", "600", "--workdir", str(workdir)]) == 0
-    table = capsys.readouterr().out.split("mesh dp,sp,tp")[1].splitlines()
-    assert table[1].split()[0] == "2,2,8" and "skipped (needs 32 devices, 8 here)" in table[1]
+    _, row = _table(capsys.readouterr().out, "mesh dp,sp,tp")
+    assert row[:2] == ["2,2,8", "skipped (needs 32 devices, 8 here)"] and len(row) == 12
 
 
 def test_bad_mesh_is_one_line_error(workdir, capsys):
@@ -102,8 +118,8 @@ def test_bad_mesh_is_one_line_error(workdir, capsys):
 
 def test_time_limit_still_prints_the_table(workdir, capsys):
     assert bench.main(["--config", "tiny", "--meshes", "1,1,1", "--time-limit", "0", "--workdir", str(workdir)]) == 0
-    table = capsys.readouterr().out.split("mesh dp,sp,tp")[1].splitlines()
-    assert table[1].split()[0] == "1,1,1" and "not run (--time-limit 0 s reached)" in table[1]
+    _, row = _table(capsys.readouterr().out, "mesh dp,sp,tp")
+    assert row[:2] == ["1,1,1", "not run (--time-limit 0 s reached)"]
 
 
 @pytest.mark.slow
@@ -116,10 +132,10 @@ def test_peer_diffusers_times_whole_commands(workdir, capsys):
             "--steps", "2", "--size", "32*32", "--frames", "5", "--workdir", str(workdir)]
     assert bench.main(argv) == 0
     out = capsys.readouterr().out
-    table = out[out.index("entry "):].splitlines()
-    assert table[0].split() == ["entry", "wall", "load", "text", "denoise", "decode", "write", "other", "s/step",
-                                "wall@4", "vs", "diffusers", "eager"]
-    rows = {cells[0]: cells[1:] for cells in (re.split(r"\s{2,}", line.strip()) for line in table[1:4])}
+    head, *table = _table(out, "entry")
+    assert head == ["entry", "wall", "load", "text", "denoise", "decode", "write", "other", "s/step", "wall@4",
+                    "vs diffusers eager"]
+    rows = {cells[0]: cells[1:] for cells in table}
     assert set(rows) == {"wan_tpu, empty cache (cold)", "wan_tpu, cache filled (warm)", "diffusers eager"}
     assert rows["diffusers eager"][-1] == "1.00x"
     for cells in rows.values():
@@ -140,9 +156,9 @@ def test_peer_few_step_with_a_lora(workdir, capsys):
     assert bench.main(argv) == 0
     out = capsys.readouterr().out
     assert "4 Euler steps (sigmas [1.0, 0.75, 0.5, 0.25], shift 5), guidance 1, a random rank-4 kohya LoRA merged" in out
-    table = out[out.index("entry "):].splitlines()
-    assert "wall@" not in table[0]  # 4 given steps: nothing to project
-    rows = {cells[0]: cells[1:] for cells in (re.split(r"\s{2,}", line.strip()) for line in table[1:3])}
+    head, *table = _table(out, "entry")
+    assert not [c for c in head if c.startswith("wall@")]  # 4 given steps: nothing to project
+    rows = {cells[0]: cells[1:] for cells in table}
     assert set(rows) == {"wan_tpu, empty cache (cold)", "diffusers eager"} and rows["diffusers eager"][-1] == "1.00x"
     assert os.path.isfile(os.path.join(workdir, "tiny-lora-r4.safetensors"))
 

@@ -47,7 +47,9 @@ def test_table_lists_every_run():
     row = dict(load=10.0, lora=1.5, text=2.0, denoise=30.0, excl_compile=20.0, steps=4, skipped=1, decode=3.0,
                peak_bytes=2**31, device="cpu")
     text = bench.format_table([{"run": "wan_tpu fbcache (0.05)", **row}, {"run": "diffusers", "status": "failed"}])
-    lines = text.splitlines()
-    assert lines[1].split() == ["wan_tpu", "fbcache", "(0.05)", "10.0", "1.5", "2.0", "30.0", "20.0", "5.000", "1/4",
-                                "3.0", "36.5", "46.5", "2.0"]
-    assert lines[2].split() == ["diffusers", "failed"]
+    cells = [[c.strip() for c in line.strip("|").split("|")] for line in text.splitlines()]
+    assert cells[0] == ["run", "load", "lora", "text", "denoise", "excl.compile", "s/step", "skipped", "decode", "total",
+                        "wall", "peak GiB"]
+    assert cells[2] == ["wan_tpu fbcache (0.05)", "10.0", "1.5", "2.0", "30.0", "20.0", "5.000", "1/4", "3.0", "36.5",
+                        "46.5", "2.0"]
+    assert cells[3] == ["diffusers", "failed", *[""] * 10]
