@@ -24,7 +24,8 @@ import os
 
 import numpy as np
 
-from wan_tpu.errors import WanInputError
+from wan_tpu.errors import NonFiniteError, WanInputError
+from wan_tpu.runtime import interrupt
 from wan_tpu.runtime.cli import CliParser, add_common_args, check_attention, dtype_of, parse_mesh, run_cli
 
 MODES = ("decision", "world", "interact", "generate")
@@ -67,16 +68,48 @@ def read_arrays(path: str, what: str) -> dict:
                 data = json.load(f)
             if not isinstance(data, dict):
                 raise ValueError("the top level is not an object")
-            return {k: np.asarray(v, np.uint8 if k == "images" else np.float32) for k, v in data.items()}
+            return {k: np.asarray(v, np.float64) for k, v in data.items()}
     except (ValueError, OSError) as e:
         raise WanInputError(f"--{what} {path}: cannot be read ({str(e).splitlines()[0][:120]}); pass an .npz or a JSON object") from None
     raise WanInputError(f"--{what} {path!r} must be an .npz or .json file")
 
 
 def _need(arrays: dict, key: str, path: str) -> np.ndarray:
+    """`arrays[key]`, finite and numeric (images as uint8 0..255, vectors as float32)."""
     if key not in arrays:
         raise WanInputError(f"{path} has no {key!r} array; it holds {sorted(arrays)}")
-    return arrays[key]
+    value = np.asarray(arrays[key])
+    if value.dtype.kind not in "uif" or value.size == 0:
+        raise WanInputError(f"{path}: {key!r} must be a non-empty array of numbers, got {value.dtype} {value.shape}")
+    if not np.isfinite(value).all():
+        raise WanInputError(f"{path}: {key!r} holds NaN or infinite values; pass finite numbers")
+    if key == "images":
+        if value.ndim != 4 or value.shape[-1] != 3:
+            raise WanInputError(f"{path}: 'images' must be (n, H, W, 3), got shape {value.shape}")
+        if value.min() < 0 or value.max() > 255:
+            raise WanInputError(f"{path}: 'images' must hold pixel values 0..255")
+        return value.astype(np.uint8)
+    if value.ndim != 2:
+        raise WanInputError(f"{path}: {key!r} must be (n, dof), got shape {value.shape}")
+    return value.astype(np.float32)
+
+
+def check_settings(args) -> None:
+    """Every flag that can be checked before loading: counts, ranges and combinations."""
+    if args.mode is None:
+        raise WanInputError("pass --mode decision|world|interact|generate (or --serve PORT)")
+    if args.steps is not None and args.steps < 1:
+        raise WanInputError(f"--steps must be at least 1, got {args.steps}")
+    if not 0.0 <= args.eta <= 1.0:
+        raise WanInputError(f"--eta must be in [0, 1] (1: the authors' stochastic DDIM, 0: deterministic), got {args.eta}")
+    if args.iterations < 1:
+        raise WanInputError(f"--iterations must be at least 1, got {args.iterations}")
+    if args.mode != "interact" and args.iterations != 1:
+        raise WanInputError("--iterations applies to --mode interact only; drop it")
+    if args.fs is not None and args.fs < 1:
+        raise WanInputError(f"--fs must be at least 1 (fps // frame stride), got {args.fs}")
+    if args.mode != "world" and args.actions is not None:
+        raise WanInputError("--actions is the chunk --mode world plays; drop it for other modes")
 
 
 def output_paths(video: str, with_vectors: bool, overwrite: bool) -> list[str]:
@@ -92,10 +125,11 @@ def output_paths(video: str, with_vectors: bool, overwrite: bool) -> list[str]:
 def write_vectors(npz_path: str, json_path: str, vectors: dict, meta: dict, overwrite: bool) -> None:
     """`.npz` and `.json` of the predicted vectors, each written under a temporary name then renamed."""
     for path, write in ((npz_path, lambda f: np.savez(f, **vectors)),
-                        (json_path, lambda f: f.write(json.dumps({**meta, **{k: v.tolist() for k, v in vectors.items()}}).encode()))):
+                        (json_path, lambda f: f.write(json.dumps({**meta, **{k: v.tolist() for k, v in vectors.items()}},
+                                                                 allow_nan=False).encode()))):
         tmp = f"{path}.{os.getpid()}.partial"
         try:
-            with open(tmp, "wb") as f:
+            with interrupt.temporary(tmp), open(tmp, "wb") as f:
                 write(f)
             os.replace(tmp, path)
         finally:
@@ -108,12 +142,15 @@ def run(args) -> None:
     from wan_tpu.unifolm.pipeline import FPS, UnifolmPipeline
     from wan_tpu.runtime.video import write_video
 
-    if args.mode is None:
-        raise WanInputError("pass --mode decision|world|interact|generate (or --serve PORT)")
+    check_settings(args)
     paths = output_paths(args.output, args.mode != "generate", args.overwrite)
     obs = read_arrays(args.observation, "observation")
     images = _need(obs, "images", args.observation)
+    states = None if args.mode == "generate" else _need(obs, "states", args.observation)
     actions = _need(read_arrays(args.actions, "actions"), "actions", args.actions) if args.mode == "world" else None
+    if actions is not None and actions.shape[1] != states.shape[1]:
+        raise WanInputError(f"{args.actions} holds actions of {actions.shape[1]} dof but {args.observation} states of "
+                            f"{states.shape[1]}; give both for the same robot")
     check_attention(args.attention)
     mesh = parse_mesh(args.mesh)
     timer = StageTimer(since=args.started)
@@ -130,26 +167,32 @@ def run(args) -> None:
             out = pipe.generate(args.instruction, images, **common)
             video = out.video
         elif args.mode == "decision":
-            out = pipe.decide(args.instruction, images, _need(obs, "states", args.observation), **common)
+            out = pipe.decide(args.instruction, images, states, **common)
             video, vectors = out.video, {"actions": out.actions}
         elif args.mode == "world":
-            out = pipe.predict(images, _need(obs, "states", args.observation), actions, **common)
+            out = pipe.predict(images, states, actions, **common)
             video, vectors = out.video, {"states": out.states}
         else:
             from tqdm import tqdm
 
             with tqdm(total=args.iterations, desc="interact", unit="it", disable=args.quiet) as bar:
-                episode = pipe.interact(args.instruction, images, _need(obs, "states", args.observation), args.iterations,
+                episode = pipe.interact(args.instruction, images, states, args.iterations,
                                         progress=lambda i: bar.update(1), **common)
             video = episode.video
             vectors = {"actions": np.stack([d.actions for d in episode.decisions]),
                        "states": np.stack([p.states for p in episode.predictions])}
+    for name, value in vectors.items():
+        if not np.isfinite(np.asarray(value, np.float32)).all():
+            raise NonFiniteError(f"the predicted {name} are NaN or infinite (numerical failure; try --dtype float32); "
+                                 "nothing written")
     with timer.stage("write"):
         write_video(paths[0], video, FPS, overwrite=args.overwrite)
         if vectors:
             meta = {"model": pipe.name, "mode": args.mode, "seed": args.seed, "steps": steps, "eta": args.eta,
                     "unnormalised": pipe.stats is not None}
             write_vectors(paths[1], paths[2], {k: np.asarray(v, np.float32) for k, v in vectors.items()}, meta, args.overwrite)
+        for path in paths:
+            interrupt.record(path)
     print(f"wrote {', '.join(paths)} ({len(video)} frames, {pipe.width}x{pipe.height}, {FPS} fps)")
     from wan_tpu.runtime import compile_cache
 

@@ -5,8 +5,10 @@
 `POST /predict_action` with their JSON payload — `observation.images.top` (n_obs, 3, H, W) pixel values
 0..255, `observation.state` (n_obs, dof) in robot units, `action` (ignored, zeros in their client) and
 `language_instruction` — answers `{"result": "ok", "action": [[...] × 16], "desc": "success"}` with the
-16-step chunk unnormalised by the min-max table and cut to the robot's DoF; any failure answers
-`{"result": "error", "desc": ...}` as theirs. As their server: decision-making with the action tokens
+16-step chunk unnormalised by the min-max table and cut to the robot's DoF; a failure answers
+`{"result": "error", "desc": <one line>}` as theirs, with HTTP 400 for a bad request (not JSON, a key
+missing, a wrong shape, NaN, a body over 64 MiB: 413) and 500 for a failure of ours; the server keeps
+serving either way. As their server: decision-making with the action tokens
 dropped (`keep_action_tokens=False`), 16 DDIM steps, eta 1; images of another size are resized (short
 side, bilinear) and centre-cropped as their `resize_center_crop` transform (PIL's filter, not
 torchvision's: close, not bit-exact). Binds 127.0.0.1 only; put a proxy in front to expose it.
@@ -15,12 +17,12 @@ torchvision's: close, not bit-exact). Binds 127.0.0.1 only; put a proxy in front
 from __future__ import annotations
 
 import json
-import traceback
 from http.server import BaseHTTPRequestHandler, HTTPServer
 
 import numpy as np
 
 from wan_tpu.errors import WanInputError
+from wan_tpu.runtime import interrupt
 
 
 def resize_center_crop(images: np.ndarray, height: int, width: int) -> np.ndarray:
@@ -41,41 +43,91 @@ def resize_center_crop(images: np.ndarray, height: int, width: int) -> np.ndarra
     return np.stack(out)
 
 
-def predict_action(pipe, payload: dict, num_steps: int = 16, eta: float = 1.0, seed: int = 123, fs=None) -> dict:
-    """One request of the authors' protocol → their response dict."""
+MAX_BODY = 64 * 2**20  # 64 MiB: two 3×1080×1920 frames as JSON numbers fit; a larger body is refused unread
+
+
+def one_line(error: BaseException) -> str:
+    """An error as one line for the response's `desc` (never a traceback)."""
+    text = " ".join(str(error).split()) or type(error).__name__
+    return text[:300]
+
+
+def _payload_images(payload: dict) -> np.ndarray:
+    images = np.asarray(payload["observation.images.top"], np.float64)
+    if images.ndim == 3:
+        images = images[None]
+    if images.ndim != 4 or images.shape[1] != 3 or images.size == 0:
+        raise WanInputError(f"observation.images.top must be (n, 3, H, W), got shape {images.shape}")
+    if not np.isfinite(images).all():
+        raise WanInputError("observation.images.top holds NaN or infinite values")
+    return images
+
+
+def _payload_state(payload: dict) -> np.ndarray:
+    state = np.asarray(payload["observation.state"], np.float64)
+    if state.ndim == 1:
+        state = state[None]
+    if state.ndim != 2 or state.size == 0:
+        raise WanInputError(f"observation.state must be (n, dof), got shape {state.shape}")
+    if not np.isfinite(state).all():
+        raise WanInputError("observation.state holds NaN or infinite values")
+    return state.astype(np.float32)
+
+
+def predict_action(pipe, payload: dict, num_steps: int = 16, eta: float = 1.0, seed: int = 123, fs=None) -> tuple[int, dict]:
+    """One request of the authors' protocol → (HTTP status, their response dict): 200 and the actions; 400
+    and a one-line `desc` for a bad request; 500 and a one-line `desc` for a failure of ours."""
     try:
-        images = np.asarray(payload["observation.images.top"], np.float32)
-        if images.ndim == 3:
-            images = images[None]
-        if images.ndim != 4 or images.shape[1] != 3:
-            raise WanInputError(f"observation.images.top must be (n, 3, H, W), got shape {images.shape}")
+        if not isinstance(payload, dict):
+            raise WanInputError("the body must be a JSON object")
+        missing = [k for k in ("observation.images.top", "observation.state", "language_instruction") if k not in payload]
+        if missing:
+            raise WanInputError(f"the request has no {', '.join(missing)}")
+        images, state = _payload_images(payload), _payload_state(payload)
         frames = resize_center_crop(images, pipe.height, pipe.width)
-        out = pipe.decide(str(payload["language_instruction"]), frames, payload["observation.state"],
+        out = pipe.decide(str(payload["language_instruction"]), frames, state,
                           num_steps=num_steps, eta=eta, seed=seed, fs=fs, keep_action_tokens=False)
-        return {"result": "ok", "action": np.asarray(out.actions).tolist(), "desc": "success"}
-    except Exception:  # noqa: BLE001 — the protocol reports every failure in the response, as theirs
-        return {"result": "error", "desc": traceback.format_exc()}
+        actions = np.asarray(out.actions, np.float64)
+        if not np.isfinite(actions).all():
+            return 500, {"result": "error", "desc": "the predicted actions are NaN or infinite (numerical failure)"}
+        return 200, {"result": "ok", "action": actions.tolist(), "desc": "success"}
+    except (WanInputError, ValueError, TypeError) as e:
+        return 400, {"result": "error", "desc": one_line(e)}
+    except Exception as e:  # noqa: BLE001 - the protocol reports every failure in the response; the server keeps serving
+        return 500, {"result": "error", "desc": f"internal error: {one_line(e)}"}
 
 
 def make_server(pipe, port: int, **options) -> HTTPServer:
     """A server on 127.0.0.1:`port` (0: any free port) answering POST /predict_action."""
 
     class Handler(BaseHTTPRequestHandler):
-        def do_POST(self):  # noqa: N802 (http.server's name)
-            if self.path != "/predict_action":
-                self.send_error(404, "only POST /predict_action")
-                return
-            try:
-                payload = json.loads(self.rfile.read(int(self.headers.get("Content-Length", 0))))
-                response = predict_action(pipe, payload, **options)
-            except json.JSONDecodeError as e:
-                response = {"result": "error", "desc": f"the body is not JSON: {e}"}
-            body = json.dumps(response).encode()
-            self.send_response(200)
+        def _answer(self, status: int, response: dict) -> None:
+            body = json.dumps(response, allow_nan=False).encode()
+            self.send_response(status)
             self.send_header("Content-Type", "application/json")
             self.send_header("Content-Length", str(len(body)))
             self.end_headers()
             self.wfile.write(body)
+
+        def do_POST(self):  # noqa: N802 (http.server's name)
+            if self.path != "/predict_action":
+                self._answer(404, {"result": "error", "desc": "only POST /predict_action"})
+                return
+            try:
+                length = int(self.headers.get("Content-Length", 0))
+            except ValueError:
+                length = -1
+            if length < 0 or length > MAX_BODY:
+                self.close_connection = True
+                self._answer(413 if length > MAX_BODY else 400,
+                             {"result": "error", "desc": f"the body must have a Content-Length of at most {MAX_BODY} bytes"})
+                return
+            try:
+                payload = json.loads(self.rfile.read(length))
+            except (json.JSONDecodeError, UnicodeDecodeError) as e:
+                self._answer(400, {"result": "error", "desc": f"the body is not JSON: {one_line(e)}"})
+                return
+            self._answer(*predict_action(pipe, payload, **options))
 
         def log_message(self, fmt, *args):
             pass
@@ -96,9 +148,10 @@ def serve(args) -> None:
         raise WanInputError(f"{pipe.name} has no action head; serve a UnifoLM-WMA-0 checkpoint")
     server = make_server(pipe, args.serve, num_steps=args.steps or 16, eta=args.eta, seed=args.seed, fs=args.fs)
     print(f"serving POST http://127.0.0.1:{server.server_address[1]}/predict_action ({pipe.name}); Ctrl-C stops")
+    server.timeout = 0.2  # how often Ctrl-C / SIGTERM is looked at between requests
     try:
-        server.serve_forever()
-    except KeyboardInterrupt:
-        pass
+        while True:
+            interrupt.check()
+            server.handle_request()
     finally:
         server.server_close()
