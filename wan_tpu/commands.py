@@ -27,7 +27,14 @@ def run(command: str, argv=None) -> None:
     main = importlib.import_module(COMMANDS[command]).main
     from wan_tpu.runtime.cli import exit_now
 
-    exit_now(main(argv))
+    status = main(argv)
+    signum = interrupt.pending()
+    if status == 0 and signum is not None:
+        # The signal came after the command's last safe point: its outputs are complete and kept.
+        kept = interrupt.written()
+        interrupt.say(f"interrupted; {'kept ' + ', '.join(kept) if kept else 'nothing written'}")
+        status = 128 + signum
+    exit_now(status)
 
 
 def generate(argv=None):

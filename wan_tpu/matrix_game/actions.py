@@ -177,6 +177,25 @@ def load_actions(path: str, space: ActionSpace, latent_frames_per_chunk: int = 3
     return keyboard, mouse
 
 
+# The authors' actions: keys 0 or 1, mouse ±0.1 (see the module docstring). Values far outside what the
+# model was trained on are refused as typos (1e30 would overflow the action MLP): keys in [0, 1], mouse
+# within ±1, ten times the trained step.
+KEY_RANGE = (0.0, 1.0)
+MOUSE_LIMIT = 1.0
+
+
+def check_values(name: str, array: np.ndarray, where: str = "") -> None:
+    """`array` (keyboard or mouse rows) finite and in its range, else one line naming the fix."""
+    prefix = f"{where}: " if where else ""
+    if not np.isfinite(array).all():
+        raise WanInputError(f"{prefix}{name} has NaN or infinite values")
+    low, high = KEY_RANGE if name == "keyboard" else (-MOUSE_LIMIT, MOUSE_LIMIT)
+    if array.size and (array.min() < low or array.max() > high):
+        bad = array.min() if array.min() < low else array.max()
+        raise WanInputError(f"{prefix}{name} value {bad:g} is outside [{low:g}, {high:g}]"
+                            + ("; keys are 0 or 1" if name == "keyboard" else "; the authors' mouse steps are ±0.1"))
+
+
 def _check_names(path: str, data: dict, known: set) -> None:
     unknown = sorted(set(data) - known)
     if unknown:
@@ -190,8 +209,7 @@ def _array(path: str, name: str, value, width: int) -> np.ndarray:
         raise WanInputError(f"action file {path}: {name} is not a numeric array") from None
     if array.ndim != 2 or array.shape[1] != width or not len(array):
         raise WanInputError(f"action file {path}: {name} has shape {array.shape}, expected (frames, {width})")
-    if not np.isfinite(array).all():
-        raise WanInputError(f"action file {path}: {name} has NaN or infinite values")
+    check_values(name, array, f"action file {path}")
     return array
 
 
@@ -200,6 +218,7 @@ def check_actions(keyboard, mouse, space: ActionSpace, frames: int | None = None
     keyboard = np.asarray(keyboard, np.float32)
     if keyboard.ndim != 2 or keyboard.shape[1] != space.keyboard_dim:
         raise WanInputError(f"keyboard must be (frames, {space.keyboard_dim}) for this variant, got {keyboard.shape}")
+    check_values("keyboard", keyboard)
     if frames is not None and len(keyboard) != frames:
         raise WanInputError(f"keyboard has {len(keyboard)} rows, the video {frames} frames; give one row per video frame")
     if not space.mouse:
@@ -211,6 +230,7 @@ def check_actions(keyboard, mouse, space: ActionSpace, frames: int | None = None
     mouse = np.asarray(mouse, np.float32)
     if mouse.shape != (len(keyboard), 2):
         raise WanInputError(f"mouse must be ({len(keyboard)}, 2) like the keyboard's rows, got {mouse.shape}")
+    check_values("mouse", mouse)
     return keyboard, mouse
 
 

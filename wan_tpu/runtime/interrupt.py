@@ -63,6 +63,11 @@ def check(point: str | None = None) -> None:
         raise Interrupted(_state["signum"])
 
 
+def pending() -> int | None:
+    """The signal number taken and not yet acted on (None: none)."""
+    return _state["signum"]
+
+
 def record(path: str) -> None:
     """Note a complete output file, for the closing line of an interrupted run."""
     _written.append(path)
