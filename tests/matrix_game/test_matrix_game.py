@@ -18,6 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 
 from wan_tpu.matrix_game import pipeline as mg
 from wan_tpu.errors import WanInputError
@@ -69,7 +70,7 @@ def test_stream_equals_one_shot_and_later_actions_change_only_later_chunks(pipe)
     assert not np.array_equal(other[21:], video[21:])
     assert not np.array_equal(pipe(IMAGE, keyboard, mouse, seed=1), video)
     # the first chunk's program and the one every later chunk shares, whatever the stream
-    assert mg._chunk_program._cache_size() == 2
+    assert mg.chunk_program._cache_size() == 2
 
 
 def test_condition_latents_equal_the_authors_full_encode(pipe):
@@ -210,7 +211,7 @@ def test_later_chunks_program_compiles_ahead_off_the_callers_thread():
     seen = []
 
     def listen(event, duration, **kw):
-        if event == "/jax/core/compile/backend_compile_duration" and "_chunk_program" in str(kw.get("fun_name")):
+        if event == "/jax/core/compile/backend_compile_duration" and "chunk_program" in str(kw.get("fun_name")):
             seen.append(threading.current_thread().name)
 
     jax.monitoring.register_event_duration_secs_listener(listen)
@@ -224,3 +225,25 @@ def test_later_chunks_program_compiles_ahead_off_the_callers_thread():
     # the second chunk compiles nothing itself (the session's thread may still be finishing when it is asked)
     assert threading.main_thread().name not in seen[len(before):] and seen.count("wan_tpu-compile-chunk") == 1
     assert not session._steady.is_alive()
+
+
+@pytest.mark.slow  # the first chunk's program, partitioned over 8 simulated devices (about 40 s on 2 cores)
+def test_a_mesh_shards_the_dit_and_gives_one_devices_frames(pipe):
+    """`from_pretrained(..., mesh=...)`: the DiT sharded over a (dp, sp, tp) = (2, 2, 2) mesh of the 8
+    simulated devices (`shard_matrix_game`), VAE and CLIP replicated on them; the first chunk's frames
+    equal one device's to within summation order (reference: the single-device pipeline; tolerance: one
+    uint8 level, on at most 0.1% of the values). `prepare` only reads ahead there."""
+    import wan_tpu
+
+    mesh = wan_tpu.make_mesh(2, 2, 2)
+    sharded = mg.MatrixGamePipeline.from_pretrained(mg.PRESET, mesh=mesh, dtype=jnp.float32, compile_cache=False)
+    assert sharded.mesh is mesh and sharded.program_key() is None
+    with sharded.prepare() as warmup:
+        assert not warmup.compiles
+        frames = sharded.stream(IMAGE, seed=0, max_frames=9).step([1, 0, 0, 0], [0, 0.1])
+    weights = jax.tree.leaves(nnx.state(sharded.transformer))
+    assert all(len(w.sharding.device_set) == 8 for w in weights)
+    assert any(not w.sharding.is_fully_replicated for w in weights)  # sharded, not only replicated
+    want = pipe.stream(IMAGE, seed=0, max_frames=9).step([1, 0, 0, 0], [0, 0.1])
+    diff = np.abs(frames.astype(np.int16) - want.astype(np.int16))
+    assert diff.max() <= 1 and (diff > 0).mean() <= 1e-3

@@ -112,10 +112,10 @@ def test_prepare_compiles_every_program_off_the_callers_thread(tmp_path):
     prepared = [name for name, _ in compiles["prepare"]]
     assert "MainThread" not in prepared, compiles["prepare"]  # image preparation and two chunks: all compiled ahead
     assert set(prepared) == {f"wan_tpu-compile-{n}" for n in ("condition", "clip", "cache", "key", "chunk-0", "chunk-1")}
-    assert [f for _, f in compiles["prepare"]].count("jit(_chunk_program)") == 2  # not compiled twice
+    assert [f for _, f in compiles["prepare"]].count("jit(chunk_program)") == 2  # not compiled twice
     # Without `prepare`: as before, everything on the caller's thread but the later chunks' program.
     plain = [tuple(c) for c in compiles["plain"]]
-    assert ("wan_tpu-compile-chunk", "jit(_chunk_program)") in plain and ("MainThread", "jit(_chunk_program)") in plain
+    assert ("wan_tpu-compile-chunk", "jit(chunk_program)") in plain and ("MainThread", "jit(chunk_program)") in plain
     np.testing.assert_array_equal(np.load(tmp_path / "prepare.npy"), np.load(tmp_path / "plain.npy"))
 
 

@@ -7,6 +7,7 @@ import os
 import re
 import subprocess
 import sys
+import threading
 
 import jax
 import jax.numpy as jnp
@@ -106,25 +107,140 @@ def test_second_process_loads_from_the_cache_and_bad_entries_are_ignored(tmp_pat
 
 
 def test_world_model_pipelines_and_clis_switch_the_cache():
-    """Matrix-Game and UnifoLM turn the cache on by default and off on request, as `WanPipeline` does
-    (their CLIs pass `--no-compile-cache` through; the timing tables print `compile_cache.summary()`)."""
+    """Matrix-Game and UnifoLM hold the cache choice as `WanPipeline` does: on by default, off on request,
+    in the pipeline and not in the process (their CLIs pass `--no-compile-cache` through; the timing tables
+    print `compile_cache.summary()`)."""
+    import wan_tpu
     from wan_tpu.matrix_game import cli as matrix_game_cli
     from wan_tpu.unifolm import cli as unifolm_cli
-    from wan_tpu.matrix_game.pipeline import MatrixGamePipeline
-    from wan_tpu.unifolm.pipeline import UnifolmPipeline
 
     before = compile_cache.cache_dir()
-    folder = before or os.path.join(compile_cache.base_dir(), compile_cache.version_key())  # a folder in use is kept
-    try:
-        for load in (lambda on: MatrixGamePipeline.from_pretrained("matrix-game-tiny", compile_cache=on),
-                     lambda on: UnifolmPipeline.from_pretrained("unifolm-tiny", compile_cache=on)):
-            load(False)
-            assert not compile_cache.is_enabled() and compile_cache.summary() == "off"
-            load(True)
-            assert compile_cache.is_enabled() and compile_cache.cache_dir() == folder
-            assert compile_cache.summary().endswith(f"({folder})")
-    finally:
-        compile_cache.enable() if before else compile_cache.disable()
+    for cls, name in ((wan_tpu.WanPipeline, "tiny"), (wan_tpu.MatrixGamePipeline, "matrix-game-tiny"),
+                      (wan_tpu.UnifolmPipeline, "unifolm-tiny")):
+        assert cls.from_pretrained(name).compile_cache is True
+        assert cls.from_pretrained(name, compile_cache=False).compile_cache is False
+        assert compile_cache.cache_dir() == before  # the process's state is left as it was
+        with pytest.raises(TypeError):
+            cls.from_pretrained(name, None)  # one positional argument: the rest is keyword-only
     for parser, required in ((matrix_game_cli.build_parser(), ["--image", "x.png", "--random-actions"]), (unifolm_cli.build_parser(), [])):
         assert parser.parse_args([*required, "--no-compile-cache"]).no_compile_cache
         assert not parser.parse_args(required).no_compile_cache
+
+
+def _in_selection(enabled: bool, out: list) -> None:
+    with compile_cache.selected(enabled):
+        out.append(compile_cache.cache_dir())
+
+
+def test_a_selection_holds_for_its_duration_and_is_restored(tmp_path, monkeypatch):
+    """`selected(True)` turns the cache on in the default folder and off again on leaving; holders of the
+    same choice share it (nested, or in other threads), one of the other choice waits until all have left."""
+    monkeypatch.setenv("WAN_TPU_CACHE_DIR", str(tmp_path))
+    before = compile_cache.cache_dir()
+    compile_cache.disable()
+    try:
+        seen: list = []
+        with compile_cache.selected(True):
+            folder = compile_cache.cache_dir()
+            assert folder == str(tmp_path / compile_cache.version_key()) and os.path.isdir(folder)
+            with compile_cache.selected(True):
+                assert compile_cache.cache_dir() == folder
+            same = threading.Thread(target=_in_selection, args=(True, seen))
+            same.start()
+            same.join(60)
+            assert seen == [folder]  # the same choice: not kept waiting
+            other = threading.Thread(target=_in_selection, args=(False, seen))
+            other.start()
+            other.join(0.5)
+            assert other.is_alive() and len(seen) == 1 and compile_cache.cache_dir() == folder
+        other.join(60)
+        assert seen == [folder, None]  # off, once the cache-on holder had left
+        assert compile_cache.cache_dir() is None and compile_cache.summary().endswith(f"({folder})")
+    finally:
+        compile_cache.enable(before) if before else compile_cache.disable()
+
+
+# Size → the Wan tiny run; sizes no other test uses, so that each run compiles programs of its own here.
+_SIZES = {"off": (48, 64), "on": (64, 48), "ahead": (48, 96), "beside": (96, 48)}
+
+
+def _wan_run(pipe, size, prompt="a cat"):
+    height, width = _SIZES[size]
+    return pipe(prompt, height=height, width=width, num_frames=5, num_inference_steps=2, output_type="latent",
+                progress=False)
+
+
+@pytest.mark.slow  # about a minute on 2 cores: five tiny runs and two VAE decodes, compiled
+def test_two_pipelines_in_one_process_keep_their_own_choice(tmp_path, monkeypatch):
+    """A pipeline with the cache off and one with it on, in one process, interleaved (the off one made
+    last, which used to turn the cache off for the whole process; its `prepare` threads compiling while
+    the other runs): the off one neither reads nor writes JAX's cache or the executable cache, the on one
+    does both, and neither changes the process's own state (off here). Reference: JAX's cache events
+    (`jax.monitoring`) by thread, the files in the cache folder, and the outputs (bit for bit)."""
+    import wan_tpu
+    from wan_tpu.runtime import executable_cache
+
+    monkeypatch.setenv("WAN_TPU_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(executable_cache, "_CALLED", {})
+    before = compile_cache.cache_dir()
+    compile_cache.disable()
+    events: list = []
+    watched = ("/jax/compilation_cache/cache_hits", "/jax/compilation_cache/cache_misses",
+               compile_cache.PROGRAM_LOADED, compile_cache.PROGRAM_STORED)
+    jax.monitoring.register_event_listener(
+        lambda event, **kw: events.append((threading.current_thread().name, event)) if event in watched else None)
+    folder = tmp_path / compile_cache.version_key()
+
+    def entries():
+        return sorted(str(p.relative_to(folder)) for p in folder.rglob("*") if p.is_file()) if folder.is_dir() else []
+
+    try:
+        on = wan_tpu.WanPipeline.from_pretrained("tiny")
+        off = wan_tpu.WanPipeline.from_pretrained("tiny", compile_cache=False)
+        assert compile_cache.cache_dir() is None
+
+        plain = _wan_run(off, "off")
+        assert not events and not entries()  # compiled, nothing read or written
+        _wan_run(on, "on")
+        written = entries()
+        assert written and ("MainThread", "/jax/compilation_cache/cache_misses") in events
+        assert compile_cache.cache_dir() is None  # on for its calls only
+
+        # The off one compiles ahead in its threads while the on one runs (each waits for the other's choice).
+        events.clear()
+        s = off.settings(height=_SIZES["ahead"][0], width=_SIZES["ahead"][1], num_frames=5, num_inference_steps=2)
+        with off.prepare(s):
+            _wan_run(on, "beside")
+        assert {thread for thread, _ in events} == {"MainThread"}  # the on one's call: none from the off one's threads
+        assert len(entries()) > len(written)
+        events.clear()
+        _wan_run(off, "ahead")  # what its threads compiled
+        assert not events
+
+        # Reads: with the in-memory caches cleared, the off one compiles afresh, the on one loads from disk.
+        jax.clear_caches()
+        events.clear()
+        again = _wan_run(off, "off")
+        assert not events
+        np.testing.assert_array_equal(np.asarray(again), np.asarray(plain))
+        _wan_run(on, "on")
+        assert ("MainThread", "/jax/compilation_cache/cache_hits") in events
+
+        # The executable cache: the off one's stage program is compiled without storing, and the on one,
+        # after it, compiles and stores its own (not the off one's, held in memory).
+        from wan_tpu.unifolm.pipeline import UnifolmPipeline
+
+        u_off = UnifolmPipeline.from_pretrained("unifolm-tiny", compile_cache=False)
+        u_on = UnifolmPipeline.from_pretrained("unifolm-tiny")
+        h, w = u_on.config.latent_size
+        z = jnp.asarray(np.random.default_rng(0).standard_normal((1, u_on.vae_config.latent_channels, 2, h, w)),
+                        jnp.float32)
+        events.clear()
+        video = np.asarray(u_off.decode(z))
+        assert not events and not [n for n in entries() if n.startswith("executables/unifolm-decode")]
+        np.testing.assert_array_equal(np.asarray(u_on.decode(z)), video)
+        assert ("MainThread", compile_cache.PROGRAM_STORED) in events
+        assert [n for n in entries() if n.startswith("executables/unifolm-decode")]
+        assert compile_cache.cache_dir() is None
+    finally:
+        compile_cache.enable(before) if before else compile_cache.disable()

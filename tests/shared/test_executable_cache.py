@@ -147,7 +147,7 @@ np.save(sys.argv[1], np.concatenate(frames))
 stats = compile_cache.stats()
 print(json.dumps({"traced": traced, "hits": stats.programs_loaded, "writes": stats.programs_stored}))
 """
-PROGRAMS = {"_chunk_program", "_init_cache", "key", "_run", "_encode_chunk", "_start_latents", "_gray_latents",
+PROGRAMS = {"chunk_program", "cache_program", "key", "_run", "_encode_chunk", "_start_latents", "_gray_latents",
             "_normalized"}
 
 

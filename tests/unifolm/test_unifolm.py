@@ -99,6 +99,57 @@ def test_modes_and_queues(pipe):
         UnifolmPipeline.generate(pipe, "x", images[:1])
 
 
+@pytest.mark.slow  # compiles the stage programs twice (about 90 s on 2 cores)
+def test_prepare_compiles_the_stage_programs_ahead_and_changes_no_bit(monkeypatch):
+    """`prepare("decision")` loads the components and loads or compiles the prepare, sampling and decode
+    programs in its threads, none on the caller's; `decide` then gives bit-identical
+    outputs to a run without it. Each run with the cache off, JAX's caches cleared and the in-process
+    program memo emptied first, so that it compiles its own programs. Reference: the run without
+    `prepare`; tolerance: none."""
+    import jax
+
+    from wan_tpu.runtime import executable_cache
+
+    images, states = observation(seed=4)
+    compiles = []
+    jax.monitoring.register_event_duration_secs_listener(lambda event, duration, **kw: compiles.append(
+        (threading.current_thread().name, str(kw.get("fun_name"))))
+        if event == "/jax/core/compile/backend_compile_duration" else None)
+    outputs, seen = {}, {}
+    for label in ("plain", "prepare"):
+        monkeypatch.setattr(executable_cache, "_CALLED", {})
+        jax.clear_caches()
+        start = len(compiles)
+        run = UnifolmPipeline.from_pretrained("unifolm-tiny", compile_cache=False)
+        if label == "prepare":
+            with run.prepare("decision", num_steps=2) as warmup:
+                assert set(warmup.loads) == set(UnifolmPipeline.COMPONENTS) and set(warmup.compiles) == {"stages"}
+                outputs[label] = run.decide("pick up the cup", images, states / 10, num_steps=2, seed=3)
+            assert not [t for t in threading.enumerate() if t.name.startswith("wan_tpu-")]
+        else:
+            outputs[label] = run.decide("pick up the cup", images, states / 10, num_steps=2, seed=3)
+        seen[label] = compiles[start:]
+    stages = {"jit(_prepare_program)", "jit(_sample_loop)", "jit(_decode_program)"}
+    assert stages <= {f for thread, f in seen["plain"] if thread == "MainThread"}
+    assert stages <= {f for thread, f in seen["prepare"] if thread == "wan_tpu-compile-stages"}
+    main = {f for thread, f in seen["prepare"] if thread == "MainThread"}
+    assert not main & stages, main  # the encoders' small programs compile on use, as without `prepare`
+    for field in ("video_raw", "actions_raw", "actions"):
+        np.testing.assert_array_equal(getattr(outputs["prepare"], field), getattr(outputs["plain"], field))
+
+
+def test_prepare_checks_its_mode():
+    pipe = UnifolmPipeline.from_pretrained("unifolm-tiny")
+    with pytest.raises(WanInputError, match="mode must be one of"):
+        pipe.prepare("dance")
+    with pytest.raises(WanInputError, match="generate needs a base checkpoint"):
+        pipe.prepare("generate")
+    with pytest.raises(WanInputError, match="num_steps 0 must be in"):
+        pipe.prepare("decision", num_steps=0)
+    with pytest.raises(WanInputError, match="a UnifoLM-WMA-0 checkpoint"):
+        UnifolmPipeline.from_pretrained("unifolm-tiny-base").prepare("interact")
+
+
 def test_bad_inputs_are_user_errors(pipe, stats_file):
     images, states = observation()
     with pytest.raises(WanInputError, match="takes 128x128"):
@@ -172,6 +223,12 @@ def test_cli_wrong_image_size_exits_2(tmp_path, capsys):
 
 @pytest.mark.slow
 def test_server_speaks_the_authors_protocol(pipe):
+    """Good requests answer 200 with 16 actions; every bad one 400 (413 when too large) with a one-line
+    `desc` and no traceback; the server answers the next good request after each."""
+    import urllib.error
+
+    from wan_tpu.unifolm import server as server_module
+
     images, states = observation(n=2, size=160)
     server = make_server(pipe, 0, num_steps=2)
     thread = threading.Thread(target=server.serve_forever, daemon=True)
@@ -179,16 +236,34 @@ def test_server_speaks_the_authors_protocol(pipe):
     try:
         url = f"http://127.0.0.1:{server.server_address[1]}/predict_action"
 
-        def post(payload):
-            request = urllib.request.Request(url, json.dumps(payload).encode(), {"Content-Type": "application/json"})
-            with urllib.request.urlopen(request, timeout=600) as response:
-                return json.loads(response.read())
+        def post(body: bytes, headers=None):
+            request = urllib.request.Request(url, body, {"Content-Type": "application/json", **(headers or {})})
+            try:
+                with urllib.request.urlopen(request, timeout=600) as response:
+                    return response.status, json.loads(response.read())
+            except urllib.error.HTTPError as e:
+                return e.code, json.loads(e.read())
 
-        ok = post({"observation.images.top": images.transpose(0, 3, 1, 2).tolist(), "observation.state": (states / 10).tolist(),
-                   "action": np.zeros((16, DOF)).tolist(), "language_instruction": "pick up the cup"})
-        assert ok["result"] == "ok" and np.asarray(ok["action"]).shape == (16, DOF)
-        bad = post({"observation.images.top": [[1, 2, 3]], "observation.state": [], "language_instruction": ""})
-        assert bad["result"] == "error" and "observation.images.top" in bad["desc"]
+        good = {"observation.images.top": images.transpose(0, 3, 1, 2).tolist(), "observation.state": (states / 10).tolist(),
+                "action": np.zeros((16, DOF)).tolist(), "language_instruction": "pick up the cup"}
+        status, ok = post(json.dumps(good).encode())
+        assert status == 200 and ok["result"] == "ok" and np.asarray(ok["action"]).shape == (16, DOF)
+        nan_state = {**good, "observation.state": [[float("nan")] * DOF] * 2}
+        bad = [(b"{not json", "not JSON"),
+               (json.dumps([1, 2]).encode(), "JSON object"),
+               (json.dumps({"observation.state": []}).encode(), "observation.images.top"),
+               (json.dumps({**good, "observation.images.top": [[1, 2, 3]]}).encode(), "observation.images.top"),
+               (json.dumps(nan_state).replace("NaN", "NaN").encode(), "NaN"),
+               (json.dumps({**good, "observation.state": [[0.0] * (DOF + 30)] * 2}).encode(), "dof")]
+        for body, message in bad:
+            status, reply = post(body)
+            assert status == 400 and reply["result"] == "error", (message, status, reply)
+            assert message.lower() in reply["desc"].lower() and "\n" not in reply["desc"], (message, reply)
+            assert "Traceback" not in reply["desc"]
+        status, reply = post(b"{}", {"Content-Length": str(server_module.MAX_BODY + 1)})
+        assert status == 413 and "\n" not in reply["desc"]
+        status, ok = post(json.dumps(good).encode())
+        assert status == 200 and ok["result"] == "ok"
     finally:
         server.shutdown()
         server.server_close()

@@ -16,6 +16,7 @@ import pytest
 
 import wan_tpu
 from wan_tpu.runtime import compile_ahead as warmup
+from wan_tpu.wan import memory as wan_memory
 from wan_tpu.errors import WanInputError
 
 # A size no other test uses, so this process has compiled none of its programs before.
@@ -90,11 +91,11 @@ def test_weights_fit_against_free_device_memory(monkeypatch):
 
     monkeypatch.setattr(warmup.jax, "devices", lambda: [Device()])
     sizes = {"text_encoder": 40, "transformer": 31, "vae": 2}
-    assert warmup.weights_fit(sizes, ["text_encoder", "vae"], None)  # 42 <= 0.9 * 80 free
-    assert not warmup.weights_fit(sizes, ["text_encoder", "transformer", "vae"], None)  # 73 > 72
+    assert wan_memory.weights_fit(sizes, ["text_encoder", "vae"], None)  # 42 <= 0.9 * 80 free
+    assert not wan_memory.weights_fit(sizes, ["text_encoder", "transformer", "vae"], None)  # 73 > 72
     mesh = type("Mesh", (), {"devices": np.zeros(2)})()
-    assert warmup.weights_fit(sizes, ["text_encoder", "transformer", "vae"], mesh)  # 36.5 per device
-    assert warmup.weights_fit({}, ["transformer"], None)  # sizes unknown (a preset)
+    assert wan_memory.weights_fit(sizes, ["text_encoder", "transformer", "vae"], mesh)  # 36.5 per device
+    assert wan_memory.weights_fit({}, ["transformer"], None)  # sizes unknown (a preset)
 
 
 def test_decode_compiles_before_the_denoise_where_both_do_not_fit(monkeypatch):
@@ -117,11 +118,11 @@ def test_decode_compiles_before_the_denoise_where_both_do_not_fit(monkeypatch):
             return {"bytes_limit": self.limit, "bytes_in_use": 0}
 
     monkeypatch.setattr(warmup.jax, "devices", lambda *a: [GPU(2 * need)])
-    assert warmup.decode_compiles_beside_denoise(pipe, s)
+    assert wan_memory.decode_compiles_beside_denoise(pipe, s)
     monkeypatch.setattr(warmup.jax, "devices", lambda *a: [GPU(need)])
-    assert not warmup.decode_compiles_beside_denoise(pipe, s)
+    assert not wan_memory.decode_compiles_beside_denoise(pipe, s)
     monkeypatch.setattr(warmup.jax, "devices", devices)
-    assert warmup.decode_compiles_beside_denoise(pipe, s)  # this CPU: no autotuner, nothing to wait for
+    assert wan_memory.decode_compiles_beside_denoise(pipe, s)  # this CPU: no autotuner, nothing to wait for
 
     for beside in (True, False):
         with pipe.prepare(s) as prepared:

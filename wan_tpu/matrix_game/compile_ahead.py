@@ -14,10 +14,13 @@ sizes), or else lowered from abstract modules (`nnx.eval_shape` of the very cons
 (`Warmup.start(kind="compile")`):
   * `condition`: the VAE's first-frame encode (`encode-first`), the condition buffer (`start-latents`),
     `_gray_latents` (`gray-latents`), the normalisation (`normalized`);
-  * `clip`: CLIP's encode of one image; `cache`: `_init_cache` for its tokens; `key`: the stream's key;
-  * `chunk-0`: the first chunk's `_chunk_program`; `chunk-1`: the one every later chunk runs (its VAE
+  * `clip`: CLIP's encode of one image; `cache`: `cache_program` for its tokens; `key`: the stream's key;
+  * `chunk-0`: the first chunk's `chunk_program`; `chunk-1`: the one every later chunk runs (its VAE
     caches' shapes are chunk-0's outputs'). A later program takes an earlier one's output shapes
     (`out_info`) instead of tracing it again.
+The stream's programs are `wan_tpu.matrix_game.programs`' (this module does not import the pipeline's), and
+every thread runs in the pipeline's compile-cache choice (`compile_cache.selected(pipe.compile_cache)`;
+`chunk-1`'s waits for the first chunk outside it).
 Each lands in `pipe._programs` by name, and the calls run it (`Programs.call`, without the jitted
 functions' static arguments): the very programs compiled ahead, so results are bit-identical with and
 without `prepare`. Warm, nothing is traced or lowered and no abstract module is built: a start reads its
@@ -41,7 +44,9 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from wan_tpu.runtime import executable_cache
+from wan_tpu.matrix_game.condition import CONDITION_FRAMES, ImageCondition
+from wan_tpu.matrix_game.programs import action_windows, cache_program, chunk_args, chunk_program, key_program
+from wan_tpu.runtime import compile_cache, executable_cache
 from wan_tpu.runtime.compile_ahead import Cancelled
 
 COMPONENTS = ("transformer", "vae", "image_encoder")
@@ -49,8 +54,9 @@ COMPONENTS = ("transformer", "vae", "image_encoder")
 
 def compile_ahead(pipe, warmup) -> None:
     """Start loading or compiling, in `warmup`'s threads, every program a stream of `pipe` runs (module
-    docstring). Nothing starts for a pipeline without abstract components (its calls compile on use)."""
-    if not all(name in pipe._abstracts for name in COMPONENTS):
+    docstring). Nothing starts for a pipeline without abstract components, or on a mesh (the programs
+    follow the calls' shardings, which shapes alone do not give): its calls compile on use."""
+    if pipe.mesh is not None or not all(name in pipe._abstracts for name in COMPONENTS):
         return
     abstract = _Abstracts(pipe._abstracts)
     stop = warmup.cancelled
@@ -68,7 +74,8 @@ def compile_ahead(pipe, warmup) -> None:
 
     warmup.start("chunk-0", _program, pipe, "chunk-0", chunk(lambda: None), first, kind="compile")
     pipe.chunk_1_after_first = captures_graphs() and _stored(pipe, "chunk-1")
-    warmup.start("chunk-1", _later_chunks, pipe, chunk(lambda: _wait(first, stop)[2]), stop, kind="compile")
+    warmup.start("chunk-1", _later_chunks, pipe, chunk(lambda: _wait(first, stop)[2]), stop, kind="compile",
+                 select=False)
 
 
 def _stored(pipe, name: str) -> bool:
@@ -79,10 +86,13 @@ def _stored(pipe, name: str) -> bool:
 
 
 def _later_chunks(pipe, lower, stop) -> None:
-    """`chunk-1`: on a GPU, a stored one is loaded once the first chunk has run (module docstring)."""
+    """`chunk-1`: on a GPU, a stored one is loaded once the first chunk has run (module docstring). The
+    wait for that is outside the compile-cache selection: the first chunk's caller may hold the other
+    choice meanwhile (another pipeline's work)."""
     while pipe.chunk_1_after_first and not pipe.first_chunk_ran.wait(0.05):
         _check(stop)
-    _program(pipe, "chunk-1", lower)
+    with compile_cache.selected(pipe.compile_cache):
+        _program(pipe, "chunk-1", lower)
 
 
 def captures_graphs() -> bool:
@@ -148,8 +158,7 @@ def _check(stop: threading.Event) -> None:
 
 def _condition(pipe, abstract, stop) -> None:
     """`ImageCondition.encode`'s programs, in the order it calls them."""
-    from wan_tpu.matrix_game.condition import (CONDITION_FRAMES, GRAY_RUN, _gray_latents, _normalized,
-                                                   _start_latents, gray_frame_shape)
+    from wan_tpu.matrix_game.condition import GRAY_RUN, _gray_latents, _normalized, _start_latents, gray_frame_shape
 
     def vae():
         return abstract("vae")
@@ -170,22 +179,16 @@ def _condition(pipe, abstract, stop) -> None:
 
 
 def _cache(pipe, abstract, visual):
-    from wan_tpu.matrix_game.pipeline import _init_cache
-
-    return _init_cache.lower(*nnx.split(abstract("transformer")), visual, tuple(pipe.variant.latent_size))
+    return cache_program.lower(*nnx.split(abstract("transformer")), visual, tuple(pipe.variant.latent_size))
 
 
 def _key_lowered():
-    from wan_tpu.matrix_game.pipeline import _key
-
-    return _key.lower(jax.ShapeDtypeStruct((), np.uint32))
+    return key_program.lower(jax.ShapeDtypeStruct((), np.uint32))
 
 
 def _chunk(pipe, abstract, stop, cache, key, vae_caches):
-    """The first chunk's `_chunk_program` (`vae_caches` None), or the one every later chunk runs (the VAE
+    """The first chunk's `chunk_program` (`vae_caches` None), or the one every later chunk runs (the VAE
     caches the first one returns), lowered."""
-    from wan_tpu.matrix_game.pipeline import CONDITION_FRAMES, ImageCondition, _chunk_program, action_windows, chunk_args
-
     dit, vae = nnx.split(abstract("transformer")), nnx.split(abstract("vae"))
     z = abstract("vae").config.z_dim
     # `ImageCondition.encode`'s normalized float32 latents; the repeat scalars are traced.
@@ -194,4 +197,4 @@ def _chunk(pipe, abstract, stop, cache, key, vae_caches):
     index = jax.ShapeDtypeStruct((), jnp.int32)
     args, kwargs = chunk_args(pipe, dit, vae, cache, vae_caches, condition, action_windows(pipe), index, key)
     _check(stop)
-    return _chunk_program.lower(*args, **kwargs)
+    return chunk_program.lower(*args, **kwargs)

@@ -7,9 +7,11 @@
     session = pipe.stream("start.png", seed=0)                 # interactive: one chunk per call
     frames = session.step(keyboard=[1, 0, 0, 0], mouse=[0, 0.1])   # 9 frames first, then 12 per chunk
 
-`from_pretrained` takes a folder made by `wan_tpu/matrix_game/convert.py` from the
-Skywork/Matrix-Game-2.0 download, and `variant` (universal, gta_drive, templerun; default: universal
-if present, else the only one), or the `matrix-game-tiny` preset (random weights, CPU, seconds).
+`from_pretrained(path_or_preset, *, mesh=None, dtype=bfloat16, attention=None, compile_cache=True,
+variant=None, vae_dtype=float32)` (the constructor the three pipelines share) takes a folder made by
+`wan_tpu/matrix_game/convert.py` from the Skywork/Matrix-Game-2.0 download, and `variant` (universal,
+gta_drive, templerun; default: universal if present, else the only one), or the `matrix-game-tiny`
+preset (random weights, CPU, seconds).
 Actions are per video frame (see `wan_tpu.matrix_game.actions`; `mouse=None` for templerun); a
 video of N frames has N = 12n - 3 (n chunks of 3 latent frames; the first latent frame gives one
 video frame, every later one four). `step` also takes a single action row, held for the whole chunk
@@ -30,9 +32,11 @@ configs (`wan_tpu.matrix_game.compile_ahead`, `wan_tpu.runtime.executable_cache`
 `stream()` encodes the image with the VAE and CLIP in the order their weights arrive, while the DiT
 may still load (not on a GPU, where a program's first run must not overlap other CUDA work: see
 `_wait_compiled`). Without `prepare`, each program compiles on its first call, the later chunks' one in a
-thread started by the session.
+thread started by the session. With a `mesh` (the DiT sharded over it, VAE and CLIP replicated) every
+program compiles on its first call, from the sharded arguments; `prepare` then only reads ahead. The
+pipeline's `compile_cache` choice applies to its own loads, compiles and calls only.
 
-Each chunk is one compiled program (`_chunk_program`): the DiT's whole chunk (its denoising steps,
+Each chunk is one compiled program (`wan_tpu.matrix_game.programs.chunk_program`): the DiT's whole chunk (its denoising steps,
 re-noising, the clean cache-update pass: `denoise_chunk`) and the VAE's streaming decode of the
 chunk, caches carried and donated, uint8 frames out; the first chunk of a stream compiles it once
 (the VAE's first latent frame is special, and its attention window holds only its own frames), every
@@ -68,11 +72,14 @@ from wan_tpu.matrix_game import actions
 from wan_tpu.configs.matrix_game import MATRIX_GAME_VARIANTS, MatrixGameVariant, get_variant
 from wan_tpu.errors import WanInputError
 from wan_tpu.matrix_game.condition import CONDITION_FRAMES, ImageCondition
+from wan_tpu.matrix_game.programs import (MASK_CHANNELS, action_windows, cache_program, chunk_args,  # noqa: F401
+                                          chunk_program, seed_of, stream_key)
+from wan_tpu.runtime import compile_cache
+from wan_tpu.runtime.compile_cache import in_pipeline_choice
 from wan_tpu.runtime.profiling import scope
 
 PRESET = "matrix-game-tiny"
 INDEX_FILE = "matrix_game.json"
-MASK_CHANNELS = 4  # the temporal compression: one mask channel per video frame a latent frame stands for
 # The tiny preset's CLIP vision tower (its width is the tiny DiT's image_dim).
 TINY_CLIP = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=2, image_size=28,
                  patch_size=14, hidden_act="gelu", layer_norm_eps=1e-5)
@@ -82,11 +89,19 @@ class MatrixGamePipeline:
     """A Matrix-Game-2 model ready to play; see the module docstring."""
 
     def __init__(self, variant: MatrixGameVariant, loaders: dict, *, name: str, dtype, vae_dtype,
-                 abstracts: dict | None = None, configs=None, attention_impl: str | None = None):
+                 abstracts: dict | None = None, configs=None, attention: str | None = None,
+                 compile_cache: bool | None = None, mesh=None):
         self.variant = variant
         self.name = name
         self.dtype = dtype
         self.vae_dtype = vae_dtype
+        # The device mesh the loaders put the components on (the DiT sharded, VAE and CLIP replicated), or
+        # None. On a mesh the programs are compiled on first use, from the calls' sharded arguments.
+        self.mesh = mesh
+        # Whether this pipeline's own loads, compiles and calls read and write the compile cache and the
+        # executable cache in it: applied around them only (`compile_cache.selected`), never process-wide.
+        # None (built directly, not by `from_pretrained`): the process's own state, as before.
+        self.compile_cache = None if compile_cache is None else bool(compile_cache)
         self._loaders = loaders
         # name → the component's module without weights (`nnx.eval_shape`), from its config alone: what
         # `prepare` compiles the programs for (`wan_tpu.matrix_game.compile_ahead`).
@@ -94,7 +109,7 @@ class MatrixGamePipeline:
         # () → each component's config, read without a tensor: with the dtypes and settings, what determines
         # every compiled program (`program_key`, the executable cache's key).
         self._configs = configs
-        self.attention_impl = attention_impl
+        self.attention_impl = attention
         from wan_tpu.runtime.executable_cache import Programs
 
         self._programs = Programs()  # what `prepare` loaded or compiled, by name; calls fall back to jit
@@ -109,22 +124,27 @@ class MatrixGamePipeline:
         self.action_space = actions.action_space(v)
 
     @classmethod
-    def from_pretrained(cls, path_or_preset: str, variant: str | None = None, dtype=jnp.bfloat16,
-                        vae_dtype=jnp.float32, attention_impl: str | None = None,
-                        compile_cache: bool = True) -> MatrixGamePipeline:
+    def from_pretrained(cls, path_or_preset: str, *, mesh=None, dtype=jnp.bfloat16, attention: str | None = None,
+                        compile_cache: bool = True, variant: str | None = None,
+                        vae_dtype=jnp.float32) -> MatrixGamePipeline:
         """A converted Matrix-Game-2 folder (`wan_tpu/matrix_game/convert.py`) or `matrix-game-tiny`.
 
-        `dtype`: the DiT and CLIP dtype (the authors run bfloat16); `vae_dtype`: the VAE's (float32 by
-        default; the authors decode in float16). Components load on first use. `compile_cache` turns the
-        persistent compilation cache (`wan_tpu.runtime.compile_cache`) and the executable cache `prepare` keeps in it
-        (`wan_tpu.runtime.executable_cache`) on (the default) or off for the whole process."""
-        from wan_tpu.runtime import compile_cache as cache
-
-        cache.enable() if compile_cache else cache.disable()
+        `mesh`: a device mesh (`wan_tpu.make_mesh`), or None for one device: the DiT is sharded over it
+        (`shard_matrix_game`: tokens over `dp`/`sp`, heads over `tp`), the VAE and CLIP are replicated on
+        its devices, and each chunk program is partitioned from those (frames equal one device's to within
+        summation order); `prepare` then reads the components ahead but compiles nothing (the programs
+        compile on first use). `dtype`: the DiT and CLIP dtype (default bfloat16, as the authors run it);
+        `attention`: the attention kernel's name (default: the fastest for the backend). `compile_cache`:
+        whether this pipeline's compiles read and write the persistent compilation cache
+        (`wan_tpu.runtime.compile_cache`) and the executable cache `prepare` keeps in it
+        (`wan_tpu.runtime.executable_cache`), the default, or not; applied around its own work only.
+        Matrix-Game's options: `variant` (universal, gta_drive, templerun; default: universal if present,
+        else the only one); `vae_dtype`: the VAE's (float32 by default; the authors decode in float16).
+        Components load on first use."""
         if path_or_preset == PRESET:
             if variant not in (None, PRESET):
                 raise WanInputError(f"the {PRESET} preset has no variant {variant!r}; leave --variant out")
-            return _tiny(dtype, vae_dtype, attention_impl)
+            return _tiny(dtype, vae_dtype, attention, bool(compile_cache), mesh)
         path = os.fspath(path_or_preset)
         index = _read_index(path)
         names = list(index["variants"])
@@ -141,23 +161,24 @@ class MatrixGamePipeline:
             from wan_tpu.matrix_game.loading import load_matrix_game_transformer
 
             return load_matrix_game_transformer(os.path.join(path, index["variants"][variant]), v.name, dtype=dtype,
-                                                attention_impl=attention_impl)
+                                                mesh=mesh, attention_impl=attention)
 
         def vae():
             from wan_tpu.vae.loading import load_vae
 
-            return load_vae(os.path.join(path, index["vae"]), dtype=vae_dtype)
+            return replicate(load_vae(os.path.join(path, index["vae"]), dtype=vae_dtype), mesh)
 
         def image_encoder():
             from wan_tpu.encoders.clip_image import CLIPImageEncoder
 
-            return CLIPImageEncoder.from_pretrained(os.path.join(path, index["image_encoder"]), None, dtype=dtype)
+            return replicate(CLIPImageEncoder.from_pretrained(os.path.join(path, index["image_encoder"]), None,
+                                                              dtype=dtype), mesh)
 
         def abstract_transformer():
             from wan_tpu.matrix_game.loading import abstract_transformer, transformer_config
 
             return abstract_transformer(transformer_config(os.path.join(path, index["variants"][variant]), v.name),
-                                        dtype, attention_impl)
+                                        dtype, attention)
 
         def abstract_vae():
             from wan_tpu.vae.loading import abstract_vae, vae_config
@@ -182,8 +203,9 @@ class MatrixGamePipeline:
         loaders = {"transformer": transformer, "vae": vae, "image_encoder": image_encoder}
         abstracts = {"transformer": abstract_transformer, "vae": abstract_vae, "image_encoder": abstract_image_encoder}
         return cls(v, loaders, name=os.path.abspath(path), dtype=dtype, vae_dtype=vae_dtype, abstracts=abstracts,
-                   configs=configs, attention_impl=attention_impl)
+                   configs=configs, attention=attention, compile_cache=bool(compile_cache), mesh=mesh)
 
+    @in_pipeline_choice
     def prepare(self):
         """Start reading every component at once, and compiling every program a stream runs, in background
         threads; returns at once (a `wan_tpu.runtime.compile_ahead.Warmup`; as a context manager, leaving it waits for
@@ -192,11 +214,13 @@ class MatrixGamePipeline:
         are placed, and the programs are loaded from the executable cache, or compiled from the
         components' configs, meanwhile, so a first
         frame waits for the slowest load, not for their sum and the compiles after it
-        (`wan_tpu.matrix_game.compile_ahead`). A program whose compile ahead fails is a warning and compiles on use."""
+        (`wan_tpu.matrix_game.compile_ahead`). A program whose compile ahead fails is a warning and compiles on use.
+        On a mesh only the components are read ahead. The threads run in this pipeline's `compile_cache`
+        choice."""
         from wan_tpu.matrix_game.compile_ahead import compile_ahead
         from wan_tpu.runtime.compile_ahead import Warmup
 
-        warmup = self._warmup = Warmup()
+        warmup = self._warmup = Warmup(compile_cache=self.compile_cache)
         for name, loader in self._loaders.items():
             if name not in self._loaded:
                 warmup.start(name, loader)
@@ -211,8 +235,9 @@ class MatrixGamePipeline:
     def program_key(self) -> tuple:
         """What determines every program a stream runs, short of tracing one: the variant (sizes, steps),
         the components' configs, dtypes and attention setting (`wan_tpu.runtime.executable_cache` adds versions,
-        devices and this package's sources). None without the configs: nothing is stored or found then."""
-        if not self.configs:
+        devices and this package's sources). None without the configs, or on a mesh (the programs follow the
+        arguments' shardings): nothing is stored or found then."""
+        if self.mesh is not None or not self.configs:
             return None
         dtypes = tuple(jnp.dtype(d).name for d in (self.dtype, self.vae_dtype))
         return (self.variant, tuple(sorted(self.configs.items())), dtypes, self.attention_impl)
@@ -223,7 +248,7 @@ class MatrixGamePipeline:
         on a GPU as a CUDA graph, and cuDNN captures one while it builds a fused kernel's plan on its first
         run, even in a program without graphs; CUDA work from other threads meanwhile (a program's kernels
         loading or autotuning, weights being placed) breaks that capture: `cudaErrorStreamCaptureUnjoined`,
-        seen on an H100 in the VAE's first encode while the DiT still loaded, and in `_init_cache` beside
+        seen on an H100 in the VAE's first encode while the DiT still loaded, and in `cache_program` beside
         the chunk programs' compiles. One exception: a stored `chunk-1` loads only once the first chunk has
         run (`wan_tpu.matrix_game.compile_ahead`), so the first chunk does not wait for it."""
         from wan_tpu.matrix_game.compile_ahead import captures_graphs
@@ -239,6 +264,7 @@ class MatrixGamePipeline:
                 self.component(component)
             self._warmup.first_transfer.join()
 
+    @in_pipeline_choice
     def component(self, name: str):
         if name not in self._loaded:
             with scope(f"load_{name}"):
@@ -293,6 +319,7 @@ class MatrixGamePipeline:
         x = np.asarray(pil, np.float32) / np.float32(255)
         return ((x - np.float32(0.5)) / np.float32(0.5)).transpose(2, 0, 1)[None]
 
+    @in_pipeline_choice
     def encode_image(self, image: np.ndarray, frames: int | None = None) -> ImageCondition:
         """The condition latents of `image` (from `preprocess_image`) followed by gray frames, up to where
         they repeat, whatever the video's length: so every stream of this model runs the same compiled
@@ -304,6 +331,7 @@ class MatrixGamePipeline:
         self._wait_compiled("condition")
         return ImageCondition.encode(self.vae, split, image, MAX_FRAMES, self._programs, frames=frames)
 
+    @in_pipeline_choice
     def encode_clip(self, image: np.ndarray) -> jax.Array:
         """CLIP tokens (1, N, image_dim) of `image` (from `preprocess_image`), as the authors' `encode_video`."""
         from wan_tpu.encoders.clip_image import preprocess_tensor
@@ -316,6 +344,7 @@ class MatrixGamePipeline:
 
     # ---- generation ---------------------------------------------------------------------------
 
+    @in_pipeline_choice
     def stream(self, image, seed: int = 0, max_frames: int | None = None) -> MatrixGameSession:
         """A new stream from `image` (a path, PIL image or uint8 (H, W, 3) array); `max_frames` bounds the
         video (default: as long as the model's position table allows)."""
@@ -340,6 +369,7 @@ class MatrixGamePipeline:
                         visual = self.encode_clip(pixels)
         return MatrixGameSession(self, condition, visual, seed, max_latents)
 
+    @in_pipeline_choice
     def __call__(self, image, keyboard, mouse=None, seed: int = 0, progress: bool = False) -> np.ndarray:
         """The whole video for per-frame actions → uint8 (T, H, W, 3), T = len(keyboard) = 12n - 3."""
         keyboard, mouse = actions.check_actions(keyboard, mouse, self.action_space)
@@ -376,11 +406,11 @@ class MatrixGameSession:
         self.chunk_frames: list[int] = []
         with scope("1.5_Noise_Sampling"):
             pipe._wait_compiled("key")
-            self.key = pipe._programs.call("key", (_seed(seed),), lambda: stream_key(seed))
+            self.key = pipe._programs.call("key", (seed_of(seed),), lambda: stream_key(seed))
         with scope("2.1_KV_Cache_Initialization"):
             self._dit = pipe.split("transformer")
             pipe._wait_compiled("cache")
-            self.cache = pipe._programs.call("cache", (self._dit[1], visual_context), lambda: _init_cache(
+            self.cache = pipe._programs.call("cache", (self._dit[1], visual_context), lambda: cache_program(
                 *self._dit, visual_context, tuple(pipe.variant.latent_size)))
         self._vae = pipe.split("vae")
         self.vae_caches = None
@@ -402,9 +432,10 @@ class MatrixGameSession:
         windows = action_windows(self.pipe)
         args, kwargs = self._chunk_args(*windows, jax.ShapeDtypeStruct((), jnp.int32))
         try:
-            _, _, vae_caches = _chunk_program.eval_shape(*args, **kwargs)
-            args = (*args[:5], vae_caches, *args[6:])
-            _chunk_program.lower(*args, **kwargs).compile()
+            with compile_cache.selected(self.pipe.compile_cache):
+                _, _, vae_caches = chunk_program.eval_shape(*args, **kwargs)
+                args = (*args[:5], vae_caches, *args[6:])
+                chunk_program.lower(*args, **kwargs).compile()
         except Exception as e:  # noqa: BLE001 - compiling ahead is an optimisation only; the call compiles
             warnings.warn(f"compiling the chunk program ahead of time failed ({type(e).__name__}: {e}); it compiles "
                           "on the second chunk", stacklevel=2)
@@ -416,6 +447,10 @@ class MatrixGameSession:
     def step(self, keyboard, mouse=None) -> np.ndarray:
         """The next chunk from its actions: one row per video frame of the chunk (9 for the first chunk,
         12 after), or one row held for the whole chunk."""
+        with compile_cache.selected(self.pipe.compile_cache):
+            return self._step(keyboard, mouse)
+
+    def _step(self, keyboard, mouse) -> np.ndarray:
         from wan_tpu.matrix_game.action_module import chunk_action_window
 
         pipe, k = self.pipe, self.chunk
@@ -442,7 +477,7 @@ class MatrixGameSession:
             args, kwargs = self._chunk_args(*windows, np.int32(k))
             dynamic = (args[1], *args[3:])  # less the graphdefs (static, as `schedule` and `frames_per_chunk`)
             frames, self.cache, self.vae_caches = pipe._programs.call(
-                f"chunk-{min(k, 1)}", dynamic, lambda: _chunk_program(*args, **kwargs))
+                f"chunk-{min(k, 1)}", dynamic, lambda: chunk_program(*args, **kwargs))
             with scope("3_Video_Postprocessing"):
                 frames = np.asarray(frames)[0]
         pipe.first_chunk_ran.set()  # its CUDA-graph capture is over: `prepare` may load chunk-1 now
@@ -450,46 +485,6 @@ class MatrixGameSession:
         self.chunk_frames.append(n)
         self.chunk += 1
         return frames
-
-
-@functools.partial(jax.jit, static_argnums=(0, 3))
-def _init_cache(graphdef, state, visual_context, latent_size):
-    from wan_tpu.matrix_game.model import init_cache
-
-    return init_cache(graphdef, state, visual_context, latent_size)
-
-
-_key = jax.jit(jax.random.key)
-
-
-def stream_key(seed: int):
-    """`jax.random.key(seed)` as a compiled program (compiled ahead by `prepare`)."""
-    return _key(_seed(seed))
-
-
-def _seed(seed: int) -> np.uint32:
-    """The seed mod 2³², which is what `jax.random.key` keeps of a Python int with 32-bit keys (x64 off)."""
-    return np.uint32(seed % 2**32)
-
-
-def chunk_args(pipe, dit, vae, cache, vae_caches, condition: ImageCondition, windows, chunk_index, key):
-    """The arguments of `_chunk_program` for one chunk: (positional, keyword). With abstract values
-    (`jax.ShapeDtypeStruct`), what `prepare` compiles it for."""
-    repeat = (np.int32(condition.repeat_start), np.int32(condition.repeat_len))
-    return ((*dit, *vae, cache, vae_caches, condition.latents, *windows, chunk_index, key, repeat),
-            dict(schedule=pipe.schedule, frames_per_chunk=pipe.frames_per_chunk))
-
-
-def action_windows(pipe) -> list:
-    """Abstract (keyboard, mouse) action windows of a chunk (`chunk_action_window`; None without mouse)."""
-    from wan_tpu.matrix_game.action_module import chunk_action_window
-
-    f = pipe.frames_per_chunk
-    frames = pipe.chunk_frames(0) + pipe.chunk_frames(1)
-    space = pipe.action_space
-    dims = (space.keyboard_dim, 2 if space.mouse else None)
-    return [None if d is None else jax.ShapeDtypeStruct(
-        (1, *chunk_action_window(np.zeros((frames, d), np.float32), 1, f).shape), jnp.float32) for d in dims]
 
 
 def _chunk_rows(keyboard, mouse, n: int, space: actions.ActionSpace):
@@ -500,36 +495,6 @@ def _chunk_rows(keyboard, mouse, n: int, space: actions.ActionSpace):
             mouse = np.repeat(np.asarray(mouse, np.float32)[None], n, axis=0)
     keyboard, mouse = actions.check_actions(keyboard, mouse, space, frames=n)
     return keyboard, mouse
-
-
-@functools.partial(jax.jit, static_argnums=(0, 2), static_argnames=("schedule", "frames_per_chunk"),
-         donate_argnums=(4, 5))
-def _chunk_program(dit_graph, dit_state, vae_graph, vae_state, cache, vae_caches, latents, keyboard, mouse,
-                   chunk_index, key, repeat, *, schedule, frames_per_chunk):
-    """One chunk: noise, condition, the DiT's denoising (`denoise_chunk`), the VAE's streaming decode and
-    uint8 frames (the authors' `((x + 1) · 127.5).clip(0, 255)`, truncated) → (frames (1, T, H, W, 3),
-    the DiT cache, the VAE caches). `repeat`: the condition's (repeat_start, repeat_len), int32 scalars.
-    `vae_caches` None is the stream's first chunk (chunk_index 0), else a later one."""
-    from wan_tpu.matrix_game.sampling import denoise_chunk
-
-    f = frames_per_chunk
-    b, z, _, h, w = latents.shape
-    k_noise, k_steps = jax.random.split(jax.random.fold_in(key, chunk_index))
-    noise = jax.random.normal(k_noise, (b, z, f, h, w), jnp.float32)
-    frame = chunk_index * f + jnp.arange(f)
-    condition = ImageCondition(latents, *repeat)
-    image = jnp.take(latents, condition.index(frame), axis=2)
-    mask = jnp.broadcast_to((frame == 0).astype(jnp.float32)[None, None, :, None, None], (b, MASK_CHANNELS, f, h, w))
-    with jax.named_scope("2.3_Denoise"):
-        x0, cache = denoise_chunk(dit_graph, dit_state, cache, noise, jnp.concatenate([mask, image], axis=1),
-                                  keyboard, mouse, chunk_index, k_steps, schedule=schedule,
-                                  first_chunk=vae_caches is None)
-    with jax.named_scope("2.3_VAE_Decode"):
-        vae = nnx.merge(vae_graph, vae_state)
-        video, vae_caches = vae.decode_chunk(vae.denormalize_latents(x0.astype(vae.dtype)), vae_caches)
-        with jax.named_scope("VAE_Decode_Postprocessing"):
-            frames = jnp.clip((video.astype(jnp.float32) + 1) * 127.5, 0, 255).astype(jnp.uint8)
-    return frames.transpose(0, 2, 3, 4, 1), cache, vae_caches
 
 
 def _read_index(path: str) -> dict:
@@ -555,10 +520,22 @@ def _read_index(path: str) -> dict:
     return index
 
 
+def replicate(component, mesh):
+    """`component` (a module, or an encoder holding one as `.model`) with its weights on every device of
+    `mesh`, in place; unchanged without a mesh."""
+    if mesh is not None:
+        from jax.sharding import NamedSharding, PartitionSpec
+
+        module = getattr(component, "model", component)
+        nnx.update(module, jax.device_put(nnx.state(module), NamedSharding(mesh, PartitionSpec())))
+    return component
+
+
 @functools.lru_cache(maxsize=4)
-def _tiny(dtype, vae_dtype, attention_impl) -> MatrixGamePipeline:
+def _tiny(dtype, vae_dtype, attention, compile_cache: bool | None = None, mesh=None) -> MatrixGamePipeline:
     """The `matrix-game-tiny` preset: random weights from fixed seeds (see `wan_tpu.loading.random_init.random_module`).
-    One pipeline per setting and process, so its compiled chunk programs serve every later request."""
+    One pipeline per setting (the compile-cache choice and mesh included) and process, so its compiled
+    chunk programs serve every later request."""
     from wan_tpu.encoders.clip import CLIPVisionConfig, CLIPVisionTransformer, random_clip
     from wan_tpu.matrix_game.model import MatrixGameTransformer
     from wan_tpu.vae.model import WanVAE
@@ -570,19 +547,25 @@ def _tiny(dtype, vae_dtype, attention_impl) -> MatrixGamePipeline:
     clip = CLIPVisionConfig(**{**TINY_CLIP, "num_hidden_layers": TINY_CLIP["num_hidden_layers"] - 1})
     builds = {
         "transformer": lambda: MatrixGameTransformer(variant.transformer, dtype=dtype, rngs=nnx.Rngs(0),
-                                                     attention_impl=attention_impl),
+                                                     attention_impl=attention),
         "vae": lambda: WanVAE(TINY_VAE, dtype=vae_dtype, rngs=nnx.Rngs(0)),
-        "image_encoder": lambda: CLIPVisionTransformer(clip, dtype, attention_impl),
+        "image_encoder": lambda: CLIPVisionTransformer(clip, dtype, attention),
     }
+
+    def transformer():
+        from wan_tpu.matrix_game.loading import shard_matrix_game
+
+        model = random_module(builds["transformer"], TINY_SEED)
+        return model if mesh is None else shard_matrix_game(model, mesh)
 
     def image_encoder():
         from wan_tpu.encoders.clip_image import CLIPImageEncoder
 
-        return CLIPImageEncoder(random_clip(builds["image_encoder"], TINY_SEED + 2))
+        return replicate(CLIPImageEncoder(random_clip(builds["image_encoder"], TINY_SEED + 2)), mesh)
 
-    loaders = {"transformer": lambda: random_module(builds["transformer"], TINY_SEED),
-               "vae": lambda: random_module(builds["vae"], TINY_SEED + 1), "image_encoder": image_encoder}
+    loaders = {"transformer": transformer, "vae": lambda: replicate(random_module(builds["vae"], TINY_SEED + 1), mesh),
+               "image_encoder": image_encoder}
     abstracts = {name: functools.partial(nnx.eval_shape, build) for name, build in builds.items()}
     return MatrixGamePipeline(variant, loaders, name=PRESET, dtype=dtype, vae_dtype=vae_dtype, abstracts=abstracts,
                               configs=lambda: {"transformer": variant.transformer, "vae": TINY_VAE, "image_encoder": clip},
-                              attention_impl=attention_impl)
+                              attention=attention, compile_cache=compile_cache, mesh=mesh)

@@ -1,11 +1,14 @@
-"""Loading and compiling ahead of use: what `WanPipeline.prepare` starts in background threads.
+"""Loading and compiling ahead of use: what `prepare()` of each pipeline starts in background threads
+(`Warmup`): `WanPipeline.prepare` (below), `MatrixGamePipeline.prepare` (`wan_tpu.matrix_game.compile_ahead`),
+`UnifolmPipeline.prepare` (its components, then its stage programs through `executable_cache.ahead`).
+Each thread runs in its pipeline's compile-cache choice (`compile_cache.selected(pipe.compile_cache)`).
 
     pipe = wan_tpu.WanPipeline.from_pretrained("Wan2.1-T2V-1.3B-Diffusers")
     s = pipe.settings(height=480, width=832, num_frames=81)
     with pipe.prepare(s):                             # returns at once
         frames = pipe("a cat walks on the grass", height=480, width=832, num_frames=81)   # waits only where needed
 
-What runs, each in its own thread:
+What runs for `WanPipeline`, each in its own thread:
   * every component the run needs is read at the same time (text encoder, transformer(s), VAE, image
     encoder): the weights of one come off the disk while another's are placed on the devices;
   * at once, the text encoder's program is compiled from its config alone (`text_encoder.compile_encode`)
@@ -34,6 +37,7 @@ the text encoder is released, as without `prepare`.
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import functools
 import threading
 import warnings
@@ -64,14 +68,17 @@ def start_transfers() -> threading.Thread:
 
 class Warmup:
     """Background loads (`loads[name]`) and compiles (`compiles[name]`: "text", "denoise", "decode" for
-    `WanPipeline`; see `wan_tpu.matrix_game.compile_ahead` for `MatrixGamePipeline`) for one run.
+    `WanPipeline`; "stages" for `UnifolmPipeline`; see `wan_tpu.matrix_game.compile_ahead` for
+    `MatrixGamePipeline`) for one run.
 
-    `cancel()` (called by itself when the interpreter exits, e.g. after an error or Ctrl-C) lets the
-    threads stop at the next program boundary: the process then waits for one program's compile at
-    most, not for all of them.
+    `compile_cache`: the pipeline's choice, which every thread runs in (`compile_cache.selected`; None:
+    the process's state as it is). `cancel()` (called by itself when the interpreter exits, e.g. after an
+    error or Ctrl-C) lets the threads stop at the next program boundary: the process then waits for one
+    program's compile at most, not for all of them.
     """
 
-    def __init__(self):
+    def __init__(self, compile_cache: bool | None = None):
+        self.compile_cache = compile_cache
         self.loads: dict[str, concurrent.futures.Future] = {}
         self.compiles: dict[str, concurrent.futures.Future] = {}
         self.cancelled = threading.Event()
@@ -98,8 +105,9 @@ class Warmup:
     def __exit__(self, *exc) -> None:
         self.close()
 
-    def start(self, name: str, fn, *args, kind: str = "load") -> concurrent.futures.Future:
-        """Run `fn(*args)` in a new thread; its future goes under `kind` ("load" or "compile").
+    def start(self, name: str, fn, *args, kind: str = "load", select: bool = True) -> concurrent.futures.Future:
+        """Run `fn(*args)` in a new thread, in the pipeline's compile-cache choice (`select=False`: `fn`
+        selects it itself, e.g. to wait outside it); its future goes under `kind` ("load" or "compile").
 
         Not a daemon thread: the interpreter waits for it at exit, since a thread killed inside XLA's
         compiler aborts the process ("exception not rethrown")."""
@@ -112,7 +120,9 @@ class Warmup:
                 future.set_exception(Cancelled())
                 return
             try:
-                future.set_result(fn(*args))
+                with self.selected() if select else contextlib.nullcontext():
+                    result = fn(*args)
+                future.set_result(result)
             except BaseException as e:  # noqa: BLE001 - handed to whoever waits on it
                 future.set_exception(e)
 
@@ -121,6 +131,12 @@ class Warmup:
         self._threads.append(thread)
         thread.start()
         return future
+
+    def selected(self):
+        """A context in the pipeline's compile-cache choice (`compile_cache.selected`), or none without one."""
+        from wan_tpu.runtime import compile_cache
+
+        return compile_cache.selected(self.compile_cache)
 
     def take_load(self, name: str):
         """The loaded component `name` (waiting for it; its error, if loading failed), or None if it is not

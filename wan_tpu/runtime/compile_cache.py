@@ -1,11 +1,21 @@
 """The persistent compilation cache: compiled programs and GPU autotuning results kept on disk, on by default.
 
     import wan_tpu.runtime.compile_cache as compile_cache
-    compile_cache.enable()        # what WanPipeline.from_pretrained(..., compile_cache=True) does
-    compile_cache.disable()       # what `generate --no-compile-cache` / compile_cache=False do
-    compile_cache.cache_dir()     # where this process reads and writes: see below
+    with compile_cache.selected(True):   # what a pipeline made with compile_cache=True runs its work in
+        ...                               # (False: `generate --no-compile-cache`); restored after
+    compile_cache.enable()        # on for this process: for code outside any pipeline (its default)
+    compile_cache.disable()       # off for this process
+    compile_cache.cache_dir()     # where this thread reads and writes now: see below
     compile_cache.stats()         # programs loaded from / written to the cache so far in this process
     compile_cache.summary()       # the same with the folder, or "off": the CLIs' timing-table line
+
+Each pipeline (`WanPipeline`, `MatrixGamePipeline`, `UnifolmPipeline`) holds its own choice
+(`pipe.compile_cache`, from `from_pretrained(..., compile_cache=...)`) and applies it only around its
+own work, compiles and executable-cache reads and writes (`selected`): two pipelines in one process,
+one with the cache off, do not change each other's behaviour. JAX keeps one cache switch per process,
+so `selected` sets it for the duration and restores it after; while work with one choice runs (in any
+thread: `prepare`'s background compiles), work with the other waits for it to end (a process-wide
+count under a lock; work with the same choice runs alongside).
 
 The cache lives in `$WAN_TPU_CACHE_DIR`, else `$XDG_CACHE_HOME/wan_tpu`, else `~/.cache/wan_tpu`, in a
 folder per jax version, jaxlib version, backend and device kind (e.g.
@@ -27,6 +37,8 @@ with the same options (tests compare latents bit for bit).
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import os
 import re
 import threading
@@ -42,7 +54,12 @@ PROGRAM_LOADED = "/wan_tpu/executable_cache/loaded"
 PROGRAM_STORED = "/wan_tpu/executable_cache/stored"
 _lock = threading.Lock()
 _counts = {_HIT: 0, _WRITE: 0, PROGRAM_LOADED: 0, PROGRAM_STORED: 0}
-_state = {"listening": False, "repairing": False}
+_state = {"listening": False, "repairing": False, "used": None}  # used: the folder a selection last turned on
+# `selected`: the choice that runs now (None: none), how many holders, and the process's state to restore.
+_select = threading.Condition()
+_selection = {"mode": None, "count": 0, "restore": None}
+_SETTINGS = ("jax_persistent_cache_min_compile_time_secs", "jax_persistent_cache_min_entry_size_bytes",
+             "jax_persistent_cache_enable_xla_caches")
 
 
 def base_dir() -> str:
@@ -63,7 +80,8 @@ def version_key(device=None) -> str:
 
 
 def cache_dir() -> str | None:
-    """The folder this process reads and writes, None when the cache is off."""
+    """The folder read and written now (a pipeline's selection while its work runs, else the process's
+    default), None when the cache is off."""
     return jax.config.jax_compilation_cache_dir or None
 
 
@@ -72,21 +90,29 @@ def is_enabled() -> bool:
 
 
 def enable(path: str | None = None) -> str:
-    """Turn the cache on for this process (idempotent); returns its folder.
+    """Turn the cache on for this process (idempotent): the default of code outside any pipeline; returns
+    its folder.
 
     `path` replaces `base_dir()` (the version folder is still added). Without `path`, a folder already
     in use is kept as is: the user's own JAX cache folder, or one an earlier `enable(path)` chose (a
-    pipeline's `from_pretrained` does not move a script's cache). Call it before the first compilation
-    you want cached: programs compiled earlier in the process are not written back.
+    pipeline with the cache on uses it too: it does not move a script's cache). Call it before the first
+    compilation you want cached: programs compiled earlier in the process are not written back. Waits
+    for pipelines' work that runs in `selected` to end.
     """
+    with _select:
+        while _selection["count"]:
+            _select.wait()
+        return _enable(path)
+
+
+def _enable(path: str | None = None) -> str:
     from jax.experimental.compilation_cache import compilation_cache as cc
 
     current = cache_dir()
     if path is None and current is not None:
         target = current
     else:
-        target = os.path.join(os.path.abspath(os.path.expanduser(path or base_dir())), version_key())
-        os.makedirs(target, exist_ok=True)
+        target = _version_folder(os.path.abspath(os.path.expanduser(path or base_dir())))
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
     # The per-fusion autotuning cache only: XLA's kernel cache ("all") clashes with JAX's cache (kernel
@@ -95,18 +121,100 @@ def enable(path: str | None = None) -> str:
     if target != current:
         cc.set_cache_dir(target)
         cc.reset_cache()  # JAX decides once per process whether the cache is used; let it decide again
+    _state["used"] = target
     _listen()
     _repair_unreadable_entries()
     return target
 
 
+@functools.lru_cache(maxsize=16)
+def _version_folder(base: str) -> str:
+    """`base`'s folder for this process's versions and devices, made once (a pipeline's selection asks at
+    every call)."""
+    target = os.path.join(base, version_key())
+    os.makedirs(target, exist_ok=True)
+    return target
+
+
 def disable() -> None:
-    """Turn the cache off for this process: nothing is read or written from now on."""
+    """Turn the cache off for this process: code outside any pipeline reads and writes nothing from now on
+    (a pipeline with the cache on still uses it for its own work). Waits as `enable` does."""
+    with _select:
+        while _selection["count"]:
+            _select.wait()
+        _set_dir(None)
+
+
+def _set_dir(path: str | None) -> None:
     from jax.experimental.compilation_cache import compilation_cache as cc
 
-    if cache_dir() is not None:
-        cc.set_cache_dir(None)
-        cc.reset_cache()
+    if cache_dir() != path:
+        cc.set_cache_dir(path)
+        cc.reset_cache()  # JAX decides once per process whether the cache is used; let it decide again
+
+
+@contextlib.contextmanager
+def selected(enabled: bool | None):
+    """The cache on (in the folder `enable()` would use: the one in use, else `base_dir()`'s version
+    folder) or off for the duration, then the process's state restored: what a pipeline runs its own work
+    in (its loads, compiles and executable-cache reads and writes; `wan_tpu.runtime.executable_cache`
+    follows `cache_dir()`). JAX has one switch per process: work with the other choice, in any thread,
+    waits until every holder of this one has left (holders with the same choice share it; nesting is
+    fine). Never wait inside it for work that needs the other choice. `None`: no choice, the state as it
+    is (a pipeline built directly, not by `from_pretrained`, as code outside any pipeline)."""
+    if enabled is None:
+        yield
+        return
+    enabled = bool(enabled)
+    with _select:
+        while _selection["count"] and _selection["mode"] is not enabled:
+            _select.wait()
+        if not _selection["count"]:
+            _selection["restore"] = _apply(enabled)
+            _selection["mode"] = enabled
+        _selection["count"] += 1
+    try:
+        yield
+    finally:
+        with _select:
+            _selection["count"] -= 1
+            if not _selection["count"]:
+                _restore(_selection["restore"])
+                _selection["mode"] = _selection["restore"] = None
+                _select.notify_all()
+
+
+def in_pipeline_choice(method):
+    """A pipeline method decorator: the method runs in `selected(self.compile_cache)`, its pipeline's choice."""
+
+    @functools.wraps(method)
+    def run(self, *args, **kwargs):
+        with selected(self.compile_cache):
+            return method(self, *args, **kwargs)
+
+    return run
+
+
+def _apply(enabled: bool):
+    """Switch to `enabled` → what `_restore` needs to switch back (None: nothing changed)."""
+    current = cache_dir()
+    if not enabled:
+        if current is None:
+            return None
+        _set_dir(None)
+        return current, None
+    settings = {name: getattr(jax.config, name) for name in _SETTINGS}
+    _state["used"] = _enable()
+    return current, settings
+
+
+def _restore(saved) -> None:
+    if saved is None:
+        return
+    folder, settings = saved
+    for name, value in (settings or {}).items():
+        jax.config.update(name, value)
+    _set_dir(folder)
 
 
 @dataclass(frozen=True)
@@ -124,14 +232,16 @@ class CacheStats:
 
 
 def stats() -> CacheStats:
-    """Cache traffic of this process since the first `enable()`."""
+    """Cache traffic of this process since the cache was first turned on (`enable`, `selected`)."""
     with _lock:
         return CacheStats(_counts[_HIT], _counts[_WRITE], _counts[PROGRAM_LOADED], _counts[PROGRAM_STORED])
 
 
 def summary() -> str:
-    """`stats()` and the folder, or "off": the line the CLIs' timing tables print."""
-    return f"{stats()}  ({cache_dir()})" if is_enabled() else "off"
+    """`stats()` and the folder (the one in use, else the one this process last used: a pipeline's with
+    the cache on), or "off" if none was: the line the CLIs' timing tables print."""
+    folder = cache_dir() or _state["used"]
+    return f"{stats()}  ({folder})" if folder else "off"
 
 
 def size_bytes(path: str | None = None) -> int:

@@ -9,6 +9,8 @@ its programs instead of tracing and lowering them.
 
     # or, at a call site whose arguments are at hand (the loaders' layout programs):
     out = executable_cache.cached_call("param-layout", key, jitted, args, kwargs, static_argnames=(...))
+    with executable_cache.ahead():   # the same calls, ahead of time: load or compile, run nothing (zeros out)
+        out = executable_cache.cached_call("unifolm-sample", key, jitted, abstract_args, ...)
 
     # and a module without weights (`nnx.eval_shape`), its structure and parameter shapes pickled:
     vae = executable_cache.cached_abstract("wan-vae", (config, "bfloat16"), lambda: WanVAE(config, ...))
@@ -23,7 +25,8 @@ entry is never found by another version, device, setting or code; a key whose te
 address (not stable across processes) is never written.
 
 Entries live in `executables/` of the compile cache's folder and follow its switch
-(`compile_cache.is_enabled()`); off, `load` misses and `store` only compiles. An entry that cannot be
+(`compile_cache.is_enabled()`: a pipeline's own choice while its work runs, `compile_cache.selected`); off,
+`load` misses and `store` only compiles. An entry that cannot be
 read (a killed writer, another jaxlib's format) is deleted with a warning and the program recompiled and
 written again; a backend that cannot serialise its executables just keeps them in memory. Writes go to
 a temporary file renamed into place, so a reader never sees half an entry.
@@ -36,6 +39,7 @@ it with a warning and takes the jitted path, so an entry can cost a compile, nev
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import functools
 import hashlib
@@ -192,8 +196,25 @@ def graphless() -> dict | None:
     return GRAPHLESS if jax.devices()[0].platform == "gpu" else None
 
 
-_CALLED: dict = {}  # full key → compiled program, for `cached_call`, once per process
+_CALLED: dict = {}  # (name, full key, cache folder or None) → compiled program, for `cached_call`, once per process
 _CALLED_LOCK = threading.Lock()
+_AHEAD = threading.local()
+
+
+@contextlib.contextmanager
+def ahead():
+    """In this thread, for the duration: `cached_call` loads or compiles (and stores) its program as a call
+    would, but runs nothing and returns zeros of the program's outputs (shapes and dtypes), so the code
+    around it carries on to the next program. A later call with arguments of the same shapes and dtypes
+    (and the same cache choice) runs that very program: how `UnifolmPipeline.prepare` compiles its stage
+    programs ahead. Dynamic arguments may be `jax.ShapeDtypeStruct`s (a module's abstract state) or
+    tracers: run under `jax.eval_shape`, the code around the calls computes nothing either."""
+    before = getattr(_AHEAD, "on", False)
+    _AHEAD.on = True
+    try:
+        yield
+    finally:
+        _AHEAD.on = before
 
 
 def cached_call(name: str, key, jitted, args: tuple, kwargs: dict | None = None, *, static_argnums: tuple = (),
@@ -202,12 +223,15 @@ def cached_call(name: str, key, jitted, args: tuple, kwargs: dict | None = None,
     a program loaded whole from this cache, or compiled (with XLA's `compiler_options`) and stored on a
     miss: a later process traces and lowers nothing for it. `key` names what the arguments do not (configs,
     dtypes, settings); the static values' text, every dynamic leaf's shape and dtype and the options complete
-    it. With the cache off the program is compiled once per process. Without a key, or with arguments
-    spread over several devices (another program): the jitted path.
+    it. With the cache off the program is compiled once per process (and once more by a caller with it on,
+    which then stores it). Without a key, or with arguments spread over several devices (another program):
+    the jitted path. Within `ahead()`: loaded or compiled only, zeros of its outputs returned.
     `key_names_statics`: `key` determines the static arguments, whose text is then left out (a module's
     graphdef: megabytes of text holding function addresses, which no stored key may contain)."""
     kwargs = kwargs or {}
     if key is None:
+        if getattr(_AHEAD, "on", False):  # nothing to load or compile ahead: its call compiles it
+            return _zeros(jitted.eval_shape(*args, **kwargs))
         return jitted(*args, **kwargs)
     dynamic = tuple(a for i, a in enumerate(args) if i not in static_argnums)
     dynamic_kw = {k: v for k, v in kwargs.items() if k not in static_argnames}
@@ -216,26 +240,61 @@ def cached_call(name: str, key, jitted, args: tuple, kwargs: dict | None = None,
     leaves, tree = jax.tree.flatten((dynamic, dynamic_kw))
     signature = []
     for leaf in leaves:
-        if isinstance(leaf, jax.Array) and len(leaf.sharding.device_set) > 1:
+        if isinstance(leaf, jax.Array) and not isinstance(leaf, jax.core.Tracer) and len(leaf.sharding.device_set) > 1:
+            if getattr(_AHEAD, "on", False):
+                return _zeros(jitted.eval_shape(*args, **kwargs))
             return jitted(*args, **kwargs)
         signature.append((tuple(getattr(leaf, "shape", ())), str(getattr(leaf, "dtype", type(leaf).__name__)),
                           bool(getattr(leaf, "weak_type", False))))
     full = (key, tuple(repr(s) for s in statics), repr(tree), tuple(signature),
             tuple(sorted((compiler_options or {}).items())))
+    # Per cache folder: a program compiled with the cache off (nothing stored) is compiled again, and
+    # stored, by a caller with it on, as it would be in a process of its own.
+    memo = (name, full, compile_cache.cache_dir())
     with _CALLED_LOCK:
-        compiled = _CALLED.get((name, full))
+        compiled = _CALLED.get(memo)
     if compiled is None:
-        compiled = load(name, full) or store(name, full, jitted.lower(*args, **kwargs), compiler_options)
+        compiled = load(name, full) or store(name, full, _lower(jitted, args, kwargs, static_argnums, static_argnames),
+                                             compiler_options)
         with _CALLED_LOCK:
-            _CALLED[(name, full)] = compiled
+            _CALLED[memo] = compiled
+    if getattr(_AHEAD, "on", False):
+        return _zeros(compiled.out_info)
     try:
         return compiled(*dynamic, **dynamic_kw)
     except TypeError as e:  # JAX checks the arguments before running anything
         with _CALLED_LOCK:
-            _CALLED.pop((name, full), None)
+            _CALLED.pop(memo, None)
         warnings.warn(f"the stored program {name} does not take these arguments ({str(e).splitlines()[0]}); "
                       "it is compiled again", stacklevel=2)
         return jitted(*args, **kwargs)
+
+
+def _lower(jitted, args, kwargs, static_argnums, static_argnames):
+    """`jitted.lower(*args, **kwargs)`, tracers among the dynamic arguments (`ahead` under `jax.eval_shape`)
+    given as their shapes and dtypes."""
+
+    def abstract(tree):
+        return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, weak_type=x.weak_type)
+                            if isinstance(x, jax.core.Tracer) else x, tree)
+
+    args = tuple(a if i in static_argnums else abstract(a) for i, a in enumerate(args))
+    kwargs = {k: v if k in static_argnames else abstract(v) for k, v in kwargs.items()}
+    return jitted.lower(*args, **kwargs)
+
+
+def _zeros(shapes):
+    """Zeros of each output's shape and dtype (and weak type, for float32 and int32): on the host (no
+    program compiled for them), except the weak-typed ones."""
+    import jax.numpy as jnp
+    import numpy as np
+
+    def zeros(s):
+        if getattr(s, "weak_type", False) and s.dtype in (jnp.float32, jnp.int32):
+            return jnp.full(s.shape, 0.0 if s.dtype == jnp.float32 else 0)
+        return np.zeros(s.shape, s.dtype)
+
+    return jax.tree.map(zeros, shapes)
 
 
 @functools.cache

@@ -1,6 +1,7 @@
 """`UnifolmPipeline`: UnifoLM-WMA-0 (Unitree's world-model-action model) from observations to video and actions.
 
     pipe = UnifolmPipeline.from_pretrained("ckpt/unifolm-wma-0")       # or the preset "unifolm-tiny"
+    pipe.prepare("decision")                                           # optional: loads and compiles ahead
     out = pipe.decide("pick up the cup", images, states)               # 16 frames + a 16-step action chunk
     out = pipe.predict(images, states, actions)                        # world model: frames + next states
     episode = pipe.interact("pick up the cup", image, state, iterations=3)   # decide, then predict, repeated
@@ -21,6 +22,16 @@ What the authors' scripts do, kept: decision-making uses the instruction and zer
 embeddings, the world model the empty prompt and the given actions; the interaction loop pushes the
 predicted actions (masked to the robot's DoF) into the action queue, then the world model's frames
 and states into the observation queues, and feeds back the decoded frames unclamped.
+
+`from_pretrained(path_or_preset, *, mesh=None, dtype=float32, attention=None, compile_cache=True, stats=None,
+encoder_dtype=float32)` is the constructor the three pipelines share (`WanPipeline`, `MatrixGamePipeline`).
+The components (model, VAE, image and text encoder) load on first use; `prepare(mode)` instead starts
+loading them all at once and, meanwhile, loading or compiling the stage programs of `mode` (prepare,
+sampling, decode: `wan_tpu.runtime.executable_cache`) in background threads (`wan_tpu.runtime.compile_ahead.Warmup`),
+from the model's and VAE's abstract modules (their configs alone) and the encoders' output shapes. The
+calls then wait for what they need only, and run the very programs compiled ahead: results are
+bit-identical with and without `prepare`. The pipeline's `compile_cache` choice applies to its own work
+only (`wan_tpu.runtime.compile_cache.selected`).
 """
 
 from __future__ import annotations
@@ -36,11 +47,14 @@ import numpy as np
 from flax import nnx
 
 from wan_tpu.runtime import executable_cache
+from wan_tpu.runtime.compile_cache import in_pipeline_choice
 from wan_tpu.errors import WanInputError
+from wan_tpu.unifolm import presets
 
-PRESETS = ("unifolm-tiny", "unifolm-tiny-base")
+PRESETS = tuple(presets.PRESETS)  # "unifolm-tiny", "unifolm-tiny-base"
 FPS = 8  # the authors save every video at 8 fps
 STATS_FILE = "stats.safetensors"
+MODES = ("decision", "world", "interact", "generate")  # what `prepare(mode)` compiles for: decide, predict, both, generate
 
 
 @dataclass(frozen=True)
@@ -106,67 +120,196 @@ def to_uint8(video) -> np.ndarray:
 
 
 class UnifolmPipeline:
-    def __init__(self, model, vae, image_encoder, text_encoder, stats: MinMaxTable | None = None, name: str = "unifolm"):
-        self.model, self.vae, self.image_encoder, self.text_encoder = model, vae, image_encoder, text_encoder
-        self.config = model.config
+    """A UnifoLM model ready to decide, predict, interact or generate; see the module docstring.
+
+    `config` / `vae_config`: the model's and the VAE's; `loaders`: component name ("model", "vae",
+    "image_encoder", "text_encoder") → a function loading it; `abstracts`: "model" / "vae" → a function
+    building it without weights (`nnx.eval_shape`), what `prepare` compiles the stage programs for
+    (default: `abstract_builds`, the modules the folder's and the presets' loaders fill)."""
+
+    COMPONENTS = ("model", "vae", "image_encoder", "text_encoder")
+
+    def __init__(self, config, vae_config, loaders: dict, *, stats: MinMaxTable | None = None, name: str = "unifolm",
+                 dtype=jnp.float32, mesh=None, attention: str | None = None, compile_cache: bool | None = None,
+                 abstracts: dict | None = None):
+        self.config = config
+        self.vae_config = vae_config
         self.stats = stats
         self.name = name
+        self.dtype = dtype
+        self.mesh = mesh
+        self.attention_impl = attention
+        # Whether this pipeline's own loads, compiles and calls read and write the compile cache and the
+        # executable cache in it: applied around them only (`compile_cache.selected`), never process-wide.
+        # None (built directly, not by `from_pretrained`): the process's own state.
+        self.compile_cache = None if compile_cache is None else bool(compile_cache)
         h, w = self.config.latent_size
-        self.height, self.width = h * vae.config.downscale, w * vae.config.downscale
+        self.height, self.width = h * vae_config.downscale, w * vae_config.downscale
+        self._loaders = dict(loaders)
+        # Default: the model and VAE the loaders fill (without a mesh), from the configs alone.
+        self._abstracts = abstracts if abstracts is not None else abstract_builds(config, vae_config, dtype, attention)
+        self._loaded: dict = {}
+        self._warmup = None
         self._text_cache: dict[str, jax.Array] = {}
         self.timer = None  # a `wan_tpu.runtime.profiling.StageTimer` to time the stages of every sampling
         # What determines the stage programs short of tracing them (`wan_tpu.runtime.executable_cache` adds
-        # versions, devices, settings and this package's sources): set by `from_pretrained` without a
-        # mesh. None (a pipeline built by hand, or sharded): the programs are traced in every process.
-        self.program_key: tuple | None = None
+        # versions, devices, settings and this package's sources): the configs, the model dtype and the
+        # attention setting, without a mesh. None (sharded: the attention hooks and kernel layout change
+        # the programs too): the programs are traced in every process and not compiled ahead.
+        self.program_key: tuple | None = None if mesh is not None else _program_key(config, vae_config, dtype, attention)
 
     # ---- construction --------------------------------------------------------------------------
     @classmethod
-    def from_pretrained(cls, path_or_preset: str, dtype=jnp.float32, mesh=None, attention_impl=None,
-                        stats: str | None = None, encoder_dtype=jnp.float32,
-                        compile_cache: bool = True) -> UnifolmPipeline:
+    def from_pretrained(cls, path_or_preset: str, *, mesh=None, dtype=jnp.float32, attention: str | None = None,
+                        compile_cache: bool = True, stats: str | None = None,
+                        encoder_dtype=jnp.float32) -> UnifolmPipeline:
         """A converted checkpoint folder (`wan_tpu/unifolm/convert_cli.py`) or a preset name
-        (`unifolm-tiny`, `unifolm-tiny-base`: random weights, seconds on a CPU). `dtype`: the model's
-        (UNet, heads, projectors); `encoder_dtype`: the CLIP towers' (float32 by default, as the authors;
-        bfloat16 halves their memory; the presets' random towers stay float32); the VAE runs in float32. `stats`: a LeRobot stats.safetensors
-        (default: the folder's, when present). `compile_cache` turns the persistent compilation cache
-        (`wan_tpu.runtime.compile_cache`) on (the default: a later process loads the compiled sampling instead of
-        compiling it for minutes) or off for the whole process."""
-        from wan_tpu.runtime import compile_cache as cache
+        (`unifolm-tiny`, `unifolm-tiny-base`: random weights, seconds on a CPU).
 
-        cache.enable() if compile_cache else cache.disable()
+        `mesh`: a device mesh to shard over (None: one device). `dtype`: the model's (UNet, heads,
+        projectors; default float32, as the authors run it); the VAE runs in float32. `attention`: the
+        attention kernel's name (default: the fastest for the backend). `compile_cache`: whether this
+        pipeline's compiles read and write the persistent compilation cache (`wan_tpu.runtime.compile_cache`)
+        and its executable cache (the default: a later process loads the compiled sampling instead of
+        compiling it for minutes), or not; applied around its own work only. UnifoLM's options: `stats`, a
+        LeRobot stats.safetensors (default: the folder's, when present); `encoder_dtype`: the CLIP towers'
+        (float32 by default, as the authors; bfloat16 halves their memory; the presets' random towers stay
+        float32). The configs are read now (a bad folder is a `WanInputError` at once); the components
+        load on first use, or in the background after `prepare`."""
         table = None if stats is None else MinMaxTable.from_file(stats)
         if path_or_preset in PRESETS:
-            from wan_tpu.unifolm.presets import tiny_pipeline
-
-            pipe = tiny_pipeline(path_or_preset, dtype=dtype, attention_impl=attention_impl, stats=table)
-            pipe.program_key = _program_key(pipe, dtype, attention_impl)
-            return pipe
+            return presets.PRESETS[path_or_preset](cls, dtype=dtype, mesh=mesh, attention=attention, stats=table,
+                                                   compile_cache=bool(compile_cache))
         path = os.fspath(path_or_preset)
         if not os.path.isdir(path):
             if os.path.isfile(path) and path.endswith((".ckpt", ".pt", ".pth", ".bin")):
                 raise WanInputError(f"{path} is a pickle checkpoint; convert it first: python wan_tpu/unifolm/convert_cli.py {path} OUT_DIR")
             raise WanInputError(f"model {path!r} is neither a converted UnifoLM folder nor a preset ({', '.join(PRESETS)})")
-        from wan_tpu.unifolm.autoencoder_kl_loading import load_autoencoder_kl
-        from wan_tpu.unifolm.loading import load_unifolm
-        from wan_tpu.encoders.openclip import OpenCLIPImageEncoder, OpenCLIPTextEncoder
+        from wan_tpu.configs.autoencoder_kl import config_from_json as vae_config_from_json
+        from wan_tpu.loading.checkpoint import read_config, require_file
 
-        model = load_unifolm(path, dtype=dtype, mesh=mesh, attention_impl=attention_impl)
-        vae = load_autoencoder_kl(os.path.join(path, "vae"), mesh=mesh)
-        image_encoder = OpenCLIPImageEncoder.from_pretrained(os.path.join(path, "image_encoder"), dtype=encoder_dtype,
-                                                             mesh=mesh, attention_impl=attention_impl)
-        text_encoder = OpenCLIPTextEncoder.from_pretrained(os.path.join(path, "text_encoder"), os.path.join(path, "tokenizer"),
-                                                           dtype=encoder_dtype, mesh=mesh)
-        if table is None and os.path.isfile(os.path.join(path, STATS_FILE)):
-            table = MinMaxTable.from_file(os.path.join(path, STATS_FILE))
-        pipe = cls(model, vae, image_encoder, text_encoder, table, name=model.config.name)
-        if mesh is None:  # sharded, the attention hooks and kernel layout change the programs too
-            pipe.program_key = _program_key(pipe, dtype, attention_impl)
-        return pipe
+        sub = functools.partial(os.path.join, path)
+        config = _read_config(path)
+        vae_config = vae_config_from_json(read_config(sub("vae"), "VAE"))
+        require_file(sub("image_encoder"), "config.json", "image_encoder")
+        require_file(sub("text_encoder"), "config.json", "text_encoder")
+        require_file(sub("tokenizer"), "tokenizer_config.json", "tokenizer")
+
+        def model():
+            from wan_tpu.unifolm.loading import load_unifolm
+
+            return load_unifolm(path, dtype=dtype, mesh=mesh, attention_impl=attention)
+
+        def vae():
+            from wan_tpu.unifolm.autoencoder_kl_loading import load_autoencoder_kl
+
+            return load_autoencoder_kl(sub("vae"), mesh=mesh)
+
+        def image_encoder():
+            from wan_tpu.encoders.openclip import OpenCLIPImageEncoder
+
+            return OpenCLIPImageEncoder.from_pretrained(sub("image_encoder"), dtype=encoder_dtype, mesh=mesh,
+                                                        attention_impl=attention)
+
+        def text_encoder():
+            from wan_tpu.encoders.openclip import OpenCLIPTextEncoder
+
+            return OpenCLIPTextEncoder.from_pretrained(sub("text_encoder"), sub("tokenizer"), dtype=encoder_dtype,
+                                                       mesh=mesh)
+
+        if table is None and os.path.isfile(sub(STATS_FILE)):
+            table = MinMaxTable.from_file(sub(STATS_FILE))
+        loaders = {"model": model, "vae": vae, "image_encoder": image_encoder, "text_encoder": text_encoder}
+        return cls(config, vae_config, loaders, stats=table, name=config.name, dtype=dtype, mesh=mesh,
+                   attention=attention, compile_cache=bool(compile_cache))
 
     @property
     def has_heads(self) -> bool:
         return self.config.has_heads
+
+    # ---- components -----------------------------------------------------------------------------
+    @in_pipeline_choice
+    def component(self, name: str):
+        """The component `name` ("model", "vae", "image_encoder", "text_encoder"), loaded on first use (or
+        taken from `prepare`'s background load)."""
+        if name not in self._loaded:
+            loaded = self._warmup.take_load(name) if self._warmup is not None else None
+            self._loaded[name] = loaded if loaded is not None else self._loaders[name]()
+        return self._loaded[name]
+
+    model = property(lambda self: self.component("model"))
+    vae = property(lambda self: self.component("vae"))
+    image_encoder = property(lambda self: self.component("image_encoder"))
+    text_encoder = property(lambda self: self.component("text_encoder"))
+
+    @in_pipeline_choice
+    def prepare(self, mode: str | None = None, *, num_steps: int | None = None, eta: float = 1.0,
+                keep_action_tokens: bool = True):
+        """Start loading every component at once and, meanwhile, loading from the executable cache or
+        compiling the stage programs a `mode` run needs ("decision": `decide`, "world": `predict`,
+        "interact": both, "generate"; default: "decision", or "generate" for a base model) with
+        `num_steps` DDIM steps (default: the mode's, 50 or 16) and `eta` (only whether it is 0 matters),
+        in background threads; returns at once (a `wan_tpu.runtime.compile_ahead.Warmup`; as a context
+        manager, leaving it waits for the threads, cancelling what has not started).
+
+        The stage programs (prepare, sampling, decode) are compiled for the model's and VAE's abstract
+        modules (from their configs: no wait for their weights) and the encoders' outputs' shapes, once
+        those are loaded, each program's outputs giving the next one's inputs: the calls' own code traced
+        (`jax.eval_shape`) with `executable_cache.ahead`, so nothing runs on the devices in these threads
+        (the encoders' small programs compile on first use, as without `prepare`). The calls wait for them,
+        then run the very programs compiled here: the results are bit-identical with and without
+        `prepare`. A compile that fails is a warning and the call compiles on use. With a mesh only the
+        loads run ahead. The threads run in this pipeline's `compile_cache` choice."""
+        from wan_tpu.runtime.compile_ahead import Warmup
+
+        mode = mode or ("decision" if self.has_heads else "generate")
+        if mode not in MODES:
+            raise WanInputError(f"mode must be one of {', '.join(MODES)}, got {mode!r}")
+        if mode == "generate" and self.has_heads:
+            raise WanInputError(f"{self.name} has action/state heads; generate needs a base checkpoint (use decide / predict)")
+        if mode != "generate":
+            self._require_heads(mode)
+        num_steps = (16 if mode == "generate" else 50) if num_steps is None else num_steps
+        _check_steps(self.config, num_steps)
+        warmup = self._warmup = Warmup(compile_cache=self.compile_cache)
+        for name in self.COMPONENTS:
+            if name not in self._loaded:
+                warmup.start(name, self._loaders[name])
+        if self.program_key is not None and {"model", "vae"} <= set(self._abstracts):
+            encoders = [self._loaded[n] if n in self._loaded else warmup.loads[n] for n in ("image_encoder", "text_encoder")]
+            warmup.start("stages", self._compile_stages, warmup, encoders, mode, num_steps, eta, keep_action_tokens,
+                         kind="compile")
+        return warmup
+
+    def _compile_stages(self, warmup, encoders, mode: str, num_steps: int, eta: float, keep_action_tokens: bool) -> None:
+        """The stage programs of `prepare(mode)`, through the calls' own code (`_stages`) with
+        `executable_cache.ahead`, traced by `jax.eval_shape` (nothing runs on the devices here): inputs of
+        the calls' shapes, the abstract model and VAE, the loaded encoders."""
+        from wan_tpu.runtime.compile_ahead import Cancelled
+
+        model, vae = self._abstracts["model"](), self._abstracts["vae"]()
+        image_encoder, text_encoder = (e.result() if hasattr(e, "result") else e for e in encoders)
+        if warmup.cancelled.is_set():
+            raise Cancelled()
+        cfg, n, t = self.config, self.config.unet.n_obs_steps, self.config.unet.temporal_length
+        parts = (model, vae, image_encoder, lambda prompt: text_encoder.encode([prompt]))
+        run = functools.partial(self._stages, parts, timed=False)
+
+        def stages(images, states, actions, key):
+            if mode == "generate":
+                return run("", images, None, None, None, num_steps, eta, key)
+            if mode in ("decision", "interact"):
+                _, actions, _ = run("", images, states, None, None, num_steps, eta, key,
+                                    keep_action_tokens if mode == "decision" else True)
+            if mode in ("world", "interact"):
+                run("", images, states, actions, None, num_steps, eta, key)
+
+        # As `check_images` / `check_vectors` make them: float32, (1, 3, n_obs, H, W), (1, rows, 16).
+        spec = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.float32)  # noqa: E731
+        images = spec(1, 3, 1 if mode == "generate" else n, self.height, self.width)
+        with executable_cache.ahead():
+            jax.eval_shape(stages, images, spec(1, n, cfg.agent_state_dim), spec(1, t, cfg.agent_action_dim),
+                           jax.eval_shape(jax.random.key, 0))
 
     # ---- inputs ---------------------------------------------------------------------------------
     def check_images(self, images, n_obs: int | None = None) -> jax.Array:
@@ -217,56 +360,91 @@ class UnifolmPipeline:
         return self.stats.unnormalize(y, kind) if self.stats is not None else y
 
     # ---- stages ---------------------------------------------------------------------------------
+    @in_pipeline_choice
     def encode_text(self, prompt: str) -> jax.Array:
         if prompt not in self._text_cache:  # the loop re-uses its two prompts every iteration
             self._text_cache[prompt] = self.text_encoder.encode([prompt])
         return self._text_cache[prompt]
 
+    @in_pipeline_choice
     def encode_conditions(self, prompt: str, images, states=None, actions=None, fs=None, key=None, noise=None,
                           keep_action_tokens: bool = True):
         """Stage 1: text, CLIP tokens and VAE latent of the last observed frame, then `model.prepare`.
         `images` (1, 3, n_obs, H, W) in [-1, 1]; `states`, `actions` normalised (1, ·, 16) or None.
         `noise` (1, 4, h, w) is the VAE posterior's (default: drawn from `key`)."""
+        self._wait_compiled()
+        text = self.encode_text(prompt)
+        return self._encode_conditions(self.model, self.vae, self.image_encoder, text, images, states, actions, fs,
+                                       key, noise, keep_action_tokens)
+
+    def _encode_conditions(self, model, vae, image_encoder, text, images, states, actions, fs, key, noise,
+                           keep_action_tokens):
         last = images[:, :, -1]
         if noise is None:
             h, w = self.config.latent_size
-            noise = jax.random.normal(key, (last.shape[0], self.vae.config.latent_channels, h, w))
+            noise = jax.random.normal(key, (last.shape[0], self.vae_config.latent_channels, h, w))
         fs = jnp.asarray(self.config.unet.default_fs if fs is None else fs, jnp.int32)
-        return _prepare_split(self.model, self.vae, self.encode_text(prompt), self.image_encoder.encode(last), last, noise,
-                              images, states, actions, fs, keep_action_tokens=keep_action_tokens, key=self.program_key)
+        return _prepare_split(model, vae, text, image_encoder.encode(last), last, noise, images, states, actions, fs,
+                              keep_action_tokens=keep_action_tokens, key=self.program_key)
 
+    @in_pipeline_choice
     def sample(self, cond, num_steps: int = 50, eta: float = 1.0, key=None, noise=None):
         """Stage 2: latents (1, 4, T, h, w), actions and states (1, 16, 16), normalised."""
+        _check_steps(self.config, num_steps)
+        self._wait_compiled()
+        return self._sample(self.model, cond, num_steps, eta, key, noise)
+
+    def _sample(self, model, cond, num_steps, eta, key, noise=None):
         from wan_tpu.unifolm.sampling import sample
 
-        if num_steps < 1 or num_steps > self.config.num_train_timesteps:
-            raise WanInputError(f"num_steps {num_steps} must be in 1..{self.config.num_train_timesteps}")
-        return sample(self.model, cond, num_steps=num_steps, eta=eta, key=key, noise=noise, program_key=self.program_key)
+        return sample(model, cond, num_steps=num_steps, eta=eta, key=key, noise=noise, program_key=self.program_key)
 
+    @in_pipeline_choice
     def decode(self, latents) -> jax.Array:
         """Stage 3: latents (B, 4, T, h, w) × scale_factor → video (B, 3, T, H, W), unclamped."""
+        self._wait_compiled()
         return _decode_split(self.vae, latents, self.program_key)
+
+    def _wait_compiled(self) -> None:
+        """Before a stage program's first call: wait for `prepare`'s compiles (a failure warns)."""
+        if self._warmup is not None:
+            self._warmup.wait_compiled("stages")
 
     def _stage(self, name: str):
         return self.timer.stage(name) if self.timer is not None else contextlib.nullcontext()
 
-    def _run(self, prompt, images, states, actions, fs, num_steps, eta, seed, keep_action_tokens=True):
+    def _stages(self, parts, prompt, images, states, actions, fs, num_steps, eta, seed, keep_action_tokens=True, *,
+                timed: bool = True):
+        """The three stages with `parts` (model, vae, image_encoder, a prompt's text encode) → (video
+        (3, T, H, W), actions, states): what `_run` runs, and `prepare` ahead of it (`timed=False`: not
+        in `self.timer`). `seed`: an int or a key."""
+        model, vae, image_encoder, encode_text = parts
+        stage = self._stage if timed else lambda name: contextlib.nullcontext()
         key = jax.random.key(seed) if isinstance(seed, int) else seed
         k_vae, k_sample = jax.random.split(key)
-        with self._stage("encode conditions"):
-            cond = jax.block_until_ready(self.encode_conditions(prompt, images, states, actions, fs, key=k_vae,
-                                                                keep_action_tokens=keep_action_tokens))
-        with self._stage("sample"):
-            latents, act, st = jax.block_until_ready(self.sample(cond, num_steps, eta, key=k_sample))
-        with self._stage("decode"):
-            video = jax.block_until_ready(self.decode(latents))[0]
+        with stage("encode conditions"):
+            cond = jax.block_until_ready(self._encode_conditions(model, vae, image_encoder, encode_text(prompt), images,
+                                                                 states, actions, fs, k_vae, None, keep_action_tokens))
+        with stage("sample"):
+            latents, act, st = jax.block_until_ready(self._sample(model, cond, num_steps, eta, k_sample))
+        with stage("decode"):
+            video = jax.block_until_ready(_decode_split(vae, latents, self.program_key))[0]
         return video, act, st
+
+    def _run(self, prompt, images, states, actions, fs, num_steps, eta, seed, keep_action_tokens=True):
+        _check_steps(self.config, num_steps)
+        with self._stage("load"):  # components not loaded yet (after `prepare`: its loads and programs)
+            parts = (self.model, self.vae, self.image_encoder, self.encode_text)
+            self.text_encoder
+            self._wait_compiled()
+        return self._stages(parts, prompt, images, states, actions, fs, num_steps, eta, seed, keep_action_tokens)
 
     # ---- modes ----------------------------------------------------------------------------------
     def _require_heads(self, mode: str):
         if not self.has_heads:
             raise WanInputError(f"{self.name} is a base model (no action/state heads): {mode} needs a UnifoLM-WMA-0 checkpoint; use generate")
 
+    @in_pipeline_choice
     def decide(self, instruction: str, images, states, *, num_steps: int = 50, eta: float = 1.0, seed=0, fs=None,
                keep_action_tokens: bool = True) -> UnifolmOutput:
         """Decision-making: instruction + observations → 16 frames and a 16-step action chunk.
@@ -280,6 +458,7 @@ class UnifolmPipeline:
         return UnifolmOutput(to_uint8(video), np.asarray(video), actions=self._out(act[0], "action", action_dof),
                              actions_raw=np.asarray(act[0]))
 
+    @in_pipeline_choice
     def predict(self, images, states, actions, *, num_steps: int = 50, eta: float = 1.0, seed=0, fs=None) -> UnifolmOutput:
         """World model: observations + a 16-step action chunk → 16 frames and the next 16 states."""
         self._require_heads("predict")
@@ -291,6 +470,7 @@ class UnifolmPipeline:
         return UnifolmOutput(to_uint8(video), np.asarray(video), states=self._out(st_out[0], "state", state_dof),
                              states_raw=np.asarray(st_out[0]))
 
+    @in_pipeline_choice
     def interact(self, instruction: str, image, state, iterations: int = 1, *, num_steps: int = 50, eta: float = 1.0,
                  seed=0, fs=None, progress=None) -> Episode:
         """The authors' interaction loop (`world_model_interaction.py`): each iteration decides an action
@@ -325,6 +505,7 @@ class UnifolmPipeline:
         episode.video = np.concatenate(clips)
         return episode
 
+    @in_pipeline_choice
     def generate(self, prompt: str, image, *, num_steps: int = 16, eta: float = 1.0, seed=0, fs=None) -> UnifolmOutput:
         """Base model: text + first frame → 16 frames (`base_model_inference.py`)."""
         if self.has_heads:
@@ -369,7 +550,48 @@ def _decode_split(vae, z, key: tuple | None):
                                         static_argnums=(0,), key_names_statics=True)
 
 
-def _program_key(pipe: UnifolmPipeline, dtype, attention_impl) -> tuple:
+def _program_key(config, vae_config, dtype, attention) -> tuple:
     """The model's and VAE's configs, the model dtype and the attention setting: with the arguments'
     shapes and dtypes (which `cached_call` adds) they determine every stage program."""
-    return (pipe.config, pipe.vae.config, jnp.dtype(dtype).name, attention_impl)
+    return (config, vae_config, jnp.dtype(dtype).name, attention)
+
+
+def abstract_builds(config, vae_config, dtype, attention) -> dict:
+    """"model" / "vae" → a function building it without weights (`nnx.eval_shape`, read back from the
+    executable cache when it holds it): the modules the loaders fill (without a mesh), what `prepare`
+    compiles the stage programs for."""
+
+    def model():
+        from wan_tpu.unifolm.model import abstract_unifolm
+
+        return abstract_unifolm(config, dtype, attention)
+
+    def vae():
+        from wan_tpu.unifolm.autoencoder_kl import AutoencoderKL
+        from wan_tpu.unifolm.model import KeyCounter
+
+        return executable_cache.cached_abstract("autoencoder-kl", (vae_config,),
+                                                lambda: AutoencoderKL(vae_config, rngs=KeyCounter(0)))
+
+    return {"model": model, "vae": vae}
+
+
+def _read_config(path: str):
+    """The model's config.json (`load_unifolm` reads it again, with the weights)."""
+    import json
+
+    from wan_tpu.configs.unifolm import config_from_json
+
+    cfg_path = os.path.join(path, "config.json")
+    if not os.path.isfile(cfg_path):
+        raise WanInputError(f"{path}: no config.json; convert the checkpoint with wan_tpu/unifolm/convert_cli.py")
+    try:
+        with open(cfg_path) as f:
+            return config_from_json(json.load(f))
+    except json.JSONDecodeError as e:
+        raise WanInputError(f"{cfg_path}: not valid JSON ({e}); re-convert the checkpoint") from None
+
+
+def _check_steps(config, num_steps: int) -> None:
+    if num_steps < 1 or num_steps > config.num_train_timesteps:
+        raise WanInputError(f"num_steps {num_steps} must be in 1..{config.num_train_timesteps}")

@@ -17,35 +17,68 @@ import jax.numpy as jnp
 TINY_SEED = 0
 
 
-def tiny_towers(text_width: int, image_width: int, seed: int = TINY_SEED):
-    """Random one-block OpenCLIP towers (float32, drawn by `random_clip`) + the tiny CLIP tokenizer."""
+def tiny_image_tower(image_width: int, seed: int = TINY_SEED):
+    """A random one-block OpenCLIP image tower (float32, drawn by `random_clip`)."""
+    from wan_tpu.encoders.clip import CLIPVisionTransformer, random_clip
+    from wan_tpu.encoders.openclip import OpenCLIPImageEncoder, vision_config
+
+    vision = vision_config(image_width, 1, max(image_width // 16, 1), 14)
+    return OpenCLIPImageEncoder(random_clip(lambda: CLIPVisionTransformer(vision), seed))
+
+
+def tiny_text_tower(text_width: int, seed: int = TINY_SEED):
+    """A random one-block OpenCLIP text tower (float32, drawn by `random_clip` from `seed`) + the tiny CLIP
+    tokenizer."""
     from wan_tpu.encoders.clip_tokenizer import tiny_clip_tokenizer
-    from wan_tpu.encoders.clip import CLIPTextTransformer, CLIPVisionTransformer, random_clip
-    from wan_tpu.encoders.openclip import OpenCLIPImageEncoder, OpenCLIPTextEncoder, text_config, vision_config
+    from wan_tpu.encoders.clip import CLIPTextTransformer, random_clip
+    from wan_tpu.encoders.openclip import OpenCLIPTextEncoder, text_config
 
     tokenizer = tiny_clip_tokenizer()
-    vision = vision_config(image_width, 1, max(image_width // 16, 1), 14)
     text = text_config(text_width, 1, max(text_width // 16, 1), len(tokenizer))
-    return (
-        OpenCLIPImageEncoder(random_clip(lambda: CLIPVisionTransformer(vision), seed)),
-        OpenCLIPTextEncoder(random_clip(lambda: CLIPTextTransformer(text), seed + 1), tokenizer),
-    )
+    return OpenCLIPTextEncoder(random_clip(lambda: CLIPTextTransformer(text), seed), tokenizer)
 
 
-def tiny_pipeline(name: str, dtype=jnp.float32, attention_impl=None, stats=None, seed: int = TINY_SEED):
+def tiny_towers(text_width: int, image_width: int, seed: int = TINY_SEED):
+    """Random one-block OpenCLIP towers (float32, drawn by `random_clip`) + the tiny CLIP tokenizer."""
+    return tiny_image_tower(image_width, seed), tiny_text_tower(text_width, seed + 1)
 
+
+def tiny_pipeline(pipeline_class, name: str, dtype=jnp.float32, mesh=None, attention=None, stats=None,
+                  compile_cache: bool | None = None, seed: int = TINY_SEED):
+    """The preset `name` (see the module docstring), an instance of `pipeline_class` (`UnifolmPipeline`,
+    which passes itself: this module does not import the pipeline's). Its components load on first use
+    (or in `prepare`'s threads), on one device: a `mesh` is not used by the presets."""
     from wan_tpu.configs.autoencoder_kl import AUTOENCODER_KL_CONFIGS
     from wan_tpu.configs.unifolm import CONFIGS
-    from wan_tpu.runtime.executable_cache import cached_abstract
-    from wan_tpu.unifolm.autoencoder_kl import AutoencoderKL
-    from wan_tpu.unifolm.model import KeyCounter, abstract_unifolm
-    from wan_tpu.loading.random_init import random_module
-    from wan_tpu.unifolm.pipeline import UnifolmPipeline
 
     cfg = CONFIGS[name]
-    model = random_module(None, seed, abstract=abstract_unifolm(cfg, dtype, attention_impl))
     vae_config = AUTOENCODER_KL_CONFIGS["tiny"]
-    vae = random_module(None, seed + 1, abstract=cached_abstract(
-        "autoencoder-kl", (vae_config,), lambda: AutoencoderKL(vae_config, rngs=KeyCounter(0))))
-    image_encoder, text_encoder = tiny_towers(cfg.unet.context_dim, cfg.resampler.embedding_dim, seed + 2)
-    return UnifolmPipeline(model, vae, image_encoder, text_encoder, stats, name=name)
+
+    def model():
+        from wan_tpu.loading.random_init import random_module
+        from wan_tpu.unifolm.model import abstract_unifolm
+
+        return random_module(None, seed, abstract=abstract_unifolm(cfg, dtype, attention))
+
+    def vae():
+        from wan_tpu.loading.random_init import random_module
+        from wan_tpu.runtime.executable_cache import cached_abstract
+        from wan_tpu.unifolm.autoencoder_kl import AutoencoderKL
+        from wan_tpu.unifolm.model import KeyCounter
+
+        return random_module(None, seed + 1, abstract=cached_abstract(
+            "autoencoder-kl", (vae_config,), lambda: AutoencoderKL(vae_config, rngs=KeyCounter(0))))
+
+    loaders = {
+        "model": model,
+        "vae": vae,
+        "image_encoder": lambda: tiny_image_tower(cfg.resampler.embedding_dim, seed + 2),
+        "text_encoder": lambda: tiny_text_tower(cfg.unet.context_dim, seed + 3),
+    }
+    # The pipeline builds its own abstract model and VAE for `prepare`: the same constructors as here.
+    return pipeline_class(cfg, vae_config, loaders, stats=stats, name=name, dtype=dtype, attention=attention,
+                          compile_cache=compile_cache)
+
+
+PRESETS = {name: (lambda cls, name=name, **kwargs: tiny_pipeline(cls, name, **kwargs))
+           for name in ("unifolm-tiny", "unifolm-tiny-base")}

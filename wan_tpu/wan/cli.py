@@ -194,7 +194,7 @@ def load_pipeline(args):
     check_attention(args.attention)
     mesh = parse_mesh(args.mesh)
     dtype = dtype_of(args.dtype)
-    pipe = WanPipeline.from_pretrained(args.model, mesh=mesh, dtype=dtype, attention_impl=args.attention,
+    pipe = WanPipeline.from_pretrained(args.model, mesh=mesh, dtype=dtype, attention=args.attention,
                                        download=args.download, check_memory=not args.no_memory_check,
                                        quantize=getattr(args, "quantize", None),
                                        compile_cache=not args.no_compile_cache)

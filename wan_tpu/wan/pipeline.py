@@ -3,6 +3,9 @@
     pipe = wan_tpu.WanPipeline.from_pretrained("Wan2.1-T2V-1.3B-Diffusers")     # or "tiny"
     frames = pipe("a cat walks on the grass", seed=0)                              # (T, H, W, 3) uint8
 
+`from_pretrained(path_or_id_or_preset, *, mesh=None, dtype=bfloat16, attention=None, compile_cache=True,
+**options)` is the constructor the three pipelines share (`MatrixGamePipeline`, `UnifolmPipeline`).
+
 Stages (each usable on its own, e.g. from a notebook or the stage scripts):
   1. `encode_prompt` (+ `encode_image` for I2V/TI2V): the conditioning arrays.
   2. `denoise`: initial noise from the seed → final latents (normalized, as diffusers returns them
@@ -19,7 +22,8 @@ inputs and that the run fits in memory (`wan_tpu.runtime.memory`) before anythin
 `WanInputError` within a second, not after minutes. Components load lazily, on first use, so a
 stage only loads what it needs; `release(...)` drops one. `prepare(settings)`
 instead reads them all at once and compiles the text encoder, the denoise step and the decode in background threads
-(`wan_tpu.runtime.compile_ahead`), which is what `python -m wan_tpu.generate` does.
+(`wan_tpu.runtime.compile_ahead`), which is what `python -m wan_tpu.generate` does. The pipeline's
+`compile_cache` choice applies to its own loads, compiles and calls only (`compile_cache.selected`).
 
 Same seed, same model, same settings, same devices and mesh → identical latents: the initial noise
 is `jax.random.normal(jax.random.key(seed), (1, z, F, h, w), float32)`.
@@ -39,6 +43,7 @@ import numpy as np
 
 from wan_tpu.wan import conditioning
 from wan_tpu.runtime import interrupt
+from wan_tpu.runtime.compile_cache import in_pipeline_choice
 from wan_tpu.configs.models import WanVariant, config_to_json
 from wan_tpu.configs.vae import WanVAEConfig
 from wan_tpu.wan.denoise import Conditioning, denoise
@@ -58,15 +63,20 @@ class WanPipeline:
     """A Wan model ready to generate; see the module docstring."""
 
     def __init__(self, variant: WanVariant, vae_config: WanVAEConfig, loaders: dict[str, Callable[[], object]], *,
-                 name: str, dtype, mesh=None, vae_dtype=jnp.float32, attention_impl: str | None = None,
-                 weight_elements: dict[str, int] | None = None, check_memory: bool = True, text_encoder_config=None):
+                 name: str, dtype, mesh=None, vae_dtype=jnp.float32, attention: str | None = None,
+                 weight_elements: dict[str, int] | None = None, check_memory: bool = True, text_encoder_config=None,
+                 compile_cache: bool | None = None):
         self.variant = variant
         self.vae_config = vae_config
         self.name = name
         self.dtype = dtype
         self.vae_dtype = vae_dtype
-        self.attention_impl = attention_impl
+        self.attention_impl = attention
         self.mesh = mesh
+        # Whether this pipeline's own loads, compiles and calls read and write the compile cache (and the
+        # executable cache in it): applied around them only (`compile_cache.selected`), never process-wide.
+        # None (built directly, not by `from_pretrained`): the process's own state, as before.
+        self.compile_cache = None if compile_cache is None else bool(compile_cache)
         # Component → weight element count (from the safetensors headers), for the memory checks.
         self.weight_elements = weight_elements
         self.check_memory = check_memory
@@ -83,31 +93,31 @@ class WanPipeline:
     # ---- construction -------------------------------------------------------------------------
 
     @classmethod
-    def from_pretrained(cls, path_or_preset: str, mesh=None, dtype=jnp.bfloat16, attention_impl: str | None = None,
-                        vae_dtype=jnp.float32, download: bool = False, check_memory: bool = True,
-                        quantize: str | None = None, compile_cache: bool = True) -> WanPipeline:
+    def from_pretrained(cls, path_or_preset: str, *, mesh=None, dtype=jnp.bfloat16, attention: str | None = None,
+                        compile_cache: bool = True, vae_dtype=jnp.float32, download: bool = False,
+                        check_memory: bool = True, quantize: str | None = None) -> WanPipeline:
         """A pipeline over a diffusers-format folder, a Hugging Face model id, or a preset name (`tiny`).
 
-        `dtype` is the DiT and text encoder dtype; the VAE runs in `vae_dtype` (float32 by default,
-        as the official Wan code runs it). `attention_impl` names the DiT's attention kernel
-        (default: the fastest for the backend). A model id is looked up in the local HF cache
-        (`HF_HUB_CACHE`/`HF_HOME`) and fetched only with `download=True`. `check_memory=False` skips
-        the memory estimate that refuses runs too large for the devices (`wan_tpu.runtime.memory`).
-        `quantize="fp8"` runs the DiT's block linears in FP8 (`wan_tpu.wan.quantize`; checked against the
-        device now, applied as each DiT loads, after its LoRAs are merged).
-        `compile_cache` turns the persistent compilation cache on (the default) or off for the whole
-        process (see `wan_tpu.runtime.compile_cache`).
+        `mesh`: a device mesh (`wan_tpu.make_mesh`) to shard over, None for one device. `dtype` is the DiT
+        and text encoder dtype (default bfloat16); the VAE runs in `vae_dtype` (float32 by default, as the
+        official Wan code runs it). `attention` names the DiT's attention kernel (default: the fastest for
+        the backend). `compile_cache`: whether this pipeline's compiles read and write the persistent
+        compilation cache (the default) or not; applied around its own work only, other pipelines and
+        the process keep theirs (see `wan_tpu.runtime.compile_cache`).
+        Wan's options: a model id is looked up in the local HF cache (`HF_HUB_CACHE`/`HF_HOME`) and fetched
+        only with `download=True`. `check_memory=False` skips the memory estimate that refuses runs too
+        large for the devices (`wan_tpu.runtime.memory`). `quantize="fp8"` runs the DiT's block linears in
+        FP8 (`wan_tpu.wan.quantize`; checked against the device now, applied as each DiT loads, after its
+        LoRAs are merged).
         """
-        from wan_tpu.runtime import compile_cache as cache
         from wan_tpu.loading import hub
         from wan_tpu.runtime.validate import check_checkpoint
 
-        cache.enable() if compile_cache else cache.disable()
-
         if path_or_preset in presets.PRESETS:
-            pipe = presets.PRESETS[path_or_preset](cls, dtype=dtype, mesh=mesh, attention_impl=attention_impl,
+            pipe = presets.PRESETS[path_or_preset](cls, dtype=dtype, mesh=mesh, attention=attention,
                                                    vae_dtype=vae_dtype)
             pipe.check_memory = check_memory
+            pipe.compile_cache = bool(compile_cache)
             return pipe.quantize(quantize)
         path = hub.resolve_model(os.fspath(path_or_preset), download=download)
         if not os.path.isdir(path):
@@ -133,11 +143,12 @@ class WanPipeline:
         text_config = UMT5Config.from_folder(os.path.join(path, parts["text_encoder"]))
         if "text_encoder" in weights:  # its token embedding stays on the host (`UMT5Embedding`)
             weights["text_encoder"] = max(0, weights["text_encoder"] - text_config.vocab_size * text_config.d_model)
-        return cls(variant, vae_config, _folder_loaders(path, parts, dtype, mesh, attention_impl, vae_dtype),
-                   name=os.path.abspath(path), dtype=dtype, mesh=mesh, vae_dtype=vae_dtype, attention_impl=attention_impl,
-                   weight_elements=weights, check_memory=check_memory,
-                   text_encoder_config=text_config).quantize(quantize)
+        return cls(variant, vae_config, _folder_loaders(path, parts, dtype, mesh, attention, vae_dtype),
+                   name=os.path.abspath(path), dtype=dtype, mesh=mesh, vae_dtype=vae_dtype, attention=attention,
+                   weight_elements=weights, check_memory=check_memory, text_encoder_config=text_config,
+                   compile_cache=bool(compile_cache)).quantize(quantize)
 
+    @in_pipeline_choice
     def quantize(self, mode: str | None) -> WanPipeline:
         """Quantise the DiT(s) (`"fp8"` or `"int8"`; None: no change): those loaded now, in place, and those
         loaded later as they load. Merge LoRAs before this: they need the bf16 weights."""
@@ -152,6 +163,7 @@ class WanPipeline:
                 quantize_transformer(self._loaded[name], mode, self.mesh)
         return self
 
+    @in_pipeline_choice
     def component(self, name: str):
         """The component `name`, loaded on first use (or taken from `prepare`'s background load)."""
         if name not in self._loaded:
@@ -194,6 +206,7 @@ class WanPipeline:
 
     # ---- LoRA ---------------------------------------------------------------------------------
 
+    @in_pipeline_choice
     def load_lora_weights(self, path, scale: float = 1.0, expert: str | None = None) -> None:
         """Merge a LoRA `.safetensors` into the DiT, on device (`wan_tpu.wan.lora`); calls stack.
 
@@ -223,6 +236,7 @@ class WanPipeline:
             if name in self._loaded:
                 self._loaded[name].load_lora(path, scale)
 
+    @in_pipeline_choice
     def unload_lora_weights(self) -> None:
         """Undo every `load_lora_weights`: the DiT weights as loaded, bit for bit."""
         for name in ("transformer", "transformer_2"):
@@ -240,6 +254,7 @@ class WanPipeline:
         """Validated run settings; None values take the model's official defaults."""
         return resolve_settings(self.variant, self.vae_config, **kwargs)
 
+    @in_pipeline_choice
     def prepare(self, settings: RunSettings | None = None, *, scheduler: str = "unipc", image: bool = False,
                 sigmas=None, timesteps=None, cache=None, cache_threshold: float | None = None):
         """Start reading every component a run with `settings` needs and compiling its text encoder, denoise step
@@ -250,7 +265,7 @@ class WanPipeline:
         conditions on an image (I2V/TI2V); `scheduler`, `sigmas`, `timesteps`, `cache`, `cache_threshold`:
         as the `denoise` call will get them (the step program depends on them). Results are bit-identical with and without it; see
         `wan_tpu.runtime.compile_ahead` for what runs when and what it does to peak memory. With a mesh, components
-        are read ahead but compile on first use.
+        are read ahead but compile on first use. The threads run in this pipeline's `compile_cache` choice.
         """
         from wan_tpu.runtime.compile_ahead import Warmup
         from wan_tpu.wan.memory import decode_compiles_beside_denoise, weights_fit
@@ -258,7 +273,7 @@ class WanPipeline:
         s = settings or self.settings()
         sampling = self.sampling(s, scheduler, sigmas, timesteps, cache, cache_threshold,
                                  with_image=image and self.variant.expand_timesteps)
-        warmup = self._warmup = Warmup()
+        warmup = self._warmup = Warmup(compile_cache=self.compile_cache)
         dits = [n for n in ("transformer", "transformer_2") if n in self._loaders]
         encoders = ["text_encoder"] + (["image_encoder"] if image and "image_encoder" in self._loaders else [])
         todo = [n for n in (*encoders, *dits, "vae") if n not in self._loaded]
@@ -337,6 +352,7 @@ class WanPipeline:
 
     # ---- stage 1 ------------------------------------------------------------------------------
 
+    @in_pipeline_choice
     def encode_prompt(self, prompt: str, negative_prompt: str | None = None, guidance_scale: float | None = None) -> dict:
         """`{"prompt_embeds": (1, 512, d), "negative_prompt_embeds": ... (only with CFG)}`.
 
@@ -360,6 +376,7 @@ class WanPipeline:
             out["negative_prompt_embeds"] = embeds[1:]
         return out
 
+    @in_pipeline_choice
     def encode_image(self, image, height: int | None = None, width: int | None = None,
                      num_frames: int | None = None) -> dict:
         """The image conditioning: `condition` (I2V) or `first_frame` (TI2V), plus `image_embeds` (CLIP)."""
@@ -384,10 +401,12 @@ class WanPipeline:
         return (1, v.z_dim, (num_frames - 1) // v.scale_factor_temporal + 1, height // v.scale_factor_spatial,
                 width // v.scale_factor_spatial)
 
+    @in_pipeline_choice
     def prepare_latents(self, seed: int, height: int, width: int, num_frames: int) -> jax.Array:
         """The initial noise: float32 standard normal from `jax.random.key(seed)`."""
         return jax.random.normal(jax.random.key(seed), self.latent_shape(height, width, num_frames), jnp.float32)
 
+    @in_pipeline_choice
     def denoise(self, embeds: dict, latents=None, seed: int = 0, height: int | None = None, width: int | None = None,
                 num_frames: int | None = None, num_inference_steps: int | None = None,
                 guidance_scale: float | None = None, guidance_scale_2: float | None = None,
@@ -470,6 +489,7 @@ class WanPipeline:
 
     # ---- stage 3 ------------------------------------------------------------------------------
 
+    @in_pipeline_choice
     def decode(self, latents) -> np.ndarray:
         """uint8 frames `(T, H, W, 3)` from normalized latents `(1, z, F, h, w)`."""
         vae = self.vae
@@ -484,6 +504,7 @@ class WanPipeline:
 
     # ---- all stages ---------------------------------------------------------------------------
 
+    @in_pipeline_choice
     def __call__(self, prompt: str, negative_prompt: str | None = None, height: int | None = None,
                  width: int | None = None, num_frames: int | None = None, num_inference_steps: int | None = None,
                  guidance_scale: float | None = None, flow_shift: float | None = None, seed: int = 0, image=None,
@@ -562,7 +583,7 @@ def check_prompts(prompt: str, negative_prompt: str | None, do_cfg: bool) -> Non
         raise WanInputError("the prompt is empty and there is no negative prompt to guide against; pass --prompt TEXT")
 
 
-def _folder_loaders(path, parts, dtype, mesh, attention_impl, vae_dtype) -> dict:
+def _folder_loaders(path, parts, dtype, mesh, attention, vae_dtype) -> dict:
     # Imports stay inside the loaders: a run that fails validation never pays for (or hears from)
     # transformers and torch.
     sub = functools.partial(os.path.join, path)
@@ -570,7 +591,7 @@ def _folder_loaders(path, parts, dtype, mesh, attention_impl, vae_dtype) -> dict
     def dit(folder):
         from wan_tpu.wan.transformer_loading import load_transformer
 
-        return set_attention(load_transformer(sub(folder), dtype=dtype, mesh=mesh), attention_impl, mesh)
+        return set_attention(load_transformer(sub(folder), dtype=dtype, mesh=mesh), attention, mesh)
 
     def vae():
         from wan_tpu.vae.loading import load_vae

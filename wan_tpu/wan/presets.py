@@ -72,9 +72,10 @@ def tiny_umt5(d_model: int, dtype=jnp.float32, seed: int = TINY_SEED):
     return random_module(lambda: UMT5Encoder(cfg, dtype), seed + 1, draw=umt5_draw(cfg)), embedding
 
 
-def tiny(pipeline_class, dtype=jnp.bfloat16, mesh=None, attention_impl=None, vae_dtype=jnp.float32,
+def tiny(pipeline_class, dtype=jnp.bfloat16, mesh=None, attention=None, vae_dtype=jnp.float32,
          seed: int = TINY_SEED):
-    """The `tiny` pipeline (see the module docstring), an instance of `pipeline_class` (`WanPipeline`)."""
+    """The `tiny` pipeline (see the module docstring), an instance of `pipeline_class` (`WanPipeline`, which
+    passes itself: this module does not import the pipeline's). `attention`: the DiT's kernel name."""
 
     variant = VARIANTS["tiny"]
 
@@ -84,7 +85,7 @@ def tiny(pipeline_class, dtype=jnp.bfloat16, mesh=None, attention_impl=None, vae
         from flax import nnx
 
         dit = random_module(lambda: WanTransformer(variant.transformer, dtype=dtype, rngs=nnx.Rngs(0)), seed)
-        return set_attention(dit, attention_impl, mesh)
+        return set_attention(dit, attention, mesh)
 
     def vae():
         from wan_tpu.vae.model import WanVAE
@@ -108,7 +109,7 @@ def tiny(pipeline_class, dtype=jnp.bfloat16, mesh=None, attention_impl=None, vae
 
     loaders = {"transformer": transformer, "vae": vae, "text_encoder": text_encoder}
     return pipeline_class(variant, TINY_VAE, loaders, name="tiny", dtype=dtype, mesh=mesh, vae_dtype=vae_dtype,
-                       attention_impl=attention_impl, text_encoder_config=tiny_umt5_config(variant.transformer.text_dim))
+                          attention=attention, text_encoder_config=tiny_umt5_config(variant.transformer.text_dim))
 
 
 PRESETS = {"tiny": tiny}
