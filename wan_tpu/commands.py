@@ -17,7 +17,7 @@ COMMANDS = {
     "wan-matrix-game": "wan_tpu.matrix_game.cli",
     "wan-convert-matrix-game": "wan_tpu.matrix_game.convert",
     "wan-unifolm": "wan_tpu.unifolm.cli",
-    "wan-convert-unifolm": "wan_tpu.unifolm.convert_cli",
+    "wan-convert-unifolm": "wan_tpu.unifolm.convert",
 }
 
 

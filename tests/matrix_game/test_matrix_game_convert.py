@@ -3,10 +3,8 @@ golden state dicts made with the authors' classes (`tests/data/matrix_game_{vae,
 names), and Wan's CLIP visual tower on JAX against the authors' `CLIPModel.encode_video` (their bicubic
 resize without antialiasing, CLIP normalisation, the first n-1 of n blocks): float32, ≤ 1e-5 relative."""
 
-import importlib.util
 import json
 import os
-import sys
 
 import numpy as np
 import pytest
@@ -17,19 +15,10 @@ from wan_tpu.encoders.clip_image import CLIPImageEncoder, preprocess_tensor
 from wan_tpu.vae.loading import original_wan21_vae_config, original_wan21_vae_name
 
 DATA = os.path.join(os.path.dirname(__file__), os.pardir, "data")
-SCRIPT = os.path.join(os.path.dirname(__file__), os.pardir, os.pardir, "benchmarks", "convert_matrix_game_checkpoint.py")
 TOL = 1e-5
 
 
-def _load_script():
-    spec = importlib.util.spec_from_file_location("convert_matrix_game_checkpoint", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-convert = _load_script()
+from wan_tpu.matrix_game import convert
 
 
 def golden(name, prefix):

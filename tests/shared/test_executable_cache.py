@@ -147,8 +147,8 @@ np.save(sys.argv[1], np.concatenate(frames))
 stats = compile_cache.stats()
 print(json.dumps({"traced": traced, "hits": stats.programs_loaded, "writes": stats.programs_stored}))
 """
-PROGRAMS = {"chunk_program", "cache_program", "key", "_run", "_encode_chunk", "_start_latents", "_gray_latents",
-            "_normalized"}
+PROGRAMS = {"chunk_program", "cache_program", "key", "_run", "_encode_chunk", "start_latents", "gray_latents",
+            "normalized_latents"}
 
 
 @pytest.mark.slow  # compiles every program of a stream once (about 40 s on 2 cores)

@@ -1,4 +1,4 @@
-"""The authors' `.ckpt` → safetensors folder conversion (`wan_tpu/unifolm/convert.py`, `wan_tpu/unifolm/convert_cli.py`).
+"""The authors' `.ckpt` → safetensors folder conversion (`wan_tpu/unifolm/convert.py`, `wan-convert-unifolm`).
 
 A reduced `.ckpt` is built here from a state dict with the authors' key names: the encoders and VAE
 of the golden file (`tests/test_unifolm_encoders.py`: their classes' names, rebuilt weights), UNet and
@@ -154,8 +154,8 @@ def test_bad_inputs_name_the_problem(ckpt, tmp_path):
 
 def test_cli_exits_2_with_one_line(tmp_path):
     (tmp_path / "notes.txt").write_text("hello")
-    proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "convert_unifolm_checkpoint.py"), str(tmp_path / "notes.txt"),
-                           str(tmp_path / "out")], capture_output=True, text=True)
+    proc = subprocess.run([sys.executable, "-c", "from wan_tpu.commands import convert_unifolm; convert_unifolm()",
+                           str(tmp_path / "notes.txt"), str(tmp_path / "out")], capture_output=True, text=True)
     assert proc.returncode == 2 and proc.stderr.count("\n") == 1 and "not a torch checkpoint" in proc.stderr
     assert not (tmp_path / "out").exists()
 

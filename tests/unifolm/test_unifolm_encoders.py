@@ -4,7 +4,7 @@ Reference: `tests/data/unifolm_encoders_golden.safetensors`, made by
 `scripts/make_golden_unifolm_encoders.py` (it records the authors' commit) with their
 `FrozenOpenCLIPImageEmbedderV2`, `FrozenOpenCLIPEmbedder(layer="penultimate")` and `AutoencoderKL` on
 small random weights. The same weights are rebuilt here from the recorded names and shapes
-(`golden_param`), converted as `wan_tpu/unifolm/convert_cli.py` converts a `.ckpt`
+(`golden_param`), converted as `wan-convert-unifolm` (`wan_tpu/unifolm/convert.py`) converts a `.ckpt`
 (`wan_tpu.unifolm.convert.write_*`), loaded by our loaders and run; float32, ≤ 1e-5 relative
 (max-abs error over max-abs value).
 """

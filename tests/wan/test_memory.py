@@ -90,7 +90,7 @@ def test_every_flash_kernel_is_budgeted_as_one():
 
 @pytest.fixture
 def sixteen_gib(monkeypatch):
-    monkeypatch.setattr(memory, "host_available_bytes", lambda: 16 * GiB)
+    monkeypatch.setattr(device_memory, "host_available_bytes", lambda: 16 * GiB)
 
 
 def test_too_large_run_is_refused_with_a_size_that_fits(sixteen_gib, tmp_path, capsys):
@@ -110,7 +110,7 @@ def test_too_large_run_is_refused_with_a_size_that_fits(sixteen_gib, tmp_path, c
 
 
 def test_no_memory_check_runs_anyway(monkeypatch, tmp_path):
-    monkeypatch.setattr(memory, "host_available_bytes", lambda: 1)
+    monkeypatch.setattr(device_memory, "host_available_bytes", lambda: 1)
     argv = ["--prompt", "a cat", "--size", "32*32", "--steps", "1", "--quiet", "--output", str(tmp_path / "v.mp4")]
     assert main(argv) == 2
     assert main([*argv, "--no-memory-check"]) == 0

@@ -21,7 +21,7 @@ from wan_tpu.errors import WanInputError
 
 # A size no other test uses, so this process has compiled none of its programs before.
 RUN = dict(height=48, width=80, num_frames=9, num_inference_steps=3, guidance_scale=4.0, seed=5)
-BIG = ("jit(_embed)", "jit(_step)", "jit(_decode_stem)", "jit(_decode_strip)", "jit(_to_uint8)", "jit(_normal)")
+BIG = ("jit(_embed)", "jit(_step)", "jit(_decode_stem)", "jit(_decode_strip)", "jit(to_uint8)", "jit(_normal)")
 
 REFERENCE = """
 import json, sys, numpy as np, wan_tpu
@@ -64,7 +64,7 @@ def test_prepare_compiles_ahead_and_changes_no_bit(tmp_path):
     main = [f for f, thread in seen if thread == threading.main_thread().name and f in BIG]
     assert not main, f"compiled on the caller's thread: {main}"
     ahead = {f for f, thread in seen if thread.startswith("wan_tpu-compile-")}
-    assert {"jit(_embed)", "jit(_step)", "jit(_decode_stem)", "jit(_decode_strip)", "jit(_to_uint8)"} <= ahead
+    assert {"jit(_embed)", "jit(_step)", "jit(_decode_stem)", "jit(_decode_strip)", "jit(to_uint8)"} <= ahead
     assert np.array_equal(np.asarray(latents), np.load(tmp_path / "l.npy"))
     assert np.array_equal(frames, np.load(tmp_path / "f.npy"))
 

@@ -7,7 +7,7 @@ ViT-H-14 blocks (pre-LN, exact GELU, fused q/k/v, bias-free patch conv, `ln_pre`
 transformers' `CLIPVisionModel` (`last_hidden_state` is before `post_layernorm`) and `CLIPTextModel`
 (`hidden_act="gelu"`; with the last block dropped, `last_hidden_state` is the penultimate block's
 output through `final_layer_norm`), as `tests/test_openclip_encoders.py` checks against open_clip.
-`wan_tpu/unifolm/convert_cli.py` renames the weights with `open_clip_to_hf` and writes transformers
+`wan-convert-unifolm` (`wan_tpu/unifolm/convert.py`) renames the weights with `open_clip_to_hf` and writes transformers
 folders; they load file → device (`wan_tpu.encoders.clip_loading`) and run without torch or transformers
 (the converters and `write_tower` use them, offline).
 

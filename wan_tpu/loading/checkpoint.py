@@ -227,5 +227,5 @@ def open_component(folder: str, name: str) -> TensorSource:
         return TensorSource(_index_shards(folder, index, "re-convert the checkpoint"))
     path = os.path.join(folder, f"{name}.safetensors")
     if not os.path.isfile(path):
-        raise WanInputError(f"{folder}: no {name}.safetensors; convert the checkpoint with wan_tpu/unifolm/convert_cli.py")
+        raise WanInputError(f"{folder}: no {name}.safetensors; convert the checkpoint with wan-convert-unifolm")
     return TensorSource([path])

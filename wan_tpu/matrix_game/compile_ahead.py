@@ -13,7 +13,7 @@ sizes), or else lowered from abstract modules (`nnx.eval_shape` of the very cons
 `jax.ShapeDtypeStruct` inputs, compiled and stored; each group in its own thread `wan_tpu-compile-NAME`
 (`Warmup.start(kind="compile")`):
   * `condition`: the VAE's first-frame encode (`encode-first`), the condition buffer (`start-latents`),
-    `_gray_latents` (`gray-latents`), the normalisation (`normalized`);
+    `gray_latents` (`gray-latents`), the normalisation (`normalized`);
   * `clip`: CLIP's encode of one image; `cache`: `cache_program` for its tokens; `key`: the stream's key;
   * `chunk-0`: the first chunk's `chunk_program`; `chunk-1`: the one every later chunk runs (its VAE
     caches' shapes are chunk-0's outputs'). A later program takes an earlier one's output shapes
@@ -158,7 +158,7 @@ def _check(stop: threading.Event) -> None:
 
 def _condition(pipe, abstract, stop) -> None:
     """`ImageCondition.encode`'s programs, in the order it calls them."""
-    from wan_tpu.matrix_game.condition import GRAY_RUN, _gray_latents, _normalized, _start_latents, gray_frame_shape
+    from wan_tpu.matrix_game.condition import GRAY_RUN, gray_latents, normalized_latents, start_latents, gray_frame_shape
 
     def vae():
         return abstract("vae")
@@ -168,14 +168,14 @@ def _condition(pipe, abstract, stop) -> None:
     image = (1, config.video_channels, 1, h, w)
     caches, mu = _program(pipe, "encode-first", lambda: vae().lower_encode_chunk(image))
     _check(stop)
-    latents = _program(pipe, "start-latents", lambda: _start_latents.lower(mu, CONDITION_FRAMES))
+    latents = _program(pipe, "start-latents", lambda: start_latents.lower(mu, CONDITION_FRAMES))
     _check(stop)
     offset = jax.ShapeDtypeStruct((), jnp.int32)
     frame = gray_frame_shape(config, (1, config.video_channels, h, w))
     _program(pipe, "gray-latents",
-             lambda: _gray_latents.lower(*nnx.split(vae()), caches, latents, offset, GRAY_RUN, frame))
+             lambda: gray_latents.lower(*nnx.split(vae()), caches, latents, offset, GRAY_RUN, frame))
     _check(stop)
-    _program(pipe, "normalized", lambda: _normalized.lower(*nnx.split(vae()), latents))
+    _program(pipe, "normalized", lambda: normalized_latents.lower(*nnx.split(vae()), latents))
 
 
 def _cache(pipe, abstract, visual):

@@ -85,7 +85,7 @@ class _GrayRuns:
         # program to compile before the first frame.
         pixels = jax.device_put(np.asarray(image[:, :, None], vae.dtype))
         self.caches, mu = self.run("encode-first", (self.state, pixels, None), lambda: vae.encode_chunk(pixels)[::-1])
-        self.latents = self.run("start-latents", (mu,), lambda: _start_latents(mu, CONDITION_FRAMES))
+        self.latents = self.run("start-latents", (mu,), lambda: start_latents(mu, CONDITION_FRAMES))
         self.count, self.repeat, self.same = 1, None, None
 
     def run(self, name, dynamic, fallback):
@@ -103,7 +103,7 @@ class _GrayRuns:
             offset = np.int32(self.count)
             self.caches, self.latents, self.same = self.run(
                 "gray-latents", (self.state, self.caches, self.latents, offset),
-                lambda: _gray_latents(self.graphdef, self.state, self.caches, self.latents, offset, GRAY_RUN,  # noqa: B023
+                lambda: gray_latents(self.graphdef, self.state, self.caches, self.latents, offset, GRAY_RUN,  # noqa: B023
                                       self.frame))
             self.count += GRAY_RUN
             ran = True
@@ -118,7 +118,7 @@ class _GrayRuns:
         return self.repeat is not None
 
     def normalized(self):
-        return self.run("normalized", (self.state, self.latents), lambda: _normalized(self.graphdef, self.state, self.latents))
+        return self.run("normalized", (self.state, self.latents), lambda: normalized_latents(self.graphdef, self.state, self.latents))
 
 
 # Latent frames the condition holds (padded). The gray frames' latents of Wan 2.1's VAE repeat from
@@ -127,22 +127,22 @@ class _GrayRuns:
 # is set by the encoder's causal receptive field in time (the image leaves it after a fixed count of
 # frames), not by its weights or the frame size. 48 leaves margin; beyond it `encode` carries on.
 CONDITION_FRAMES = 48
-GRAY_RUN = 3  # gray latent frames per `_gray_latents` call: the period of the caches' ring layout
+GRAY_RUN = 3  # gray latent frames per `gray_latents` call: the period of the caches' ring layout
 
 
 def gray_frame_shape(vae_config, image_shape) -> tuple[int, ...]:
-    """The (B, C, 4, H, W) gray video one encoder step of `_gray_latents` takes, for images of `image_shape`."""
+    """The (B, C, 4, H, W) gray video one encoder step of `gray_latents` takes, for images of `image_shape`."""
     return (image_shape[0], vae_config.video_channels, 4, *image_shape[-2:])
 
 
 @functools.partial(jax.jit, static_argnums=1)
-def _start_latents(mu, frames: int):
+def start_latents(mu, frames: int):
     """The condition buffer: the image's latent frame `mu` then zeros, `frames` latent frames in all."""
     return jnp.zeros((*mu.shape[:2], frames, *mu.shape[3:]), mu.dtype).at[:, :, :1].set(mu)
 
 
 @functools.partial(jax.jit, static_argnums=(0, 5, 6), donate_argnums=3)
-def _gray_latents(graphdef, state, caches, latents, offset, count, frame_shape):
+def gray_latents(graphdef, state, caches, latents, offset, count, frame_shape):
     """`count` latent frames of gray video (chunks of 4 zero frames, `frame_shape`) after `caches`, written
     into `latents` from frame `offset` → (caches, latents, whether the caches after equal those before,
     bitwise)."""
@@ -156,5 +156,5 @@ def _gray_latents(graphdef, state, caches, latents, offset, count, frame_shape):
 
 
 @functools.partial(jax.jit, static_argnums=0)
-def _normalized(graphdef, state, latents):
+def normalized_latents(graphdef, state, latents):
     return nnx.merge(graphdef, state).normalize_latents(latents.astype(jnp.float32))

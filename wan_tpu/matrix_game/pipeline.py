@@ -500,12 +500,12 @@ def _chunk_rows(keyboard, mouse, n: int, space: actions.ActionSpace):
 def _read_index(path: str) -> dict:
     if not os.path.isdir(path):
         raise WanInputError(f"model {path!r} is neither a folder nor the preset {PRESET}; pass a folder made by "
-                            f"wan_tpu/matrix_game/convert.py or --model {PRESET}")
+                            f"wan-convert-matrix-game or --model {PRESET}")
     index_path = os.path.join(path, INDEX_FILE)
     if not os.path.isfile(index_path):
         hint = ("it looks like the Skywork/Matrix-Game-2.0 download: convert it once with "
-                f"python wan_tpu/matrix_game/convert.py {path} DST") if os.path.isfile(
-            os.path.join(path, "Wan2.1_VAE.pth")) else "pass a folder made by wan_tpu/matrix_game/convert.py"
+                f"wan-convert-matrix-game {path} DST") if os.path.isfile(
+            os.path.join(path, "Wan2.1_VAE.pth")) else "pass a folder made by wan-convert-matrix-game"
         raise WanInputError(f"{path} has no {INDEX_FILE}; {hint}")
     try:
         with open(index_path) as f:

@@ -1,6 +1,6 @@
 """`load_autoencoder_kl(path, dtype, mesh)`: a diffusers-format `AutoencoderKL` folder → our Flax model.
 
-`wan_tpu/unifolm/convert_cli.py` writes UnifoLM's first stage in this format (the LDM names
+`wan-convert-unifolm` (`wan_tpu/unifolm/convert.py`) writes UnifoLM's first stage in this format (the LDM names
 renamed with `ldm_to_diffusers_name`), so one loader serves both. Every parameter is read from exactly
 one checkpoint tensor, streamed (memory-mapped, converted, placed) and checked: a missing, unexpected
 or wrongly shaped tensor is a `WanInputError` naming it. Names are diffusers' with the one-module list

@@ -162,7 +162,9 @@ def run(args) -> None:
     steps = args.steps or (16 if args.mode == "generate" else 50)
     common = dict(num_steps=steps, eta=args.eta, seed=args.seed, fs=args.fs)
     vectors = {}
-    with trace(args.profile):
+    # Every component read and every stage program loaded or compiled in background threads at once; the
+    # calls below wait only for what they need.
+    with pipe.prepare(args.mode, num_steps=steps, eta=args.eta), trace(args.profile):
         if args.mode == "generate":
             out = pipe.generate(args.instruction, images, **common)
             video = out.video

@@ -1,6 +1,6 @@
 """`load_unifolm`: a converted UniFoLM checkpoint folder → `UnifolmWMA`.
 
-Folder layout (written by `wan_tpu/unifolm/convert_cli.py` from the authors' Lightning `.ckpt`):
+Folder layout (written by `wan-convert-unifolm` (`wan_tpu/unifolm/convert.py`) from the authors' Lightning `.ckpt`):
 
     config.json                 configs.unifolm.config_to_json(cfg)
     unet.safetensors            `model.diffusion_model.*` with that prefix removed (UNet, action_unet,
@@ -126,7 +126,7 @@ def load_unifolm(path: str, dtype=jnp.float32, mesh=None, attention_impl=None) -
     to `dtype`. With a `mesh`, weights land sharded ("unifolm" rules) and attention hooks are set."""
     cfg_path = os.path.join(path, "config.json")
     if not os.path.isfile(cfg_path):
-        raise WanInputError(f"{path}: no config.json; convert the checkpoint with wan_tpu/unifolm/convert_cli.py")
+        raise WanInputError(f"{path}: no config.json; convert the checkpoint with wan-convert-unifolm")
     try:
         with open(cfg_path) as f:
             cfg = config_from_json(json.load(f))

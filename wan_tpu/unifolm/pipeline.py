@@ -163,7 +163,7 @@ class UnifolmPipeline:
     def from_pretrained(cls, path_or_preset: str, *, mesh=None, dtype=jnp.float32, attention: str | None = None,
                         compile_cache: bool = True, stats: str | None = None,
                         encoder_dtype=jnp.float32) -> UnifolmPipeline:
-        """A converted checkpoint folder (`wan_tpu/unifolm/convert_cli.py`) or a preset name
+        """A converted checkpoint folder (`wan-convert-unifolm` (`wan_tpu/unifolm/convert.py`)) or a preset name
         (`unifolm-tiny`, `unifolm-tiny-base`: random weights, seconds on a CPU).
 
         `mesh`: a device mesh to shard over (None: one device). `dtype`: the model's (UNet, heads,
@@ -183,7 +183,7 @@ class UnifolmPipeline:
         path = os.fspath(path_or_preset)
         if not os.path.isdir(path):
             if os.path.isfile(path) and path.endswith((".ckpt", ".pt", ".pth", ".bin")):
-                raise WanInputError(f"{path} is a pickle checkpoint; convert it first: python wan_tpu/unifolm/convert_cli.py {path} OUT_DIR")
+                raise WanInputError(f"{path} is a pickle checkpoint; convert it first: wan-convert-unifolm {path} OUT_DIR")
             raise WanInputError(f"model {path!r} is neither a converted UnifoLM folder nor a preset ({', '.join(PRESETS)})")
         from wan_tpu.configs.autoencoder_kl import config_from_json as vae_config_from_json
         from wan_tpu.loading.checkpoint import read_config, require_file
@@ -266,7 +266,8 @@ class UnifolmPipeline:
         if mode not in MODES:
             raise WanInputError(f"mode must be one of {', '.join(MODES)}, got {mode!r}")
         if mode == "generate" and self.has_heads:
-            raise WanInputError(f"{self.name} has action/state heads; generate needs a base checkpoint (use decide / predict)")
+            raise WanInputError(f"{self.name} has action/state heads; generate needs a base checkpoint; run decide / "
+                                "predict (command line: --mode decision or world)")
         if mode != "generate":
             self._require_heads(mode)
         num_steps = (16 if mode == "generate" else 50) if num_steps is None else num_steps
@@ -319,7 +320,8 @@ class UnifolmPipeline:
         if x.ndim == 3:
             x = x[None]
         if x.ndim != 4 or not 1 <= x.shape[0] <= n_obs:
-            raise WanInputError(f"observed images must be (n, H, W, 3) or (n, 3, H, W) with 1 ≤ n ≤ {n_obs}, got shape {x.shape}")
+            count = "exactly 1 image" if n_obs == 1 else f"1 to {n_obs} images"
+            raise WanInputError(f"{self.name} observes {count} (n, H, W, 3) or (n, 3, H, W); got shape {x.shape}")
         if x.dtype == np.uint8:
             if x.shape[-1] != 3:
                 raise WanInputError(f"uint8 images must be (n, H, W, 3), got shape {x.shape}")
@@ -442,7 +444,8 @@ class UnifolmPipeline:
     # ---- modes ----------------------------------------------------------------------------------
     def _require_heads(self, mode: str):
         if not self.has_heads:
-            raise WanInputError(f"{self.name} is a base model (no action/state heads): {mode} needs a UnifoLM-WMA-0 checkpoint; use generate")
+            raise WanInputError(f"{self.name} is a base model (no action/state heads): {mode} needs a UnifoLM-WMA-0 checkpoint; "
+                                "use generate (command line: --mode generate)")
 
     @in_pipeline_choice
     def decide(self, instruction: str, images, states, *, num_steps: int = 50, eta: float = 1.0, seed=0, fs=None,
@@ -509,7 +512,8 @@ class UnifolmPipeline:
     def generate(self, prompt: str, image, *, num_steps: int = 16, eta: float = 1.0, seed=0, fs=None) -> UnifolmOutput:
         """Base model: text + first frame → 16 frames (`base_model_inference.py`)."""
         if self.has_heads:
-            raise WanInputError(f"{self.name} has action/state heads; generate needs a base checkpoint (use decide / predict)")
+            raise WanInputError(f"{self.name} has action/state heads; generate needs a base checkpoint; run decide / "
+                                "predict (command line: --mode decision or world)")
         imgs = self.check_images(image, 1)
         video, _, _ = self._run(prompt, imgs, None, None, fs, num_steps, eta, seed)
         return UnifolmOutput(to_uint8(video), np.asarray(video))
@@ -584,7 +588,7 @@ def _read_config(path: str):
 
     cfg_path = os.path.join(path, "config.json")
     if not os.path.isfile(cfg_path):
-        raise WanInputError(f"{path}: no config.json; convert the checkpoint with wan_tpu/unifolm/convert_cli.py")
+        raise WanInputError(f"{path}: no config.json; convert the checkpoint with wan-convert-unifolm")
     try:
         with open(cfg_path) as f:
             return config_from_json(json.load(f))

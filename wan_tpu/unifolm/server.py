@@ -149,9 +149,13 @@ def serve(args) -> None:
     server = make_server(pipe, args.serve, num_steps=args.steps or 16, eta=args.eta, seed=args.seed, fs=args.fs)
     print(f"serving POST http://127.0.0.1:{server.server_address[1]}/predict_action ({pipe.name}); Ctrl-C stops")
     server.timeout = 0.2  # how often Ctrl-C / SIGTERM is looked at between requests
+    # The components load and the request's programs compile while the server already listens: the first
+    # request waits only for what is still missing.
+    steps = args.steps or 16
     try:
-        while True:
-            interrupt.check()
-            server.handle_request()
+        with pipe.prepare("decision", num_steps=steps, eta=args.eta, keep_action_tokens=False):
+            while True:
+                interrupt.check()
+                server.handle_request()
     finally:
         server.server_close()

@@ -290,11 +290,11 @@ def _free_device_bytes() -> int | None:
 
 def frames_to_uint8(video):
     """(B, 3, T, H, W) in [-1, 1] → (B, T, H, W, 3) uint8, rounded like diffusers' video postprocess."""
-    return _to_uint8(jnp.asarray(video))
+    return to_uint8(jnp.asarray(video))
 
 
 @jax.jit
-def _to_uint8(video):
+def to_uint8(video):
     x = jnp.clip(video.astype(jnp.float32) / 2 + 0.5, 0.0, 1.0)
     return jnp.round(x * 255).astype(jnp.uint8).transpose(0, 2, 3, 4, 1)
 

@@ -348,7 +348,7 @@ class WanPipeline:
         shape = self.latent_shape(s.height, s.width, s.num_frames)
         video = vae.compile_decode(shape, free_bytes=free_bytes_after_release(vae), stop=warmup.cancelled)
         if video is not None:
-            vae_lib._to_uint8.lower(video).compile()
+            vae_lib.to_uint8.lower(video).compile()
 
     # ---- stage 1 ------------------------------------------------------------------------------
 
