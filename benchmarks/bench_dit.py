@@ -302,7 +302,8 @@ def run_xla_variants(args, rows):
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--configs", default="1.3b,5b,14b")
-    p.add_argument("--variants", default="fused,unfused,fp8", help="ours: fused, unfused, fp8, fp8-ffn, fp8-attn, fp8+attn, int8, int8+attn")
+    p.add_argument("--variants", default="fused,unfused,fp8",
+                   help="ours: fused, unfused, fp8, fp8-ffn, fp8-attn, fp8+attn, int8, int8+attn")
     p.add_argument("--attention", default="None", help="wan_tpu.attention impl for ours (None = the library's choice)")
     p.add_argument("--iters", type=int, default=3)
     p.add_argument("--compile", default="1.3b", help="configs that also time diffusers + torch.compile")

@@ -9,7 +9,8 @@ is the plain DiT (no mesh); n GPUs are the first n devices under `wan_tpu.make_m
 `wan_tpu.parallel.sharding.shard_transformer` (weights FSDP-sharded, CFG pair on dp, context-parallel
 attention on sp, heads on tp). Each row: median ms of `--iters` after one warm-up (the warm-up
 includes compilation, reported separately), speedup t1/tn, efficiency t1/(n·tn) against linear,
-and the memory the busiest GPU holds after the step (weights + inputs + output: the FSDP saving). Rows print as they finish, then a table; configs that no
+and the memory the busiest GPU holds after the step (weights + inputs + output: the FSDP saving). Rows print as they
+finish, then a table; configs that no
 longer fit in `--budget` seconds are reported as skipped. Runs on CPU too with `--models tiny`
 (XLA_FLAGS=--xla_force_host_platform_device_count=4 gives it 4 devices).
 """

@@ -231,7 +231,8 @@ def main():
         make_checkpoint(args.ckpt)
     rows = []
     impls = args.impls.split(",")
-    workers = (["torch"] if "diffusers" in impls else []) + (["jax:prime"] + [f"jax:{k}" for k in args.kinds.split(",")] if "wan_tpu" in impls else [])
+    ours = ["jax:prime"] + [f"jax:{k}" for k in args.kinds.split(",")]
+    workers = (["torch"] if "diffusers" in impls else []) + (ours if "wan_tpu" in impls else [])
     for worker in workers:
         rows += _run(_cmd(args, worker=worker), worker, args.timeout)
     print_table(rows, args)

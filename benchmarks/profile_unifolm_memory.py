@@ -20,7 +20,8 @@ import sys
 import tempfile
 
 DUMP = tempfile.mkdtemp(prefix="unifolm-mem-")
-os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + f" --xla_dump_to={DUMP} --xla_dump_hlo_module_re=.*(sample_loop|prepare_program|decode_program).*").strip()
+_DUMP_FLAGS = f" --xla_dump_to={DUMP} --xla_dump_hlo_module_re=.*(sample_loop|prepare_program|decode_program).*"
+os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + _DUMP_FLAGS).strip()
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402

@@ -4,7 +4,8 @@
 
 `--ref` is a checkout of SkyworkAI/Matrix-Game (the model lives in its `Matrix-Game-2/` folder; its
 commit is recorded in every file), e.g. cloned into `third_party/Matrix-Game`, a folder of this
-checkout that git ignores. The files are read by `tests/matrix_game/matrix_game_golden.py`. Their `CausalWanModel`, `WanDiffusionWrapper`, `FlowMatchScheduler`
+checkout that git ignores. The files are read by `tests/matrix_game/matrix_game_golden.py`. Their `CausalWanModel`,
+`WanDiffusionWrapper`, `FlowMatchScheduler`
 and `CausalInferencePipeline.inference` run unmodified, float32, with runtime patches only:
 - exact attention (float64 softmax, cast back) in place of flash-attn / their bf16 fallback
   (`flash_attn` is stubbed; `attention` / `flash_attention` are replaced where they are imported);

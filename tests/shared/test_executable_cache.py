@@ -247,3 +247,11 @@ def test_a_program_served_by_jaxs_cache_is_stored_runnable(tmp_path):
         done = subprocess.run([sys.executable, "-c", _SERVED, str(tmp_path / "cache"), step], capture_output=True,
                               text=True, timeout=300)
         assert done.returncode == 0, (step, done.stderr[-2000:])
+
+
+def test_the_source_hash_covers_the_whole_package():
+    """A change anywhere in the package (a model file of any family) must key new programs."""
+    import wan_tpu
+    from wan_tpu.runtime import executable_cache
+
+    assert executable_cache.PACKAGE_ROOT == os.path.dirname(os.path.abspath(wan_tpu.__file__))

@@ -91,3 +91,10 @@ def test_readme_commands_run_as_written(tmp_path):
         _run(command, tmp_path)
     assert {"tiny.mp4", "cat.mp4", "cat_001.mp4", "cat_002.mp4", "stage1.safetensors", "stage2.safetensors",
             "o.mp4", "unifolm.mp4"} <= set(os.listdir(tmp_path))
+
+
+def test_ci_runs_the_readme_test_command():
+    """`.ci/run` runs exactly the README's install-lint-test line."""
+    line = next(x for x in README.splitlines() if "pytest" in x and x.startswith("pip install"))
+    ci = open(os.path.join(ROOT, ".ci", "run"), encoding="utf-8").read()
+    assert line in ci.splitlines()

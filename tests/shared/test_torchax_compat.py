@@ -59,7 +59,7 @@ def test_fresh_process_imports_torchax_through_the_shim():
     """Import and first environment from scratch (the in-process tests may find torchax imported)."""
     code = (
         "import torch, torch.nn.functional as F\n"
-        "from wan_tpu import torchax_compat\n"
+        "from wan_tpu.runtime import torchax_compat\n"
         "env = torchax_compat.default_env()\n"
         "x = torch.randn(1, 2, 4, 8)\n"
         "with env:\n"

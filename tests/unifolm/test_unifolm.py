@@ -154,7 +154,7 @@ def test_bad_inputs_are_user_errors(pipe, stats_file):
     images, states = observation()
     with pytest.raises(WanInputError, match="takes 128x128"):
         pipe.decide("x", observation(size=96)[0], states / 10, num_steps=2)
-    with pytest.raises(WanInputError, match="1 ≤ n ≤ 2"):
+    with pytest.raises(WanInputError, match="observes 1 to 2 images"):
         pipe.decide("x", observation(n=3)[0], states / 10, num_steps=2)
     with pytest.raises(WanInputError, match=r"states must be \(n ≤ 2, dof ≤ 16\)"):
         pipe.decide("x", images, np.zeros((2, 17)), num_steps=2)

@@ -49,7 +49,7 @@ def write_checkpoint(folder: str, manifest: dict, buffers: dict, config: dict) -
                 tensors[name] = init_tensor(f"{component}:{name}", shape)
             elif kind == "buffer":
                 tensors[name] = buffers[f"{component}:{name}"]
-        for name, shape, kind in entries:
+        for name, _shape, kind in entries:
             if kind.startswith("alias:"):
                 tensors[name] = tensors[kind[len("alias:"):]]
         save_file({k: np.ascontiguousarray(v) for k, v in tensors.items()}, os.path.join(folder, f"{component}.safetensors"))

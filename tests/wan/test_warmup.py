@@ -1,6 +1,7 @@
 """`WanPipeline.prepare` (`wan_tpu.runtime.compile_ahead`): components load and the text encoder (from its config
 alone), the denoise step and the VAE decode compile in background threads, so the calls compile none
-of the big programs themselves; latents and frames are bit-identical to a run without `prepare` in a fresh process (reference: that run; tolerance:
+of the big programs themselves; latents and frames are bit-identical to a run without `prepare` in a fresh process
+(reference: that run; tolerance:
 none). Load errors surface where the component is used; a failed ahead-of-time compile is a warning;
 no thread outlives the `with` block."""
 

@@ -68,7 +68,8 @@ class WanVAEConfig:
         if len(self.temperal_downsample) != len(self.dim_mult) - 1:
             problems.append(f"temperal_downsample has {len(self.temperal_downsample)} entries, dim_mult needs {len(self.dim_mult) - 1}")
         if len(self.latents_mean) != self.z_dim or len(self.latents_std) != self.z_dim:
-            problems.append(f"latents_mean/latents_std have {len(self.latents_mean)}/{len(self.latents_std)} entries, z_dim is {self.z_dim}")
+            problems.append(f"latents_mean/latents_std have {len(self.latents_mean)}/{len(self.latents_std)} entries, "
+                            f"z_dim is {self.z_dim}")
         if any(s <= 0 for s in self.latents_std):
             problems.append("latents_std entries must be positive")
         if self.in_channels % (p * p) or self.out_channels % (p * p):

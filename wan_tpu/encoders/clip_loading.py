@@ -8,7 +8,8 @@ The folders are what `CLIPVisionModel` / `CLIPTextModel.save_pretrained` write (
 …; transformers 5 writes them without the `vision_model.` / `text_model.` prefix, which is then
 optional). Every tensor the config implies is checked by name and shape before any data is read (a missing,
 unexpected or mis-shaped one is a `WanInputError` naming it); only the first `num_layers` blocks (None:
-all; negative: all but the last -num_layers) are then read, as stored (torch layout), per-layer tensors stacked on the leading layer axis. With
+all; negative: all but the last -num_layers) are then read, as stored (torch layout), per-layer tensors stacked on
+the leading layer axis. With
 a mesh each parameter is placed by the `clip` rules of `wan_tpu.configs.sharding` as it is read.
 The vision `post_layernorm` is checked but not read (it feeds only the pooled output); `position_ids`
 buffers, which older transformers saved, are ignored.

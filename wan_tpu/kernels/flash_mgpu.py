@@ -452,16 +452,19 @@ def _kernel_call(q, k, v, scales, skv, block_q, block_kv, stages, persistent, q_
     dtype = jnp.bfloat16 if fp8 else q.dtype  # the output's
     if fp8:
         if q.dtype not in (F8, jnp.int8) or k.dtype != q.dtype or v.dtype != F8:
-            raise WanInputError(f"the FP8 Hopper attention kernel needs e4m3 (or int8) q and k, e4m3 v; got {q.dtype}, {k.dtype}, {v.dtype}")
+            raise WanInputError("the FP8 Hopper attention kernel needs e4m3 (or int8) q and k, e4m3 v; "
+                                f"got {q.dtype}, {k.dtype}, {v.dtype}")
         if block_kv % 128:
             raise WanInputError(f"the FP8 kernel's block_kv ({block_kv}) must be a multiple of 128 (one 128-byte swizzle of V's keys)")
     elif dtype not in (jnp.bfloat16, jnp.float16) or k.dtype != dtype or v.dtype != (jnp.float16 if half_p else dtype):
-        raise WanInputError(f"the Hopper attention kernel needs bf16 or fp16 q, k, v (v fp16 with half_p); got {q.dtype}, {k.dtype}, {v.dtype}")
+        raise WanInputError("the Hopper attention kernel needs bf16 or fp16 q, k, v (v fp16 with half_p); "
+                            f"got {q.dtype}, {k.dtype}, {v.dtype}")
     pv_dtype = v.dtype  # P's, for P·V
     if d % 64 or block_q % 64 or block_kv % 64:
         raise WanInputError(f"head dim ({d}), block_q ({block_q}) and block_kv ({block_kv}) must be multiples of 64")
     if ceiling not in (None, "no_exp2", "no_softmax") or (ceiling and (half_p or overlap or (pv_two_level and not fp8))):
-        raise WanInputError(f"ceiling must be None, 'no_exp2' or 'no_softmax' (the 8-bit kernel, or the bf16 one without half_p, overlap or pv_two_level), got {ceiling!r}")
+        raise WanInputError("ceiling must be None, 'no_exp2' or 'no_softmax' (the 8-bit kernel, or the bf16 one without "
+                            f"half_p, overlap or pv_two_level), got {ceiling!r}")
     if stale_max and (not half_p or overlap or pv_two_level):
         raise WanInputError("stale_max is a half_p option, without overlap or pv_two_level")
     if pv_row_sums and not (fp8 and pv_two_level):

@@ -173,7 +173,8 @@ def load_actions(path: str, space: ActionSpace, latent_frames_per_chunk: int = 3
     keyboard = _array(path, "keyboard", data["keyboard"], space.keyboard_dim)
     mouse = _array(path, "mouse", data["mouse"], 2) if space.mouse else None
     if mouse is not None and len(mouse) != len(keyboard):
-        raise WanInputError(f"action file {path}: keyboard has {len(keyboard)} rows, mouse {len(mouse)}; give one row per video frame in both")
+        raise WanInputError(f"action file {path}: keyboard has {len(keyboard)} rows, mouse {len(mouse)}; "
+                            "give one row per video frame in both")
     return keyboard, mouse
 
 

@@ -94,18 +94,22 @@ def interactive_lines(space, stream=None, prompt=None):
 def play(args) -> None:
     from wan_tpu.runtime import interrupt
     from wan_tpu.runtime.images import load_image
-    from wan_tpu.matrix_game.pipeline import MatrixGamePipeline
-    from wan_tpu.runtime.profiling import StageTimer, scope, trace
     from wan_tpu.runtime.validate import check_output
-    from wan_tpu.runtime.video import VideoWriter
 
     check_output(args.output, args.overwrite, ".mp4")
     image = load_image(args.image)  # fail on a bad image before loading anything
     if args.frames is not None and args.frames < 1:
         raise WanInputError(f"--frames must be positive, got {args.frames}")
+    if args.model == "matrix-game-tiny":
+        print("note: matrix-game-tiny has random weights; pass --model PATH (a converted Matrix-Game-2 folder) for a real video",
+              flush=True)
+    from wan_tpu.matrix_game.pipeline import MatrixGamePipeline
+    from wan_tpu.runtime.profiling import StageTimer, scope, trace
+    from wan_tpu.runtime.video import VideoWriter
+
     check_attention(args.attention)
     mesh = parse_mesh(args.mesh)
-    timer = StageTimer(since=args.started)
+    timer = StageTimer(since=args.started, progress=not args.quiet)
     pipe = MatrixGamePipeline.from_pretrained(args.model, variant=args.variant, mesh=mesh, dtype=dtype_of(args.dtype),
                                               attention=args.attention, vae_dtype=dtype_of(args.vae_dtype),
                                               compile_cache=not args.no_compile_cache)
@@ -114,13 +118,12 @@ def play(args) -> None:
         from wan_tpu.matrix_game.actions import check_frames
 
         check_frames(args.frames, pipe.frames_per_chunk)
-    if args.model == "matrix-game-tiny":
-        print("note: matrix-game-tiny has random weights; pass --model PATH (a converted Matrix-Game-2 folder) for a real video")
     # The three components read at once and every program loaded or compiled meanwhile; `stream` waits
     # for them where it needs them.
     pipe.prepare()
     max_frames = len(scripted[0]) if scripted is not None else args.frames
     with trace(args.profile), VideoWriter(args.output, pipe.variant.fps, args.overwrite) as video:
+        interrupt.check("load")
         with timer.stage("load + data preparation"):
             session = pipe.stream(image, seed=args.seed, max_frames=max_frames)
         with scope("2_Pipeline_Inference"):

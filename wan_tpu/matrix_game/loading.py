@@ -116,8 +116,9 @@ def _check(params: list[_Param], tensors: TensorSource, names: dict[str, str], p
         def few(xs):
             return ", ".join(xs[:6]) + (f" (+{len(xs) - 6} more)" if len(xs) > 6 else "")
 
-        problems = [f"{label}: {few(xs)}" for label, xs in
-                    (("missing", [PREFIX + diffusers_to_original_wan(n) for n in missing]), ("unexpected", extra), ("wrong shape", wrong)) if xs]
+        listed = (("missing", [PREFIX + diffusers_to_original_wan(n) for n in missing]), ("unexpected", extra),
+                  ("wrong shape", wrong))
+        problems = [f"{label}: {few(xs)}" for label, xs in listed if xs]
         raise WanInputError(f"{path}: the weights do not match the Matrix-Game config — " + "; ".join(problems)
                             + "; pass the variant these weights belong to")
 

@@ -90,7 +90,8 @@ def _resolve_sizes(sizes: dict[str, int], n: int) -> dict[str, int]:
             raise WanInputError(f"mesh size {name}={size!r} is not valid; use a positive integer, or -1 for 'the rest of the devices'")
     rest = [name for name, size in sizes.items() if size == -1]
     if len(rest) > 1:
-        raise WanInputError(f"mesh sizes {', '.join(f'{r}=-1' for r in rest)}: only one axis may be -1 ('the rest'); give the others explicitly")
+        raise WanInputError(f"mesh sizes {', '.join(f'{r}=-1' for r in rest)}: only one axis may be -1 ('the rest'); "
+                            "give the others explicitly")
     known = math.prod(size for size in sizes.values() if size != -1)
     described = " ".join(f"{k}={v}" for k, v in sizes.items())
     if rest:

@@ -20,7 +20,8 @@ What runs for `WanPipeline`, each in its own thread:
     other: `decode_compiles_beside_denoise`; else the denoise waits for that compile).
 On a device mesh only the reading runs ahead (the calls' shardings come from the previous stage, so
 programs compiled from shapes would not be theirs). `component()`, `denoise()` and `decode()` of the
-pipeline (and `encode_prompt`) wait for the piece they need and for nothing else; a compile that fails is reported as a warning and the call compiles as it always did. Leaving the
+pipeline (and `encode_prompt`) wait for the piece they need and for nothing else; a compile that fails is reported
+as a warning and the call compiles as it always did. Leaving the
 `with` block (or `close()`) cancels what has not started and waits for what runs, so that no thread
 outlives it (an error or Ctrl-C then costs at most one load or one program's compile). Compiling
 ahead of time runs the very programs the calls would compile (same functions, same arguments' shapes
@@ -102,7 +103,15 @@ class Warmup:
     def __enter__(self) -> Warmup:
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, exc_type, exc, tb) -> None:
+        from wan_tpu.runtime import interrupt
+
+        if exc_type is not None and issubclass(exc_type, interrupt.Interrupted) and interrupt.process_ends_at_once():
+            # A command line stopped by Ctrl-C / SIGTERM ends through `os._exit`, which ends these threads
+            # too (no interpreter teardown, so no thread is killed inside XLA): waiting for a compile in
+            # flight would only delay the exit by its length.
+            self.cancel()
+            return
         self.close()
 
     def start(self, name: str, fn, *args, kind: str = "load", select: bool = True) -> concurrent.futures.Future:

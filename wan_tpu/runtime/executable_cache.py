@@ -20,7 +20,7 @@ first traces and lowers it: seconds of Python for a 30-block DiT, under the GIL 
 need too. Here the caller names what determines the program — the components' configs, dtypes, sizes,
 the attention settings — and the file key adds what the caller cannot see: jax, jaxlib, flax and numpy
 versions, the devices (platform, kind, count), `XLA_FLAGS`, every `WAN_TPU_*` setting but the cache
-folder, the `jax.config` values that change programs, and a hash of this package's source files. So an
+folder and the interrupt test hook, the `jax.config` values that change programs, and a hash of this package's source files. So an
 entry is never found by another version, device, setting or code; a key whose text holds an object
 address (not stable across processes) is never written.
 
@@ -344,7 +344,9 @@ def _environment() -> tuple[str, ...]:
     import numpy
 
     devices = jax.devices()
-    settings = sorted((k, v) for k, v in os.environ.items() if k.startswith("WAN_TPU_") and k != "WAN_TPU_CACHE_DIR")
+    # Where the cache lives and the interrupt test hook change no program.
+    settings = sorted((k, v) for k, v in os.environ.items()
+                      if k.startswith("WAN_TPU_") and k not in ("WAN_TPU_CACHE_DIR", "WAN_TPU_PAUSE_AT"))
     config = {name: getattr(jax.config, name, None) for name in (
         "jax_enable_x64", "jax_default_matmul_precision", "jax_threefry_partitionable", "jax_default_prng_impl",
         "jax_numpy_rank_promotion", "jax_use_shardy_partitioner")}
@@ -354,6 +356,10 @@ def _environment() -> tuple[str, ...]:
 
 
 _HASH_LOCK = threading.Lock()
+
+
+# Every source file of the package keys the cached programs, wherever this module sits in it.
+PACKAGE_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def source_hash() -> str:
@@ -367,7 +373,7 @@ def source_hash() -> str:
 
 @functools.cache
 def _hash_sources() -> str:
-    root = os.path.dirname(os.path.abspath(__file__))
+    root = PACKAGE_ROOT
     digest = hashlib.sha256()
     for folder, dirs, files in os.walk(root):
         dirs.sort()

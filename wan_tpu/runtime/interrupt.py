@@ -33,7 +33,7 @@ import threading
 import time
 
 SIGNALS = (signal.SIGINT, signal.SIGTERM)
-_state = {"signum": None, "count": 0, "said": False, "depth": 0}
+_state = {"signum": None, "count": 0, "said": False, "depth": 0, "owned": False}
 _temporaries: set[str] = set()
 _written: list[str] = []
 _lock = threading.Lock()
@@ -132,6 +132,13 @@ def install() -> None:
     process, so that a signal during the imports before the command's `handled()` is kept and stops the
     command at its first safe point instead of raising inside an import."""
     handled().__enter__()
+    _state["owned"] = True
+
+
+def process_ends_at_once() -> bool:
+    """Whether this process is a command line that leaves through `os._exit` once interrupted
+    (`install`): background work need not be waited for, the exit ends it."""
+    return _state["owned"]
 
 
 _notice = threading.Timer(1.0, _say_stopping)

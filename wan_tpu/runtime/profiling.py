@@ -17,7 +17,9 @@ import re
 import shutil
 import statistics
 import subprocess
+import sys
 import tempfile
+import threading
 import time
 from dataclasses import dataclass, field
 
@@ -260,6 +262,31 @@ def process_start() -> float:
         return _IMPORTED
 
 
+class _Elapsed:
+    """`name: 3s` on stderr from the first second of a stage on, refreshed every second, cleared at its end."""
+
+    def __init__(self, name: str):
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._show, args=(name,), name="wan_tpu-progress", daemon=True)
+        self._thread.start()
+
+    def _show(self, name: str) -> None:
+        from tqdm import tqdm
+
+        # A stage that shows a bar of its own (denoise steps, stream chunks) is left to it.
+        if self._stop.wait(1.0) or getattr(tqdm, "_instances", None):
+            return
+        bar = tqdm(desc=name, total=None, bar_format="{desc}: {elapsed}", file=sys.stderr, leave=False,
+                   initial=0, mininterval=0.5)
+        while not self._stop.wait(1.0):
+            bar.refresh()
+        bar.close()
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
 @dataclass
 class StageTimer:
     """Wall-clock seconds per named stage, in the order the stages ran.
@@ -270,16 +297,22 @@ class StageTimer:
 
     seconds: dict[str, float] = field(default_factory=dict)
     since: float | None = None
+    # A command line's stages show `name: 12s` on stderr, refreshed every second, once they pass a second
+    # (loading, compiling, sampling: a user sees the command working); off for --quiet and from Python.
+    progress: bool = False
 
     @contextlib.contextmanager
     def stage(self, name: str):
         start = time.perf_counter()
         if self.since is not None and "startup" not in self.seconds:
             self.seconds["startup"] = start - self.since
+        shown = _Elapsed(name) if self.progress else None
         with scope(name):
             try:
                 yield
             finally:
+                if shown is not None:
+                    shown.close()
                 self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - start
 
     def table(self, extra: list[tuple[str, str]] = ()) -> str:

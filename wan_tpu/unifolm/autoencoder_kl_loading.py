@@ -82,7 +82,8 @@ def load_autoencoder_kl(path: str, dtype=jnp.float32, mesh=None) -> AutoencoderK
         used.add(name)
     extra = sorted(set(tensors) - used)
     if extra:
-        raise WanInputError(f"{path}: unexpected tensor {extra[0]!r} ({len(extra)} unexpected in all); the weights do not match config.json")
+        raise WanInputError(f"{path}: unexpected tensor {extra[0]!r} ({len(extra)} unexpected in all); "
+                            "the weights do not match config.json")
     return nnx.merge(graphdef, nnx.from_flat_state(flat))
 
 

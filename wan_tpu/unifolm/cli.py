@@ -138,10 +138,6 @@ def write_vectors(npz_path: str, json_path: str, vectors: dict, meta: dict, over
 
 
 def run(args) -> None:
-    from wan_tpu.runtime.profiling import StageTimer, trace
-    from wan_tpu.unifolm.pipeline import FPS, UnifolmPipeline
-    from wan_tpu.runtime.video import write_video
-
     check_settings(args)
     paths = output_paths(args.output, args.mode != "generate", args.overwrite)
     obs = read_arrays(args.observation, "observation")
@@ -151,9 +147,16 @@ def run(args) -> None:
     if actions is not None and actions.shape[1] != states.shape[1]:
         raise WanInputError(f"{args.actions} holds actions of {actions.shape[1]} dof but {args.observation} states of "
                             f"{states.shape[1]}; give both for the same robot")
+    if args.model.startswith("unifolm-tiny"):
+        print(f"note: {args.model} has random weights; pass --model PATH (a folder made by wan-convert-unifolm) for real "
+              "predictions", flush=True)
+    from wan_tpu.runtime.profiling import StageTimer, trace
+    from wan_tpu.runtime.video import write_video
+    from wan_tpu.unifolm.pipeline import FPS, UnifolmPipeline
+
     check_attention(args.attention)
     mesh = parse_mesh(args.mesh)
-    timer = StageTimer(since=args.started)
+    timer = StageTimer(since=args.started, progress=not args.quiet)
     with timer.stage("load"):
         pipe = UnifolmPipeline.from_pretrained(args.model, mesh=mesh, dtype=dtype_of(args.dtype), attention=args.attention,
                                                stats=args.stats, encoder_dtype=dtype_of(args.encoder_dtype),
@@ -206,7 +209,8 @@ def command(args) -> None:
         run(args)
         return
     if args.mode is not None:
-        raise WanInputError("--serve answers each request in the mode it asks for; drop --mode (or drop --serve for one run)")
+        raise WanInputError("--serve answers the authors' /predict_action requests (decision-making); drop --mode, or drop --serve "
+                            "for one run")
     from wan_tpu.unifolm.server import serve
 
     serve(args)

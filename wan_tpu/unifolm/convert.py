@@ -27,7 +27,7 @@ The command:
 Convert an authors' UnifoLM-WMA Lightning `.ckpt` into the safetensors folder wan_tpu loads.
 
     wan-convert-unifolm unifolm_wma_dual.ckpt ckpt/unifolm-wma-0 \
-        --stats unifolm-world-model-action/examples/world_model_interaction_prompts/transitions/unitree_z1_stackbox/meta_data/stats.safetensors
+        --stats stats.safetensors   # the robot dataset's meta_data/stats.safetensors (the authors' examples ship one per task)
 
 The `.ckpt` is read with `torch.load(weights_only=True)` (never a full unpickle). The folder layout
 and what is dropped are described in `wan_tpu/unifolm/convert.py`. `--config` is inferred (a

@@ -46,6 +46,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from wan_tpu.runtime import interrupt
 from wan_tpu.runtime import executable_cache
 from wan_tpu.runtime.compile_cache import in_pipeline_choice
 from wan_tpu.errors import WanInputError
@@ -184,7 +185,8 @@ class UnifolmPipeline:
         if not os.path.isdir(path):
             if os.path.isfile(path) and path.endswith((".ckpt", ".pt", ".pth", ".bin")):
                 raise WanInputError(f"{path} is a pickle checkpoint; convert it first: wan-convert-unifolm {path} OUT_DIR")
-            raise WanInputError(f"model {path!r} is neither a converted UnifoLM folder nor a preset ({', '.join(PRESETS)})")
+            raise WanInputError(f"model {path!r} is neither a converted UnifoLM folder nor a preset; pass a folder made by "
+                                f"wan-convert-unifolm or one of {', '.join(PRESETS)}")
         from wan_tpu.configs.autoencoder_kl import config_from_json as vae_config_from_json
         from wan_tpu.loading.checkpoint import read_config, require_file
 
@@ -412,8 +414,13 @@ class UnifolmPipeline:
         if self._warmup is not None:
             self._warmup.wait_compiled("stages")
 
+    @contextlib.contextmanager
     def _stage(self, name: str):
-        return self.timer.stage(name) if self.timer is not None else contextlib.nullcontext()
+        """A timed stage of a call, with a safe point for Ctrl-C / SIGTERM before and after it."""
+        interrupt.check(name)
+        with self.timer.stage(name) if self.timer is not None else contextlib.nullcontext():
+            yield
+        interrupt.check()
 
     def _stages(self, parts, prompt, images, states, actions, fs, num_steps, eta, seed, keep_action_tokens=True, *,
                 timed: bool = True):

@@ -146,18 +146,21 @@ def load_vae(path: str, dtype=jnp.float32, mesh=None) -> WanVAE:
         expected = diffusers_shape(name, shape)
         if name not in tensors:
             raise WanInputError(
-                f"{path}: tensor {name!r} (shape {expected}) is missing; the weights do not match config.json — re-save with save_pretrained"
+                f"{path}: tensor {name!r} (shape {expected}) is missing; the weights do not match config.json — "
+                "re-save with save_pretrained"
             )
         if tuple(tensors.shape(name)) != expected:
             raise WanInputError(
-                f"{path}: tensor {name!r} has shape {tuple(tensors.shape(name))}, expected {expected} for this config.json; re-save with save_pretrained"
+                f"{path}: tensor {name!r} has shape {tuple(tensors.shape(name))}, expected {expected} for this "
+                "config.json; re-save with save_pretrained"
             )
         stored.append(StoredParam(tensors, [name], layout(expected, shape), np.dtype(var.dtype)))
         used.add(name)
     extra = sorted(set(tensors) - used)
     if extra:
         raise WanInputError(
-            f"{path}: unexpected tensor {extra[0]!r} ({len(extra)} unexpected in all); the weights do not match config.json — check the folder"
+            f"{path}: unexpected tensor {extra[0]!r} ({len(extra)} unexpected in all); the weights do not match "
+            "config.json — check the folder"
         )
     place = None if sharding is None else (lambda i, host: jax.device_put(host, sharding))
     for (_, var), value in zip(flat, load_params(stored, place)):

@@ -417,15 +417,16 @@ def generate(args) -> None:
     resolve_defaults(args)
     jobs = plan_jobs(args)
     stages = stage_paths(args)
-    timer = StageTimer(since=getattr(args, "started", None))
+    timer = StageTimer(since=getattr(args, "started", None), progress=not args.quiet)
     step_seconds: list[float] = []
+    if args.model == "tiny":
+        print("note: --model tiny has random weights; pass --model PATH (a diffusers-format Wan checkpoint) for a real video",
+              flush=True)
     pipe = load_pipeline(args)
     s = run_settings(pipe, args)
     check_jobs(pipe, args, s, jobs, ("text", "image", "denoise", "decode"))
     if stages is not None:
         os.makedirs(args.keep_stages, exist_ok=True)
-    if args.model == "tiny":
-        print("note: --model tiny has random weights; pass --model PATH (a diffusers-format Wan checkpoint) for a real video")
     # Read every component and compile the denoise step and the decode in background threads; the
     # stages below wait only for what they need, and no thread outlives them (an error cancels the rest).
     image = any((job.image or args.image) is not None for job in jobs)

@@ -127,10 +127,9 @@ def _open(path) -> tuple:
 
 def _split_key(key: str) -> tuple[str, str]:
     """`key` → (module name without prefix, role)."""
-    for suffix, role in _SUFFIXES.items():
-        if key.endswith(suffix):
-            module = key[: -len(suffix)]
-            break
+    suffix = next((s for s in _SUFFIXES if key.endswith(s)), None)
+    if suffix is not None:
+        module, role = key[: -len(suffix)], _SUFFIXES[suffix]
     else:
         if "dora_scale" in key or re.search(r"\.(hada|lokr|lora_mid)", key):
             kind = "DoRA" if "dora_scale" in key else "LyCORIS/LoHa/LoKr"

@@ -21,7 +21,7 @@ def run(args):
 
     resolve_defaults(args)
     check_output(args.output, args.overwrite, ".safetensors")
-    timer = StageTimer()
+    timer = StageTimer(since=args.started, progress=not args.quiet)
     pipe = load_pipeline(args)
     s = run_settings(pipe, args)
     job = single_job(args, args.output)

@@ -21,7 +21,7 @@ def run(args):
 
     resolve_defaults(args, read_stage_meta(args.input))
     check_output(args.output, args.overwrite, ".safetensors")
-    timer = StageTimer()
+    timer = StageTimer(since=args.started, progress=not args.quiet)
     step_seconds = []
     pipe = load_pipeline(args)
     s = run_settings(pipe, args)

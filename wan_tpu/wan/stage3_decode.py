@@ -20,7 +20,7 @@ def run(args):
 
     resolve_defaults(args, read_stage_meta(args.input))
     check_output(args.output, args.overwrite, ".mp4")
-    timer = StageTimer()
+    timer = StageTimer(since=args.started, progress=not args.quiet)
     pipe = load_pipeline(args)
     pipe.check_fits(run_settings(pipe, args), ("decode",))
     tensors, meta = load_stage(args.input, expect=stage3_expect(pipe, args))

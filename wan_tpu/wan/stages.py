@@ -161,7 +161,7 @@ def save_stage(path: str, tensors: Mapping, meta: StageMeta | Mapping, overwrite
         with interrupt.temporary(tmp), os.fdopen(fd, "wb") as f:
             f.write(len(head).to_bytes(8, "little"))
             f.write(head)
-            for name, t in tensors.items():
+            for t in tensors.values():
                 # One tensor on the host at a time; np.asarray fetches a jax.Array from its devices.
                 f.write(np.ascontiguousarray(np.asarray(t)).tobytes())
             f.flush()
