@@ -64,9 +64,8 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 from wan_tpu.configs.models import VARIANTS, config_to_json  # noqa: E402
+from wan_tpu.runtime.profiling import GpuMonitor, clock_summary, dit_forward_flops, measured_peak_flops, op_class_table, trace  # noqa: E402
 from wan_tpu.wan.quantize import BLOCK_LINEARS  # noqa: E402
-from wan_tpu.runtime.profiling import (GpuMonitor, clock_summary, dit_forward_flops, measured_peak_flops,  # noqa: E402
-                               op_class_table, trace)
 
 CONFIGS = {  # name: (variant, latent (F, H, W))
     "1.3b": ("wan2.1-t2v-1.3b", (21, 60, 104)),
@@ -206,9 +205,9 @@ def run_jax(cfg, latent, args, name, folder, results, notes):
     from flax import nnx
 
     from wan_tpu.layers.attention import attention
+    from wan_tpu.wan.quantize import quantize_transformer
     from wan_tpu.wan.transformer import WanTransformer, forward
     from wan_tpu.wan.transformer_loading import load_transformer
-    from wan_tpu.wan.quantize import quantize_transformer
 
     if folder is None:
         dit = nnx.jit(lambda: WanTransformer(cfg, dtype=jnp.bfloat16, rngs=nnx.Rngs(0)))()

@@ -99,9 +99,9 @@ class BenchConfig:
 
     def parts(self):
         """(WanTransformerConfig, WanVAEConfig, UMT5Config) of the checkpoint."""
-        from wan_tpu.wan import presets
         from wan_tpu.configs.models import VARIANTS
         from wan_tpu.configs.vae import VAE_PRESETS
+        from wan_tpu.wan import presets
 
         dit = VARIANTS[self.variant].transformer
         if self.vae == "tiny":
@@ -338,11 +338,11 @@ def run_mesh(ckpt: str, mesh_spec: str, args) -> dict:
     import jax
     import jax.numpy as jnp
 
-    from wan_tpu.wan.cli import parse_size
     from wan_tpu.parallel.mesh import make_mesh
-    from wan_tpu.wan.pipeline import WanPipeline
     from wan_tpu.runtime.profiling import StageTimer, dit_forward_flops, measured_peak_flops, peak_flops
     from wan_tpu.runtime.video import write_video
+    from wan_tpu.wan.cli import parse_size
+    from wan_tpu.wan.pipeline import WanPipeline
 
     dp, sp, tp = parse_mesh(mesh_spec)
     need, devices = dp * sp * tp, jax.devices()

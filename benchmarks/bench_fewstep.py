@@ -33,9 +33,20 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # harness.py and bench_e2e.py, beside this script
 import harness  # noqa: E402
-from bench_e2e import (CONFIGS, FEW_STEP_SHIFT, FEW_STEP_SIGMAS, PROMPT, SEED,  # noqa: E402
-                       diffusers_cache_config, diffusers_decode, diffusers_pipeline, ensure_checkpoint,
-                       few_step_scheduler, merge_lora, write_lora)
+from bench_e2e import (  # noqa: E402
+    CONFIGS,
+    FEW_STEP_SHIFT,
+    FEW_STEP_SIGMAS,
+    PROMPT,
+    SEED,
+    diffusers_cache_config,
+    diffusers_decode,
+    diffusers_pipeline,
+    ensure_checkpoint,
+    few_step_scheduler,
+    merge_lora,
+    write_lora,
+)
 
 from wan_tpu.errors import WanInputError  # noqa: E402
 
@@ -55,9 +66,9 @@ def ours(args, ckpt: str, lora: str | None) -> list[dict]:
     import jax.numpy as jnp
     from flax import nnx
 
+    from wan_tpu.runtime.profiling import StageTimer
     from wan_tpu.wan.cli import parse_size
     from wan_tpu.wan.pipeline import WanPipeline
-    from wan_tpu.runtime.profiling import StageTimer
 
     timer = StageTimer()
     width, height = parse_size(args.size)
@@ -116,8 +127,8 @@ def peer(args, ckpt: str, lora: str | None) -> list[dict]:
     import torch
 
     from wan_tpu.configs.models import VARIANTS
-    from wan_tpu.wan.cli import parse_size
     from wan_tpu.encoders.umt5_text import WAN_NEGATIVE_PROMPT
+    from wan_tpu.wan.cli import parse_size
 
     dev = harness.torch_device()
     sync = harness.torch_sync

@@ -326,8 +326,8 @@ def ours(args, first_frame_only=False) -> dict:
     import jax
     import jax.numpy as jnp
 
-    from wan_tpu.runtime import executable_cache
     from wan_tpu.matrix_game.pipeline import MatrixGamePipeline
+    from wan_tpu.runtime import executable_cache
 
     dtypes = {"bfloat16": jnp.bfloat16, "float32": jnp.float32}
     model = CONFIGS[args.config]["preset"] or os.path.join(args.workdir, "converted")
@@ -474,8 +474,8 @@ def startup(args) -> dict:
     import flax.nnx  # noqa: F401
 
     mark("import flax.nnx")
-    from wan_tpu.runtime import compile_cache, executable_cache
     from wan_tpu.matrix_game.pipeline import MatrixGamePipeline
+    from wan_tpu.runtime import compile_cache, executable_cache
 
     mark("import wan_tpu.matrix_game.pipeline")
     jax.devices()

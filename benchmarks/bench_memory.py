@@ -24,10 +24,13 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 from flax import nnx  # noqa: E402
 
-from wan_tpu.wan import memory  # noqa: E402
 from wan_tpu.configs.models import VARIANTS  # noqa: E402
-from wan_tpu.wan.transformer import WanTransformer, forward  # noqa: E402
-from wan_tpu.wan.transformer import set_attention  # noqa: E402
+from wan_tpu.wan import memory  # noqa: E402
+from wan_tpu.wan.transformer import (  # noqa: E402
+    WanTransformer,
+    forward,
+    set_attention,  # noqa: E402
+)
 
 CONFIGS = {  # name: (variant, latent (F, H, W))
     "1.3b": ("wan2.1-t2v-1.3b", (21, 60, 104)),

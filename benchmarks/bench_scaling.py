@@ -40,8 +40,8 @@ from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import wan_tpu  # noqa: E402
 from wan_tpu.configs.models import VARIANTS  # noqa: E402
-from wan_tpu.wan.transformer import WanTransformer, forward  # noqa: E402
 from wan_tpu.parallel.sharding import shard_transformer  # noqa: E402
+from wan_tpu.wan.transformer import WanTransformer, forward  # noqa: E402
 
 MODELS = {  # name: (variant, latent (F, H, W))
     "14b": ("wan2.1-t2v-14b", (21, 90, 160)),

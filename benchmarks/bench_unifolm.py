@@ -300,9 +300,15 @@ def main(argv=None):
         notes.append(f"ours loaded the converted folder {folder} of an earlier run (the same weights as that run's)")
 
     if args.size == "real" and not reuse:
-        from wan_tpu.unifolm.convert import split_components, write_image_encoder, write_text_encoder, write_tokenizer, write_vae
-        from wan_tpu.unifolm.convert import save_safetensors_shards
         from wan_tpu.configs.unifolm import CONFIGS, config_to_json
+        from wan_tpu.unifolm.convert import (
+            save_safetensors_shards,
+            split_components,
+            write_image_encoder,
+            write_text_encoder,
+            write_tokenizer,
+            write_vae,
+        )
 
         folder = args.workdir or tempfile.mkdtemp(prefix="unifolm-bench-")
         os.makedirs(folder, exist_ok=True)

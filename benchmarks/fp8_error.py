@@ -35,12 +35,11 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
 
-from wan_tpu.wan import quantize  # noqa: E402
 from wan_tpu.configs.models import VARIANTS  # noqa: E402
 from wan_tpu.layers.quantized import quantize_weight, quantized_matmul  # noqa: E402
-from wan_tpu.wan.transformer import WanTransformer, forward  # noqa: E402
 from wan_tpu.loading.random_init import random_module  # noqa: E402
-
+from wan_tpu.wan import quantize  # noqa: E402
+from wan_tpu.wan.transformer import WanTransformer, forward  # noqa: E402
 
 ATTENTION = tuple(p for p in quantize.BLOCK_LINEARS if p[0] != "ffn")
 FFN = tuple(p for p in quantize.BLOCK_LINEARS if p[0] == "ffn")

@@ -75,8 +75,8 @@ def vae(args) -> None:
     from flax import nnx
 
     from wan_tpu.configs.vae import VAE_PRESETS
-    from wan_tpu.vae.model import WanVAE
     from wan_tpu.loading.random_init import random_module
+    from wan_tpu.vae.model import WanVAE
 
     use_cache(args.cache)
     events = record_events()
@@ -101,9 +101,9 @@ def t5(args) -> None:
     import numpy as np
     from flax import nnx
 
+    from wan_tpu.encoders.tokenizers import tiny_tokenizer
     from wan_tpu.encoders.umt5 import UMT5Config, UMT5Embedding, UMT5Encoder
     from wan_tpu.encoders.umt5_text import UMT5TextEncoder
-    from wan_tpu.encoders.tokenizers import tiny_tokenizer
 
     use_cache(args.cache)
     events = record_events()

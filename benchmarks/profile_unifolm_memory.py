@@ -95,8 +95,8 @@ def main(argv=None) -> int:
     from wan_tpu.configs.unifolm import CONFIGS
     from wan_tpu.unifolm.autoencoder_kl import AutoencoderKL
     from wan_tpu.unifolm.model import KeyCounter, _prepare_jit, abstract_unifolm
-    from wan_tpu.unifolm.sampling import _sample_loop, schedule_tables
     from wan_tpu.unifolm.pipeline import _decode_program, _prepare_program
+    from wan_tpu.unifolm.sampling import _sample_loop, schedule_tables
 
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--config", default="unifolm-wma-0", choices=sorted(CONFIGS))

@@ -240,7 +240,6 @@ def conditional_dict(cfg: dict):
 def run_sequence(pipe, cfg, mode: str) -> np.ndarray:
     """Their wrapper called chunk by chunk through fresh caches; the recorded flows (channel CHANNEL)."""
     import torch
-
     from pipeline.causal_inference import cond_current
 
     pipe._initialize_kv_cache(1, torch.float32, "cpu")

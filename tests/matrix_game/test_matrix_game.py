@@ -20,8 +20,8 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from wan_tpu.matrix_game import pipeline as mg
 from wan_tpu.errors import WanInputError
+from wan_tpu.matrix_game import pipeline as mg
 from wan_tpu.matrix_game.actions import random_actions
 from wan_tpu.matrix_game.cli import main
 from wan_tpu.runtime.video import read_video

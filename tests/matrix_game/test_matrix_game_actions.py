@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file
 
-from wan_tpu.matrix_game import actions
 from wan_tpu.configs.matrix_game import get_variant
 from wan_tpu.errors import WanInputError
+from wan_tpu.matrix_game import actions
 
 GOLDEN = os.path.join(os.path.dirname(__file__), os.pardir, "data", "matrix_game_actions.safetensors")
 UNIVERSAL, GTA, TEMPLERUN = (actions.action_space(get_variant(n)) for n in ("universal", "gta_drive", "templerun"))

@@ -12,13 +12,11 @@ import torch
 from safetensors.numpy import load_file, save_file
 
 from wan_tpu.encoders.clip_image import CLIPImageEncoder, preprocess_tensor
+from wan_tpu.matrix_game import convert
 from wan_tpu.vae.loading import original_wan21_vae_config, original_wan21_vae_name
 
 DATA = os.path.join(os.path.dirname(__file__), os.pardir, "data")
 TOL = 1e-5
-
-
-from wan_tpu.matrix_game import convert
 
 
 def golden(name, prefix):

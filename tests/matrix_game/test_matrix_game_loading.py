@@ -12,10 +12,10 @@ import numpy as np
 import pytest
 from flax import nnx
 from jax.sharding import PartitionSpec as P
+from matrix_game_golden import golden, weights
 from safetensors.numpy import load_file, save_file
 
 import wan_tpu
-from matrix_game_golden import golden, weights
 from wan_tpu.configs.matrix_game import MATRIX_GAME_VARIANTS, config_from_json
 from wan_tpu.errors import WanInputError
 from wan_tpu.matrix_game.loading import load_matrix_game_transformer

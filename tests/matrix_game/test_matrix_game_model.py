@@ -14,8 +14,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
-
 from matrix_game_golden import LATENT, golden, randn, rel_err, weights
+
 from wan_tpu.configs.matrix_game import MATRIX_GAME_VARIANTS, config_from_json
 from wan_tpu.errors import WanInputError
 from wan_tpu.matrix_game.action_module import chunk_action_window

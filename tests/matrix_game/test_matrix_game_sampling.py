@@ -15,9 +15,9 @@ import pytest
 from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
+from matrix_game_golden import LATENT, golden, randn, rel_err, weights
 
 import wan_tpu
-from matrix_game_golden import LATENT, golden, randn, rel_err, weights
 from wan_tpu.configs.matrix_game import MATRIX_GAME_VARIANTS, config_from_json
 from wan_tpu.errors import WanInputError
 from wan_tpu.matrix_game.action_module import chunk_action_window

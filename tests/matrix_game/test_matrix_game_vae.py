@@ -21,10 +21,10 @@ from safetensors.numpy import load_file, save_file
 
 from wan_tpu.configs.vae import VAE_PRESETS
 from wan_tpu.errors import WanInputError
-from wan_tpu.vae import model as vae_module
-from wan_tpu.vae.model import WanVAE
-from wan_tpu.vae.loading import load_vae, original_wan21_vae_config, original_wan21_vae_name
 from wan_tpu.loading.random_init import random_module
+from wan_tpu.vae import model as vae_module
+from wan_tpu.vae.loading import load_vae, original_wan21_vae_config, original_wan21_vae_name
+from wan_tpu.vae.model import WanVAE
 
 GOLDEN = os.path.join(os.path.dirname(__file__), os.pardir, "data", "matrix_game_vae.safetensors")
 TOL = 1e-5  # float32, max |ours - reference| / max |reference|

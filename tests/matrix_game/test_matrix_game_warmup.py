@@ -17,11 +17,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
-
 from matrix_game_golden import golden, weights
-from wan_tpu.matrix_game import pipeline as mg
+
 from wan_tpu.configs.matrix_game import config_from_json
 from wan_tpu.matrix_game import condition as condition_module
+from wan_tpu.matrix_game import pipeline as mg
 
 IMAGE = (np.random.default_rng(0).random((70, 130, 3)) * 255).astype(np.uint8)
 
@@ -121,8 +121,8 @@ def test_prepare_compiles_every_program_off_the_callers_thread(tmp_path):
 
 @pytest.mark.slow  # compiles the first chunk's program (about 40 s on 2 cores) unless an earlier test did
 def test_a_failed_compile_ahead_is_a_warning_and_the_stream_works():
-    from wan_tpu.vae.loading import abstract_vae
     from wan_tpu.configs.vae import TINY_VAE
+    from wan_tpu.vae.loading import abstract_vae
 
     tiny = mg._tiny(jnp.float32, jnp.float32, None)
     # A VAE config that does not describe the weights: 8 latent channels where the DiT makes 16.
@@ -146,8 +146,8 @@ def test_a_first_run_waits_for_every_program_and_on_a_gpu_for_every_load(monkeyp
     """`_wait_compiled(name)` waits for all of `prepare`'s programs (not only `name`'s), and where XLA
     captures CUDA graphs (patched in here) for the components' loads too: a first run must not overlap
     other CUDA work. There a stored chunk-1 loads only once the first chunk has run."""
-    from wan_tpu.runtime import compile_cache
     from wan_tpu.matrix_game import compile_ahead as matrix_game_warmup
+    from wan_tpu.runtime import compile_cache
 
     monkeypatch.setattr(matrix_game_warmup, "captures_graphs", lambda: graphs)
     before = compile_cache.cache_dir()  # the executable cache on, in a folder of this test's

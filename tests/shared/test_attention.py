@@ -1,17 +1,15 @@
 """`wan_tpu.attention` dispatch: choice by backend, named impls, errors, and the reference itself
 against float64 numpy (fresh random inputs; the seed is in each failure message)."""
 
-import numpy as np
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
+from test_splash_exp2 import random_qkv, reference64
 
 import wan_tpu
 from wan_tpu.layers import attention as attention_lib
 from wan_tpu.layers.attention import attention, reference_attention
-
-from test_splash_exp2 import random_qkv, reference64
-
 
 on_cpu = pytest.mark.skipif(jax.default_backend() != "cpu", reason="checks the CPU backend's choices")
 

@@ -19,8 +19,8 @@ import torch
 from safetensors.torch import load_file, save_file
 from transformers import CLIPTextConfig, CLIPTextModel, CLIPVisionConfig, CLIPVisionModel
 
-from wan_tpu.errors import WanInputError
 from wan_tpu.encoders.clip_loading import load_clip_text, load_clip_vision
+from wan_tpu.errors import WanInputError
 
 TOL = 1e-5
 VISION = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=4, image_size=32, patch_size=8)

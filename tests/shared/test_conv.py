@@ -7,8 +7,15 @@ import torch
 from flax import nnx
 
 from wan_tpu.errors import WanInputError
-from wan_tpu.layers.conv import (Conv, default_out_first, kernel_layout, out_first_kernels, spatial_first_shape,
-                                 spatial_to_out_first, torch_to_kernel)
+from wan_tpu.layers.conv import (
+    Conv,
+    default_out_first,
+    kernel_layout,
+    out_first_kernels,
+    spatial_first_shape,
+    spatial_to_out_first,
+    torch_to_kernel,
+)
 
 CASES = [  # kernel, stride, padding
     ((5,), 1, ((2, 2),)),

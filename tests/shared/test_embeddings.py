@@ -6,6 +6,7 @@ import numpy as np
 
 from wan_tpu.layers.embeddings import timestep_embedding
 
+
 def test_host_timesteps_are_embedded_in_float64():
     t = np.array([[1000.0, 908.8427124023438, 0.0]])
     ours = np.asarray(timestep_embedding(t, 256))

@@ -5,15 +5,14 @@ compiled Triton kernel need an NVIDIA GPU. Fresh random inputs each run; the see
 failure message.
 """
 
-import numpy as np
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
-
-from wan_tpu.layers.attention import attention
-from wan_tpu.kernels.flash_gpu import flash_attention, triton_attention
-
 from test_splash_exp2 import random_qkv, reference64
+
+from wan_tpu.kernels.flash_gpu import flash_attention, triton_attention
+from wan_tpu.layers.attention import attention
 
 TOL = {jnp.float32: 1e-5, jnp.bfloat16: 1e-2, jnp.float16: 1e-2}
 

@@ -7,8 +7,8 @@ import shutil
 
 import pytest
 
-from wan_tpu.loading import hub
 from wan_tpu.errors import WanInputError
+from wan_tpu.loading import hub
 from wan_tpu.wan.cli import main
 from wan_tpu.wan.pipeline import WanPipeline
 

@@ -17,8 +17,8 @@ from diffusers import WanImageToVideoPipeline
 from PIL import Image
 from transformers import CLIPImageProcessor, CLIPVisionConfig, CLIPVisionModel
 
-from wan_tpu.errors import WanInputError
 from wan_tpu.encoders.clip_image import CLIPImageEncoder, ImageProcessor
+from wan_tpu.errors import WanInputError
 
 TOL = 1e-5  # float32, absolute on O(1) hidden states
 LAYERS = 3

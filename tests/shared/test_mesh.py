@@ -8,8 +8,8 @@ import jax
 import pytest
 
 import wan_tpu
-from wan_tpu.parallel import mesh as mesh_lib
 from wan_tpu.errors import WanInputError
+from wan_tpu.parallel import mesh as mesh_lib
 
 MULTI_HOST_VARS = ("JAX_COORDINATOR_ADDRESS", "COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "NUM_PROCESSES",
                    "JAX_PROCESS_ID", "PROCESS_ID", "TPU_WORKER_HOSTNAMES", "TPU_PROCESS_ADDRESSES",

@@ -19,7 +19,6 @@ import numpy as np
 import pytest
 import torch
 
-from wan_tpu.errors import WanInputError
 from wan_tpu.encoders.openclip import (
     CLIP_MEAN,
     CLIP_STD,
@@ -33,6 +32,7 @@ from wan_tpu.encoders.openclip import (
     vision_config,
     write_tower,
 )
+from wan_tpu.errors import WanInputError
 
 TOL = 1e-5
 PROMPTS = [

@@ -10,9 +10,9 @@ import numpy as np
 import pytest
 from safetensors.numpy import save_file
 
-from wan_tpu.loading.checkpoint import TensorSource
 from wan_tpu.errors import WanInputError
 from wan_tpu.loading import params as param_loading
+from wan_tpu.loading.checkpoint import TensorSource
 from wan_tpu.loading.params import TRANSPOSE, Layout, StoredParam, load_params
 
 

@@ -10,9 +10,9 @@ turns the result NaN, and every test asserts the output is finite.
 
 import functools
 
-import numpy as np
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 from jax.experimental import pallas as pl
 

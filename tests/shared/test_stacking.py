@@ -9,8 +9,8 @@ from flax import nnx
 
 from wan_tpu.configs.matrix_game import get_variant
 from wan_tpu.configs.models import VARIANTS
-from wan_tpu.matrix_game.model import MatrixGameTransformer
 from wan_tpu.loading.stacking import eval_shape, stack_layers
+from wan_tpu.matrix_game.model import MatrixGameTransformer
 from wan_tpu.wan.transformer import WanTransformer
 
 BUILDS = {

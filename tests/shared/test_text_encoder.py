@@ -21,11 +21,11 @@ import torch
 from diffusers import WanPipeline
 from transformers import AutoTokenizer, UMT5Config, UMT5EncoderModel
 
-from wan_tpu.errors import WanInputError
 from wan_tpu.encoders import umt5
+from wan_tpu.encoders.tokenizers import TINY_VOCAB_SIZE, UMT5Tokenizer, tiny_hf_tokenizer, tiny_tokenizer
 from wan_tpu.encoders.umt5_loading import load_umt5
 from wan_tpu.encoders.umt5_text import UMT5TextEncoder, compile_encode
-from wan_tpu.encoders.tokenizers import TINY_VOCAB_SIZE, UMT5Tokenizer, tiny_hf_tokenizer, tiny_tokenizer
+from wan_tpu.errors import WanInputError
 
 TOL = 1e-5
 BF16_TOL = 6e-2

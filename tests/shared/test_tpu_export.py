@@ -19,9 +19,9 @@ from jax.sharding import PartitionSpec as P
 
 import wan_tpu
 from wan_tpu.configs.models import WanTransformerConfig
-from wan_tpu.wan.transformer import WanTransformer, forward
-from wan_tpu.wan.schedulers import FlowUniPCMultistep
 from wan_tpu.parallel.sharding import shard_transformer
+from wan_tpu.wan.schedulers import FlowUniPCMultistep
+from wan_tpu.wan.transformer import WanTransformer, forward
 
 LATENT = (3, 10, 14)  # patch (1, 2, 2) → 3·5·7 = 105 tokens
 TEXT_LEN = 512

@@ -15,14 +15,13 @@ import pytest
 import torch
 from diffusers import AutoencoderKLWan
 from diffusers.video_processor import VideoProcessor
+from flax import nnx
 
 from wan_tpu.configs.vae import VAE_PRESETS, WanVAEConfig, config_from_json
 from wan_tpu.errors import WanInputError
-from flax import nnx
-
 from wan_tpu.vae import model as vae_module
-from wan_tpu.vae.model import WanVAE, frames_to_uint8
 from wan_tpu.vae.loading import load_vae
+from wan_tpu.vae.model import WanVAE, frames_to_uint8
 
 PARITY_TOL = 1e-5  # max |ours - diffusers| / max |diffusers|, float32
 # (height, width) in pixels per variant: multiples of 16, not of 32

@@ -12,9 +12,9 @@ import time
 import pytest
 import safetensors.numpy
 
-from wan_tpu.wan import pipeline as pipeline_module
-from wan_tpu.loading.checkpoint import check_component
 from wan_tpu.errors import WanInputError
+from wan_tpu.loading.checkpoint import check_component
+from wan_tpu.wan import pipeline as pipeline_module
 from wan_tpu.wan.cli import main
 from wan_tpu.wan.pipeline import WanPipeline
 

@@ -12,17 +12,16 @@ import re
 import subprocess
 import sys
 import threading
-import urllib.request
 
 import numpy as np
 import pytest
 from safetensors.numpy import save_file
 
 from wan_tpu.errors import WanInputError
-from wan_tpu.unifolm.pipeline import MinMaxTable, UnifolmPipeline
-from wan_tpu.unifolm.cli import main
-from wan_tpu.unifolm.server import make_server
 from wan_tpu.runtime.video import read_video
+from wan_tpu.unifolm.cli import main
+from wan_tpu.unifolm.pipeline import MinMaxTable, UnifolmPipeline
+from wan_tpu.unifolm.server import make_server
 
 DOF = 7
 STEPS = ["--steps", "2"]

@@ -20,10 +20,10 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from wan_tpu.loading.checkpoint import open_component
-from wan_tpu.errors import WanInputError
-from wan_tpu.unifolm.autoencoder_kl_loading import load_autoencoder_kl
 from wan_tpu.encoders.openclip import OpenCLIPImageEncoder, OpenCLIPTextEncoder
+from wan_tpu.errors import WanInputError
+from wan_tpu.loading.checkpoint import open_component
+from wan_tpu.unifolm.autoencoder_kl_loading import load_autoencoder_kl
 from wan_tpu.unifolm.convert import convert, save_safetensors_shards
 
 ROOT = Path(__file__).resolve().parents[2]

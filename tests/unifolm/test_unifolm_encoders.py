@@ -18,8 +18,8 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from wan_tpu.unifolm.autoencoder_kl_loading import load_autoencoder_kl
 from wan_tpu.encoders.openclip import OpenCLIPImageEncoder, OpenCLIPTextEncoder
+from wan_tpu.unifolm.autoencoder_kl_loading import load_autoencoder_kl
 from wan_tpu.unifolm.convert import write_image_encoder, write_text_encoder, write_tokenizer, write_vae
 
 TOL = 1e-5

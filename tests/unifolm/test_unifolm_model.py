@@ -15,12 +15,13 @@ import os
 import jax.numpy as jnp
 import numpy as np
 import pytest
-
-from unifolm_golden import A, B, CLIP_DIM, D, IMG, LAT, MAP_SHAPES, T, assert_close, golden, jitted, write_tiny
+from unifolm_golden import CLIP_DIM, IMG, LAT, MAP_SHAPES, A, B, D, T, assert_close, golden, jitted, write_tiny
 from unifolm_weights import det
+
 from wan_tpu.configs.unifolm import CONFIGS, config_from_json, config_to_json
 from wan_tpu.errors import WanInputError
 from wan_tpu.unifolm.loading import load_unifolm
+
 
 @pytest.fixture
 def tiny(tiny_model):

@@ -18,13 +18,12 @@ import numpy as np
 import pytest
 import torch
 from flax import nnx
-
-from unifolm_golden import A, CLIP_DIM, D, IMG, LAT, T, assert_close, golden
+from unifolm_golden import CLIP_DIM, IMG, LAT, A, D, T, assert_close, golden
 from unifolm_weights import det
+
 from wan_tpu.configs.unifolm import CONFIGS
-from wan_tpu.unifolm.sampling import ddim_step, sample, schedule_tables
 from wan_tpu.unifolm.loading import load_unifolm
-from wan_tpu.unifolm.sampling import ddim_timesteps, head_alphas_cumprod
+from wan_tpu.unifolm.sampling import ddim_step, ddim_timesteps, head_alphas_cumprod, sample, schedule_tables
 
 
 @pytest.fixture

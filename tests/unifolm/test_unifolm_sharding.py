@@ -16,15 +16,15 @@ import pytest
 from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
-
-import wan_tpu
 from unifolm_golden import assert_close
 from unifolm_weights import det
+
+import wan_tpu
 from wan_tpu.configs.unifolm import CONFIGS
+from wan_tpu.parallel.sharding import describe_sharding
 from wan_tpu.unifolm.model import Conditions, abstract_unifolm, random_unifolm
 from wan_tpu.unifolm.sampling import ddim_step, schedule_tables
 from wan_tpu.unifolm.sharding import shard_unifolm
-from wan_tpu.parallel.sharding import describe_sharding
 
 CFG = CONFIGS["unifolm-tiny"]
 B, T, H = 2, 16, 16

@@ -9,8 +9,8 @@ import os
 import jax
 import numpy as np
 from flax import nnx
-
 from unifolm_weights import write_checkpoint
+
 from wan_tpu.configs.unifolm import CONFIGS, config_to_json
 
 DATA = os.path.join(os.path.dirname(__file__), os.pardir, "data")

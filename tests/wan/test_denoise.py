@@ -10,12 +10,12 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from wan_tpu.wan import denoise as denoise_lib
 from wan_tpu.configs.models import VARIANTS
-from wan_tpu.wan.denoise import Conditioning, NonFiniteLatentsError, denoise, expert_switch_index
-from wan_tpu.wan.transformer import WanTransformer
 from wan_tpu.loading.random_init import random_module
+from wan_tpu.wan import denoise as denoise_lib
+from wan_tpu.wan.denoise import Conditioning, NonFiniteLatentsError, denoise, expert_switch_index
 from wan_tpu.wan.schedulers import make_scheduler
+from wan_tpu.wan.transformer import WanTransformer
 
 CFG = VARIANTS["tiny"].transformer
 SHAPE = (1, 16, 2, 4, 6)

@@ -14,9 +14,9 @@ import sys
 import numpy as np
 import pytest
 
+from wan_tpu.runtime.video import read_video, write_video
 from wan_tpu.wan.cli import main
 from wan_tpu.wan.stages import load_stage
-from wan_tpu.runtime.video import read_video, write_video
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 FAST = ["--model", "tiny", "--steps", "2", "--quiet"]

@@ -180,8 +180,8 @@ def test_unload_refuses_a_checkpoint_changed_since_the_load(base, tmp_path):
 def test_unload_is_exact_for_a_model_not_loaded_from_a_checkpoint(tmp_path):
     """Presets and random models have no file to re-read: their touched weights are kept on the host."""
     from wan_tpu.configs.models import VARIANTS
-    from wan_tpu.wan.transformer import WanTransformer
     from wan_tpu.loading.random_init import random_module
+    from wan_tpu.wan.transformer import WanTransformer
 
     cfg = VARIANTS["tiny"].transformer
     dit = random_module(lambda: WanTransformer(cfg, dtype=jnp.bfloat16, rngs=nnx.Rngs(0)), 0)
@@ -353,8 +353,8 @@ def test_merged_weights_keep_their_sharding(base, tmp_path):
 
 def test_a14b_takes_one_lora_per_expert(tmp_path):
     from wan_tpu.configs.models import VARIANTS
-    from wan_tpu.wan.pipeline import WanPipeline
     from wan_tpu.configs.vae import TINY_VAE
+    from wan_tpu.wan.pipeline import WanPipeline
     from wan_tpu.wan.presets import save_diffusers_checkpoint
 
     cfg = VARIANTS["tiny"].transformer

@@ -16,12 +16,11 @@ import jax.numpy as jnp
 import pytest
 from flax import nnx
 
-from wan_tpu.runtime import memory as device_memory
-from wan_tpu.wan import memory
-from wan_tpu.wan import presets
 from wan_tpu.configs.models import VARIANTS
 from wan_tpu.configs.vae import VAE_PRESETS
 from wan_tpu.errors import WanInputError
+from wan_tpu.runtime import memory as device_memory
+from wan_tpu.wan import memory, presets
 from wan_tpu.wan.cli import main
 from wan_tpu.wan.pipeline import WanPipeline
 

@@ -5,10 +5,10 @@ with no counterpart get a one-line answer; `--help` lists every alias."""
 import numpy as np
 import pytest
 
+from wan_tpu.runtime.video import read_video
 from wan_tpu.wan.cli import build_parser, main
 from wan_tpu.wan.official import ALIASES
 from wan_tpu.wan.stages import load_stage
-from wan_tpu.runtime.video import read_video
 
 OURS = ["--model", "tiny", "--size", "32*48", "--frames", "5", "--steps", "3", "--shift", "4", "--guidance", "4",
         "--seed", "7", "--scheduler", "dpm++"]

@@ -18,10 +18,9 @@ import torch
 from PIL import Image
 
 from wan_tpu.configs.models import VARIANTS, WanTransformerConfig
-from wan_tpu.configs.vae import VAE_PRESETS
+from wan_tpu.configs.vae import TINY_VAE, VAE_PRESETS
 from wan_tpu.errors import WanInputError
 from wan_tpu.wan.pipeline import WanPipeline
-from wan_tpu.configs.vae import TINY_VAE
 from wan_tpu.wan.presets import save_diffusers_checkpoint
 
 TOL = 1e-4

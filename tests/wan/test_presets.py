@@ -15,10 +15,10 @@ import torch
 from flax import nnx
 
 from wan_tpu.configs.models import VARIANTS
-from wan_tpu.wan.pipeline import WanPipeline
-from wan_tpu.wan.presets import PRESETS, save_diffusers_checkpoint, tiny
 from wan_tpu.configs.vae import TINY_VAE
 from wan_tpu.loading.random_init import random_module
+from wan_tpu.wan.pipeline import WanPipeline
+from wan_tpu.wan.presets import PRESETS, save_diffusers_checkpoint, tiny
 
 
 def params(module):

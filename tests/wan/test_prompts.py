@@ -8,10 +8,10 @@ import os
 import numpy as np
 import pytest
 
+from wan_tpu.runtime.video import read_video
 from wan_tpu.wan import presets
 from wan_tpu.wan.cli import main
 from wan_tpu.wan.prompts import numbered_output, read_prompts
-from wan_tpu.runtime.video import read_video
 
 FAST = ["--model", "tiny", "--size", "32*32", "--frames", "5", "--steps", "2", "--quiet"]
 

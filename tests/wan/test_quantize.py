@@ -25,9 +25,9 @@ import wan_tpu
 from wan_tpu.configs.models import WanTransformerConfig
 from wan_tpu.errors import WanInputError
 from wan_tpu.layers.quantized import FORMATS, QuantizedLinear
-from wan_tpu.wan.transformer import WanTransformer, forward
-from wan_tpu.wan.quantize import BLOCK_LINEARS, ensure_unquantized, quantize_transformer, supported
 from wan_tpu.parallel.sharding import shard_transformer
+from wan_tpu.wan.quantize import BLOCK_LINEARS, ensure_unquantized, quantize_transformer, supported
+from wan_tpu.wan.transformer import WanTransformer, forward
 
 CFG = WanTransformerConfig(num_attention_heads=4, attention_head_dim=32, text_dim=32, freq_dim=32, ffn_dim=128,
                            num_layers=2, in_channels=8, out_channels=4, image_dim=24, added_kv_proj_dim=128)
@@ -168,9 +168,9 @@ def test_lora_on_a_quantised_dit_is_refused(tmp_path):
 
     from wan_tpu.configs.models import VARIANTS
     from wan_tpu.errors import WanInputError
-    from wan_tpu.wan.transformer import WanTransformer
     from wan_tpu.loading.random_init import random_module
     from wan_tpu.wan.quantize import quantize_transformer
+    from wan_tpu.wan.transformer import WanTransformer
 
     dit = random_module(lambda: WanTransformer(VARIANTS["tiny"].transformer, dtype=jnp.float32, rngs=nnx.Rngs(0)), 0)
     quantize_transformer(dit, "fp8")

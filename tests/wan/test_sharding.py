@@ -24,13 +24,12 @@ from diffusers import WanTransformer3DModel
 from flax import nnx
 from jax.sharding import AbstractMesh, NamedSharding
 from jax.sharding import PartitionSpec as P
+from test_transformer import randomize_
 
 import wan_tpu
 from wan_tpu.configs.models import VARIANTS, WanTransformerConfig
 from wan_tpu.errors import WanInputError
 from wan_tpu.layers.attention import reference_attention
-from wan_tpu.wan.transformer import WanTransformer, forward
-from wan_tpu.wan.transformer_loading import load_transformer
 from wan_tpu.parallel.sharding import (
     ShardedAttention,
     describe_sharding,
@@ -41,8 +40,8 @@ from wan_tpu.parallel.sharding import (
     place_param,
     shard_transformer,
 )
-
-from test_transformer import randomize_
+from wan_tpu.wan.transformer import WanTransformer, forward
+from wan_tpu.wan.transformer_loading import load_transformer
 
 TOL = 1e-5
 

@@ -13,8 +13,8 @@ import safetensors.torch
 import torch
 from safetensors import safe_open
 
-from wan_tpu.wan import stages
 from wan_tpu.errors import WanInputError
+from wan_tpu.wan import stages
 from wan_tpu.wan.stages import FORMAT, StageMeta, config_hash, load_stage, save_stage
 
 META = StageMeta(

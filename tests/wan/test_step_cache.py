@@ -21,14 +21,14 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from wan_tpu.wan import denoise as denoise_lib
-from wan_tpu.wan import step_cache
 from wan_tpu.configs import step_cache as tables
 from wan_tpu.configs.models import VARIANTS
-from wan_tpu.wan.denoise import Conditioning, denoise, expert_switch_index
-from wan_tpu.wan.transformer import WanTransformer
 from wan_tpu.loading.random_init import random_module
+from wan_tpu.wan import denoise as denoise_lib
+from wan_tpu.wan import step_cache
+from wan_tpu.wan.denoise import Conditioning, denoise, expert_switch_index
 from wan_tpu.wan.schedulers import make_scheduler
+from wan_tpu.wan.transformer import WanTransformer
 
 CFG = VARIANTS["tiny"].transformer
 SHAPE = (1, 16, 2, 4, 6)
@@ -350,13 +350,13 @@ def test_cached_step_exports_for_tpu():
     decision is device code, with no host callback."""
     import functools
 
-    import wan_tpu
     from jax.sharding import NamedSharding
     from jax.sharding import PartitionSpec as P
 
+    import wan_tpu
     from wan_tpu.configs.models import WanTransformerConfig
-    from wan_tpu.wan.schedulers import FlowUniPCMultistep
     from wan_tpu.parallel.sharding import shard_transformer
+    from wan_tpu.wan.schedulers import FlowUniPCMultistep
 
     cfg = WanTransformerConfig(num_attention_heads=8, attention_head_dim=128, text_dim=64, freq_dim=32, ffn_dim=512,
                                num_layers=3)

@@ -16,9 +16,9 @@ import numpy as np
 import pytest
 
 import wan_tpu
+from wan_tpu.errors import WanInputError
 from wan_tpu.runtime import compile_ahead as warmup
 from wan_tpu.wan import memory as wan_memory
-from wan_tpu.errors import WanInputError
 
 # A size no other test uses, so this process has compiled none of its programs before.
 RUN = dict(height=48, width=80, num_frames=9, num_inference_steps=3, guidance_scale=4.0, seed=5)

@@ -30,8 +30,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from wan_tpu.loading.checkpoint import require_file
 from wan_tpu.errors import WanInputError
+from wan_tpu.loading.checkpoint import require_file
 
 CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
 CLIP_STD = (0.26862954, 0.26130258, 0.27577711)

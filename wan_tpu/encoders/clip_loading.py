@@ -24,9 +24,9 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from wan_tpu.loading.checkpoint import open_checkpoint, read_config
-from wan_tpu.errors import WanInputError
 from wan_tpu.encoders.clip import CLIPTextConfig, CLIPTextTransformer, CLIPVisionConfig, CLIPVisionTransformer
+from wan_tpu.errors import WanInputError
+from wan_tpu.loading.checkpoint import open_checkpoint, read_config
 from wan_tpu.loading.params import Layout, StoredParam, load_params
 
 _LAYERS = ("encoder", "layers")

@@ -38,8 +38,8 @@ import numpy as np
 import regex
 from flax import nnx
 
-from wan_tpu.loading.checkpoint import require_file
 from wan_tpu.errors import WanInputError
+from wan_tpu.loading.checkpoint import require_file
 
 try:  # open_clip's tokenizer fixes mojibake with ftfy; so do we when it is installed.
     import ftfy
@@ -180,8 +180,8 @@ class OpenCLIPTextEncoder:
 
     @classmethod
     def from_pretrained(cls, folder, tokenizer_folder, dtype=jnp.float32, mesh=None) -> OpenCLIPTextEncoder:
-        from wan_tpu.encoders.clip_tokenizer import CLIPBPETokenizer
         from wan_tpu.encoders.clip_loading import load_clip_text
+        from wan_tpu.encoders.clip_tokenizer import CLIPBPETokenizer
 
         require_file(folder, "config.json", "text_encoder")
         require_file(tokenizer_folder, "tokenizer_config.json", "tokenizer")

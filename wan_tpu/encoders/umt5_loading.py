@@ -21,10 +21,10 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from wan_tpu.loading.checkpoint import TensorSource, open_checkpoint
-from wan_tpu.errors import WanInputError
-from wan_tpu.loading.params import Layout, StoredParam, load_params
 from wan_tpu.encoders.umt5 import UMT5Config, UMT5Embedding, UMT5Encoder
+from wan_tpu.errors import WanInputError
+from wan_tpu.loading.checkpoint import TensorSource, open_checkpoint
+from wan_tpu.loading.params import Layout, StoredParam, load_params
 
 # Our block submodules → transformers' (`encoder.block.{i}.` + this).
 _BLOCK_MODULES = {

@@ -67,9 +67,9 @@ class UMT5TextEncoder:
     @classmethod
     def from_pretrained(cls, text_encoder_dir, tokenizer_dir, dtype=jnp.bfloat16, mesh=None) -> UMT5TextEncoder:
         """diffusers' Wan layout: `text_encoder/` (weights, sharded by the `umt5` rules) and `tokenizer/`."""
+        from wan_tpu.encoders.tokenizers import UMT5Tokenizer
         from wan_tpu.encoders.umt5 import UMT5Config
         from wan_tpu.encoders.umt5_loading import load_umt5
-        from wan_tpu.encoders.tokenizers import UMT5Tokenizer
 
         UMT5Config.from_folder(text_encoder_dir)  # a missing config.json is named before the tokenizer is read
         tokenizer = UMT5Tokenizer.from_folder(tokenizer_dir, MAX_SEQUENCE_LENGTH)

@@ -158,7 +158,7 @@ def _check(stop: threading.Event) -> None:
 
 def _condition(pipe, abstract, stop) -> None:
     """`ImageCondition.encode`'s programs, in the order it calls them."""
-    from wan_tpu.matrix_game.condition import GRAY_RUN, gray_latents, normalized_latents, start_latents, gray_frame_shape
+    from wan_tpu.matrix_game.condition import GRAY_RUN, gray_frame_shape, gray_latents, normalized_latents, start_latents
 
     def vae():
         return abstract("vae")

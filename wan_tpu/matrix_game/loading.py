@@ -27,14 +27,14 @@ from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from wan_tpu.loading import stacking
-from wan_tpu.loading.checkpoint import TensorSource
 from wan_tpu.configs.matrix_game import MatrixGameTransformerConfig, config_from_json, get_variant
 from wan_tpu.errors import WanInputError
-from wan_tpu.matrix_game.cache import MatrixGameCache
-from wan_tpu.matrix_game.model import MatrixGameTransformer
+from wan_tpu.loading import stacking
+from wan_tpu.loading.checkpoint import TensorSource
 from wan_tpu.loading.params import TRANSPOSE, Layout, StoredParam, load_params
 from wan_tpu.loading.wan_names import diffusers_name, diffusers_to_original_wan, original_wan_to_diffusers
+from wan_tpu.matrix_game.cache import MatrixGameCache
+from wan_tpu.matrix_game.model import MatrixGameTransformer
 
 PREFIX = "model."
 # Our action-module submodules → the authors' (`nn.Sequential` indices).

@@ -40,9 +40,9 @@ from wan_tpu.layers.dit import WanAttention, WanImageEmbedding, default_attentio
 from wan_tpu.layers.embeddings import FeedForward, TimestepEmbedding, linear, timestep_embedding
 from wan_tpu.layers.norms import FP32LayerNorm, layer_norm
 from wan_tpu.layers.rope import rope_tables
+from wan_tpu.loading.stacking import stack_layers
 from wan_tpu.matrix_game.action_module import ActionModule
 from wan_tpu.matrix_game.cache import BlockCache, KVCache, MatrixGameCache, ring_write, valid_window_frames
-from wan_tpu.loading.stacking import stack_layers
 
 # The authors' RoPE table (`rope_params(1024, …)`) covers 1024 latent frames.
 MAX_FRAMES = 1024

@@ -68,12 +68,11 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from wan_tpu.matrix_game import actions
 from wan_tpu.configs.matrix_game import MATRIX_GAME_VARIANTS, MatrixGameVariant, get_variant
 from wan_tpu.errors import WanInputError
+from wan_tpu.matrix_game import actions
 from wan_tpu.matrix_game.condition import CONDITION_FRAMES, ImageCondition
-from wan_tpu.matrix_game.programs import (MASK_CHANNELS, action_windows, cache_program, chunk_args,  # noqa: F401
-                                          chunk_program, seed_of, stream_key)
+from wan_tpu.matrix_game.programs import MASK_CHANNELS, action_windows, cache_program, chunk_args, chunk_program, seed_of, stream_key  # noqa: F401
 from wan_tpu.runtime import compile_cache
 from wan_tpu.runtime.compile_cache import in_pipeline_choice
 from wan_tpu.runtime.profiling import scope
@@ -536,11 +535,11 @@ def _tiny(dtype, vae_dtype, attention, compile_cache: bool | None = None, mesh=N
     """The `matrix-game-tiny` preset: random weights from fixed seeds (see `wan_tpu.loading.random_init.random_module`).
     One pipeline per setting (the compile-cache choice and mesh included) and process, so its compiled
     chunk programs serve every later request."""
+    from wan_tpu.configs.vae import TINY_VAE
     from wan_tpu.encoders.clip import CLIPVisionConfig, CLIPVisionTransformer, random_clip
+    from wan_tpu.loading.random_init import TINY_SEED, random_module
     from wan_tpu.matrix_game.model import MatrixGameTransformer
     from wan_tpu.vae.model import WanVAE
-    from wan_tpu.loading.random_init import TINY_SEED, random_module
-    from wan_tpu.configs.vae import TINY_VAE
 
     variant = get_variant(PRESET)
     # The penultimate hidden state: the tower without its last block.

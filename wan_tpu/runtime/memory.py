@@ -4,8 +4,6 @@ command line claims. The per-stage working-set estimates of a family live with i
 
 from __future__ import annotations
 
-
-
 GiB = 2**30
 
 

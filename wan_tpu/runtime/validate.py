@@ -13,15 +13,15 @@ second.
 
 from __future__ import annotations
 
-import json
 import importlib.util
+import json
 import os
 import tempfile
 
 import numpy as np
 
-from wan_tpu.loading.checkpoint import check_component
 from wan_tpu.errors import WanInputError
+from wan_tpu.loading.checkpoint import check_component
 
 # Files a tokenizer/ folder needs: its config and one vocabulary (fast tokenizer JSON or sentencepiece).
 _TOKENIZER_VOCABS = ("tokenizer.json", "spiece.model")

@@ -14,8 +14,8 @@ import warnings
 
 import numpy as np
 
-from wan_tpu.runtime import interrupt
 from wan_tpu.errors import WanInputError
+from wan_tpu.runtime import interrupt
 from wan_tpu.runtime.validate import check_output
 
 

@@ -20,9 +20,9 @@ import numpy as np
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
-from wan_tpu.loading.checkpoint import open_checkpoint
 from wan_tpu.configs.autoencoder_kl import config_from_json
 from wan_tpu.errors import WanInputError
+from wan_tpu.loading.checkpoint import open_checkpoint
 from wan_tpu.unifolm.autoencoder_kl import AutoencoderKL
 from wan_tpu.unifolm.model import KeyCounter  # nnx.Rngs' traced counter makes eval_shape quadratic
 

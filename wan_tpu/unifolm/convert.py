@@ -41,10 +41,10 @@ from __future__ import annotations
 
 import json
 import os
-import time
 import pickle
 import re
 import shutil
+import time
 import zipfile
 
 import numpy as np

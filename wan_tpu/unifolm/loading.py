@@ -30,10 +30,10 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from wan_tpu.loading.checkpoint import open_component
 from wan_tpu.configs.unifolm import config_from_json
 from wan_tpu.errors import WanInputError
 from wan_tpu.layers.conv import kernel_layout, out_first_kernels, torch_to_kernel
+from wan_tpu.loading.checkpoint import open_component
 from wan_tpu.unifolm.model import UnifolmWMA, abstract_unifolm
 
 # Our module path → the authors' (applied in order, each once, to the dotted module path).

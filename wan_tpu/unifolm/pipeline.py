@@ -46,10 +46,9 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from wan_tpu.runtime import interrupt
-from wan_tpu.runtime import executable_cache
-from wan_tpu.runtime.compile_cache import in_pipeline_choice
 from wan_tpu.errors import WanInputError
+from wan_tpu.runtime import executable_cache, interrupt
+from wan_tpu.runtime.compile_cache import in_pipeline_choice
 from wan_tpu.unifolm import presets
 
 PRESETS = tuple(presets.PRESETS)  # "unifolm-tiny", "unifolm-tiny-base"

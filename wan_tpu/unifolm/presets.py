@@ -29,8 +29,8 @@ def tiny_image_tower(image_width: int, seed: int = TINY_SEED):
 def tiny_text_tower(text_width: int, seed: int = TINY_SEED):
     """A random one-block OpenCLIP text tower (float32, drawn by `random_clip` from `seed`) + the tiny CLIP
     tokenizer."""
-    from wan_tpu.encoders.clip_tokenizer import tiny_clip_tokenizer
     from wan_tpu.encoders.clip import CLIPTextTransformer, random_clip
+    from wan_tpu.encoders.clip_tokenizer import tiny_clip_tokenizer
     from wan_tpu.encoders.openclip import OpenCLIPTextEncoder, text_config
 
     tokenizer = tiny_clip_tokenizer()

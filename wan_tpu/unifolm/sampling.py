@@ -26,9 +26,9 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from wan_tpu.runtime import executable_cache
 from wan_tpu.configs.unifolm import UnifolmConfig
 from wan_tpu.errors import WanInputError
+from wan_tpu.runtime import executable_cache
 from wan_tpu.unifolm.model import Conditions
 
 

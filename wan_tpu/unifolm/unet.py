@@ -29,8 +29,7 @@ from wan_tpu.errors import WanInputError
 from wan_tpu.layers import attention as attention_lib
 from wan_tpu.layers.embeddings import TimestepEmbedding, timestep_embedding
 from wan_tpu.layers.norms import GroupNorm
-from wan_tpu.unifolm.blocks import (Downsample, ResBlock, SpatialTransformer, TemporalTransformer, Upsample,
-                                           conv)
+from wan_tpu.unifolm.blocks import Downsample, ResBlock, SpatialTransformer, TemporalTransformer, Upsample, conv
 from wan_tpu.unifolm.heads import ConditionalUnet1D
 from wan_tpu.unifolm.perceiver import Perceiver
 

@@ -18,9 +18,9 @@ import numpy as np
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
-from wan_tpu.loading.checkpoint import open_checkpoint, read_config
 from wan_tpu.configs.vae import WanVAEConfig, config_from_json
 from wan_tpu.errors import WanInputError
+from wan_tpu.loading.checkpoint import open_checkpoint, read_config
 from wan_tpu.loading.params import Layout, StoredParam, load_params
 from wan_tpu.vae.model import WanVAE, width_mesh
 

@@ -32,9 +32,9 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from wan_tpu.errors import NonFiniteError
 from wan_tpu.runtime import interrupt
+from wan_tpu.runtime.profiling import scope
 from wan_tpu.wan import step_cache
 from wan_tpu.wan.transformer import forward
-from wan_tpu.runtime.profiling import scope
 
 
 class NonFiniteLatentsError(NonFiniteError):

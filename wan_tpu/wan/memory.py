@@ -46,6 +46,7 @@ from wan_tpu.errors import WanInputError
 from wan_tpu.loading import stacking
 from wan_tpu.runtime.memory import GiB, available_bytes
 
+
 @dataclass(frozen=True)
 class Layout:
     """How a run spreads over devices: mesh axis sizes (1 each without a mesh) and the platform."""

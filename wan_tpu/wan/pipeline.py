@@ -41,20 +41,18 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from wan_tpu.wan import conditioning
-from wan_tpu.runtime import interrupt
-from wan_tpu.runtime.compile_cache import in_pipeline_choice
 from wan_tpu.configs.models import WanVariant, config_to_json
 from wan_tpu.configs.vae import WanVAEConfig
-from wan_tpu.wan.denoise import Conditioning, denoise
 from wan_tpu.errors import WanInputError
-from wan_tpu.vae.model import frames_to_uint8
+from wan_tpu.runtime import interrupt
+from wan_tpu.runtime.compile_cache import in_pipeline_choice
 from wan_tpu.runtime.profiling import scope
+from wan_tpu.vae.model import frames_to_uint8
+from wan_tpu.wan import conditioning, presets
+from wan_tpu.wan.denoise import Conditioning, denoise
 from wan_tpu.wan.schedulers import make_custom_scheduler, make_scheduler
-from wan_tpu.wan import presets
 from wan_tpu.wan.settings import RunSettings, model_parts, resolve_settings, resolve_variant
 from wan_tpu.wan.transformer import set_attention
-
 
 STAGES = ("text", "image", "denoise", "decode")
 

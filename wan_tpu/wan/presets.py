@@ -24,11 +24,10 @@ from wan_tpu.loading.random_init import TINY_SEED, random_module
 from wan_tpu.wan.transformer import set_attention
 
 
-
 def tiny_umt5_config(d_model: int):
     """The tiny preset's 2-layer UMT5 (`wan_tpu.encoders.umt5.UMT5Config`) over the tiny tokenizer's vocabulary."""
-    from wan_tpu.encoders.umt5 import UMT5Config
     from wan_tpu.encoders.tokenizers import TINY_VOCAB_SIZE
+    from wan_tpu.encoders.umt5 import UMT5Config
 
     return UMT5Config(vocab_size=TINY_VOCAB_SIZE, d_model=d_model, d_kv=16, d_ff=64, num_layers=2, num_heads=2,
                       relative_attention_num_buckets=8, relative_attention_max_distance=32)
@@ -80,25 +79,25 @@ def tiny(pipeline_class, dtype=jnp.bfloat16, mesh=None, attention=None, vae_dtyp
     variant = VARIANTS["tiny"]
 
     def transformer():
-        from wan_tpu.wan.transformer import WanTransformer
-
         from flax import nnx
+
+        from wan_tpu.wan.transformer import WanTransformer
 
         dit = random_module(lambda: WanTransformer(variant.transformer, dtype=dtype, rngs=nnx.Rngs(0)), seed)
         return set_attention(dit, attention, mesh)
 
     def vae():
-        from wan_tpu.vae.model import WanVAE
-
         from flax import nnx
+
+        from wan_tpu.vae.model import WanVAE
 
         model = random_module(lambda: WanVAE(TINY_VAE, dtype=vae_dtype, rngs=nnx.Rngs(0)), seed + 1)
         model.mesh = mesh
         return model
 
     def text_encoder():
-        from wan_tpu.encoders.umt5_text import UMT5TextEncoder
         from wan_tpu.encoders.tokenizers import tiny_tokenizer
+        from wan_tpu.encoders.umt5_text import UMT5TextEncoder
 
         model, embed_tokens = tiny_umt5(variant.transformer.text_dim, dtype, seed + 2)
         if mesh is not None:

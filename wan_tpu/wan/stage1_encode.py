@@ -10,9 +10,20 @@ output.
 """
 
 from wan_tpu.runtime.cli import CliParser, run_cli
-from wan_tpu.runtime.validate import check_output
-from wan_tpu.wan.cli import add_model_args, add_prompt_args, add_run_args, check_jobs, encode_stage, load_pipeline, resolve_defaults, run_settings, single_job, stage1_meta
 from wan_tpu.runtime.profiling import StageTimer
+from wan_tpu.runtime.validate import check_output
+from wan_tpu.wan.cli import (
+    add_model_args,
+    add_prompt_args,
+    add_run_args,
+    check_jobs,
+    encode_stage,
+    load_pipeline,
+    resolve_defaults,
+    run_settings,
+    single_job,
+    stage1_meta,
+)
 
 
 def run(args):

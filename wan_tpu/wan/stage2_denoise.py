@@ -10,9 +10,21 @@ existing output.
 """
 
 from wan_tpu.runtime.cli import CliParser, run_cli
-from wan_tpu.runtime.validate import check_output
-from wan_tpu.wan.cli import add_adapter_args, add_denoise_args, add_model_args, add_run_args, denoise_stage, load_pipeline, report, resolve_defaults, run_settings, stage1_expect, stage2_meta
 from wan_tpu.runtime.profiling import StageTimer, trace
+from wan_tpu.runtime.validate import check_output
+from wan_tpu.wan.cli import (
+    add_adapter_args,
+    add_denoise_args,
+    add_model_args,
+    add_run_args,
+    denoise_stage,
+    load_pipeline,
+    report,
+    resolve_defaults,
+    run_settings,
+    stage1_expect,
+    stage2_meta,
+)
 
 
 def run(args):

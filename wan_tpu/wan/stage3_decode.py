@@ -10,9 +10,9 @@ replaces an existing output.
 
 from wan_tpu.errors import WanInputError
 from wan_tpu.runtime.cli import CliParser, run_cli
+from wan_tpu.runtime.profiling import StageTimer
 from wan_tpu.runtime.validate import check_output
 from wan_tpu.wan.cli import add_model_args, decode_stage, load_pipeline, resolve_defaults, run_settings, stage3_expect
-from wan_tpu.runtime.profiling import StageTimer
 
 
 def run(args):

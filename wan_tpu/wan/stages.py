@@ -29,9 +29,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from wan_tpu.runtime import interrupt
-from wan_tpu.loading.checkpoint import SAFETENSORS_DTYPES, TensorSource, read_metadata
 from wan_tpu.errors import WanInputError
+from wan_tpu.loading.checkpoint import SAFETENSORS_DTYPES, TensorSource, read_metadata
+from wan_tpu.runtime import interrupt
 
 FORMAT = "wan_tpu.stage/1"
 _DTYPE_NAMES = {np.dtype(t): name for name, t in SAFETENSORS_DTYPES.items()}

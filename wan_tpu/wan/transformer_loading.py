@@ -17,10 +17,10 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from wan_tpu.loading import stacking
-from wan_tpu.loading.checkpoint import open_checkpoint
 from wan_tpu.configs.models import config_from_json
 from wan_tpu.errors import WanInputError
+from wan_tpu.loading import stacking
+from wan_tpu.loading.checkpoint import open_checkpoint
 from wan_tpu.loading.params import load_params
 from wan_tpu.wan.transformer import WanTransformer
 from wan_tpu.wan.weights import CheckpointOrigin, ParamSource, record_checkpoint_origin
