@@ -12,7 +12,7 @@ if "--xla_force_host_platform_device_count" not in os.environ["XLA_FLAGS"]:
     os.environ["XLA_FLAGS"] += " --xla_force_host_platform_device_count=8"
 
 # The persistent compilation cache is on by default (wan_tpu.runtime.compile_cache): tests keep theirs in a
-# folder of their own per process, not in the user's ~/.cache.
+# folder of their own per test run (the xdist workers share it), not in the user's ~/.cache.
 if "WAN_TPU_CACHE_DIR" not in os.environ:
     import atexit
     import shutil

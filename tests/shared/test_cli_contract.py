@@ -19,9 +19,12 @@ import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-WAN = ["-m", "wan_tpu.generate", "--prompt", "a cat", "--size", "32*32", "--frames", "5", "--steps", "2", "--quiet"]
-MG = ["-m", "wan_tpu.matrix_game", "--image", "img.png", "--random-actions", "--frames", "9", "--quiet"]
-UNI = ["-m", "wan_tpu.unifolm", "--mode", "decision", "--observation", "obs.npz", "--steps", "2", "--quiet"]
+# The README's preset commands (the same programs: whichever test runs first fills the shared compile cache).
+WAN = ["-m", "wan_tpu.generate", "--model", "tiny", "--prompt", "a cat walks on the grass", "--quiet"]
+MG = ["-m", "wan_tpu.matrix_game", "--model", "matrix-game-tiny", "--image", "img.png", "--random-actions", "--frames", "33",
+      "--quiet"]
+UNI = ["-m", "wan_tpu.unifolm", "--model", "unifolm-tiny", "--mode", "decision", "--observation", "obs.npz", "--steps", "2",
+       "--quiet"]
 UNI_WORLD = ["-m", "wan_tpu.unifolm", "--mode", "world", "--observation", "obs.npz", "--steps", "2", "--quiet"]
 
 
@@ -80,8 +83,8 @@ PROBES = [
     ("wan model", WAN + ["--model", "nowhere"], "preset"),
     # Matrix-Game-2
     ("mg image", MG + ["--image", "missing.png"], "--image"),
-    ("mg mouse 1e30", MG[:4] + ["--actions", "big_mouse.json", "--quiet"], "outside"),
-    ("mg mouse NaN", MG[:4] + ["--actions", "nan_mouse.json", "--quiet"], "NaN"),
+    ("mg mouse 1e30", MG[:6] + ["--actions", "big_mouse.json", "--quiet"], "outside"),
+    ("mg mouse NaN", MG[:6] + ["--actions", "nan_mouse.json", "--quiet"], "NaN"),
     ("mg frames 0", MG + ["--frames", "0"], "--frames"),
     ("mg frames 10", MG + ["--frames", "10"], "12n-3"),
     ("mg output in /sys", MG + ["--output", "/sys/x.mp4"], "cannot write"),
@@ -97,8 +100,8 @@ PROBES = [
     ("unifolm eta -1", UNI + ["--eta", "-1"], "--eta"),
     ("unifolm eta 2", UNI + ["--eta", "2"], "--eta"),
     ("unifolm iterations 0", UNI[:2] + ["--mode", "interact", "--observation", "obs.npz", "--iterations", "0"], "--iterations"),
-    ("unifolm NaN state", UNI[:4] + ["--observation", "nan_obs.npz"], "NaN"),
-    ("unifolm NaN state json", UNI[:4] + ["--observation", "obs_nan.json"], "NaN"),
+    ("unifolm NaN state", UNI[:6] + ["--observation", "nan_obs.npz"], "NaN"),
+    ("unifolm NaN state json", UNI[:6] + ["--observation", "obs_nan.json"], "NaN"),
     ("unifolm NaN action", UNI_WORLD + ["--actions", "nan_actions.npz"], "NaN"),
     ("unifolm dof", UNI_WORLD + ["--actions", "actions8.npz"], "dof"),
     ("unifolm actions outside world", UNI + ["--actions", "actions8.npz"], "--actions"),
@@ -110,7 +113,7 @@ PROBES = [
     ("unifolm mesh", UNI + ["--mesh", "1,2"], "dp,sp,tp"),
     ("unifolm generate with heads", UNI[:2] + ["--mode", "generate", "--observation", "obs.npz", "--steps", "2"],
      "--mode decision or world"),
-    ("unifolm observation missing", UNI[:4] + ["--observation", "missing.npz"], "does not exist"),
+    ("unifolm observation missing", UNI[:6] + ["--observation", "missing.npz"], "does not exist"),
 ]
 
 

@@ -43,6 +43,25 @@ def test_python_api_snippet_runs_as_written(tmp_path):
     assert sorted(os.listdir(tmp_path)) == ["clip_0.mp4", "clip_1.mp4"]
 
 
+def test_unifolm_python_snippet_runs_as_written(tmp_path):
+    """The UnifoLM-WMA API, whole calls and stage by stage, on the unifolm-tiny preset."""
+    (snippet,) = blocks(section("UnifoLM-WMA (robot world model + actions)"), "python")
+    checks = ("\nassert out.video.shape == (16, 128, 128, 3) and out.actions.shape == (16, 7)"
+              "\nassert sim.states.shape == (16, 7) and len(episode.decisions) == 1"
+              "\nassert video.shape == (1, 3, 16, 128, 128) and np.isfinite(np.asarray(video)).all()")
+    proc = subprocess.run([sys.executable, "-c", snippet + checks], cwd=tmp_path, capture_output=True, text=True,
+                          timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+
+
+def test_matrix_game_python_snippet_runs_as_written(tmp_path):
+    (snippet,) = blocks(section("Matrix-Game-2: playing from an image"), "python")
+    checks = "\nassert video.shape[0] == 21 and video.dtype == np.uint8 and frames.shape[0] == 9"
+    proc = subprocess.run([sys.executable, "-c", snippet + checks], cwd=tmp_path, capture_output=True, text=True,
+                          timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+
+
 def _process(command: str) -> list[str] | None:
     """The process a command line starts, with this interpreter: a console script as its wrapper runs it
     (`sys.exit(func())` of its `pyproject.toml` target), `python ...` as it is; None: a shell line."""
@@ -66,7 +85,7 @@ def _run(command: str, cwd) -> None:
 
 def _needs_download(command: str) -> bool:
     argv = shlex.split(command, comments=True)
-    if argv[0] in ("pip", "hf") or argv[0].startswith("wan-convert-") or argv[1:3] == ["-m", "pytest"]:
+    if argv[0] in ("pip", "hf", "ruff") or argv[0].startswith("wan-convert-") or argv[1:3] == ["-m", "pytest"]:
         return True
     models = [argv[i + 1] for i, a in enumerate(argv[:-1]) if a in ("--model", "--ckpt_dir")]
     return any(m not in PRESETS for m in models)
