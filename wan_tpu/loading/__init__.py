@@ -1,0 +1,1 @@
+"""Checkpoint reading, parameter placement and stacking, model ids, seeded random weights, Wan parameter names."""

@@ -1,0 +1,1 @@
+"""Device meshes, the regex sharding rules applied to parameters, and sharded attention."""

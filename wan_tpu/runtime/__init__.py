@@ -1,0 +1,1 @@
+"""What every command and pipeline runs on: caches, compile-ahead, memory, interrupts, validation, media, the CLI harness."""
