@@ -6,16 +6,24 @@ elsewhere with that reason.
 """
 
 import os
+import shutil
 
+# On the CPU, LLVM's optimisation of the compiled programs is most of this suite's time (about half of
+# a compile-heavy test's CPU seconds); the tests check results, not speed, so they compile at LLVM's
+# lowest level. A subprocess that wants one device sets `XLA_FLAGS=ONE_DEVICE_XLA_FLAGS` (this
+# environment variable), keeping these flags. Left alone on a GPU machine, whose tests may time kernels.
+FAST_COMPILE = "" if shutil.which("nvidia-smi") else "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
+os.environ["ONE_DEVICE_XLA_FLAGS"] = FAST_COMPILE
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 if "--xla_force_host_platform_device_count" not in os.environ["XLA_FLAGS"]:
     os.environ["XLA_FLAGS"] += " --xla_force_host_platform_device_count=8"
+if FAST_COMPILE and "--xla_backend_optimization_level" not in os.environ["XLA_FLAGS"]:
+    os.environ["XLA_FLAGS"] += " " + FAST_COMPILE
 
 # The persistent compilation cache is on by default (wan_tpu.runtime.compile_cache): tests keep theirs in a
 # folder of their own per test run (the xdist workers share it), not in the user's ~/.cache.
 if "WAN_TPU_CACHE_DIR" not in os.environ:
     import atexit
-    import shutil
     import tempfile
 
     os.environ["WAN_TPU_CACHE_DIR"] = tempfile.mkdtemp(prefix="wan_tpu_test_cache_")

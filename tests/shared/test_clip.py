@@ -138,7 +138,7 @@ def test_sharded_on_8_devices_equals_unsharded(tmp_path):
             assert err <= {TOL}, err
         print("ok")
     """)
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8", "JAX_PLATFORMS": "cpu"}
+    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
     result = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0 and "ok" in result.stdout, result.stderr[-2000:]
 

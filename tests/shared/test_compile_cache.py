@@ -53,7 +53,7 @@ def _generate(tmp_path, name, *extra):
     """One tiny `generate` in a fresh process with the cache under $XDG_CACHE_HOME; (stdout+stderr, latents)."""
     env = {k: v for k, v in os.environ.items() if k not in ("WAN_TPU_CACHE_DIR", "JAX_COMPILATION_CACHE_DIR")}
     env["XDG_CACHE_HOME"] = str(tmp_path / "xdg")
-    env.pop("XLA_FLAGS", None)  # one CPU device, as a user runs it
+    env["XLA_FLAGS"] = os.environ["ONE_DEVICE_XLA_FLAGS"]  # one CPU device, as a user runs it
     stages = tmp_path / name
     argv = [sys.executable, "-m", "wan_tpu.generate", "--model", "tiny", "--prompt", "a cat", "--size", "32*32",
             "--frames", "5", "--steps", "2", "--quiet", "--output", str(tmp_path / f"{name}.mp4"),

@@ -30,7 +30,7 @@ def _spawn(args, env=None):
     SIGTERM at their defaults. Handlers are reset by exec; only an ignored signal is inherited, so
     an ignored one is set to the default while the child starts."""
     env = {**os.environ, **(env or {})}
-    env.pop("XLA_FLAGS", None)  # one CPU device, as a user's machine has
+    env["XLA_FLAGS"] = os.environ["ONE_DEVICE_XLA_FLAGS"]  # one CPU device, as a user's machine has
     ignored = [s for s in (signal.SIGINT, signal.SIGTERM) if signal.getsignal(s) is signal.SIG_IGN]
     for s in ignored:
         signal.signal(s, signal.SIG_DFL)

@@ -36,7 +36,7 @@ def blocks(text: str, language: str) -> list[str]:
 
 def test_python_api_snippet_runs_as_written(tmp_path):
     (snippet,) = blocks(section("Python API"), "python")
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # one CPU device
+    env = {**os.environ, "XLA_FLAGS": os.environ["ONE_DEVICE_XLA_FLAGS"]}  # one CPU device
     proc = subprocess.run([sys.executable, "-c", snippet], cwd=tmp_path, env=env, capture_output=True, text=True,
                           timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -76,7 +76,7 @@ def _process(command: str) -> list[str] | None:
 
 
 def _run(command: str, cwd) -> None:
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # one CPU device
+    env = {**os.environ, "XLA_FLAGS": os.environ["ONE_DEVICE_XLA_FLAGS"]}  # one CPU device
     argv = _process(command)
     proc = subprocess.run(command if argv is None else argv, shell=argv is None, cwd=cwd, env=env,
                           capture_output=True, text=True, timeout=600)

@@ -263,7 +263,7 @@ def test_tiny_generate_imports_no_torch(tmp_path):
         "print('LOADED', loaded)\n"
         "sys.exit(code)\n"
     )
-    env = {**os.environ, "WAN_TPU_CACHE_DIR": str(tmp_path / "cache"), "XLA_FLAGS": ""}
+    env = {**os.environ, "WAN_TPU_CACHE_DIR": str(tmp_path / "cache"), "XLA_FLAGS": os.environ["ONE_DEVICE_XLA_FLAGS"]}
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
     assert "LOADED []" in done.stdout

@@ -47,7 +47,7 @@ def _compiles():
 
 
 def test_prepare_compiles_ahead_and_changes_no_bit(tmp_path):
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env = {**os.environ, "XLA_FLAGS": os.environ["ONE_DEVICE_XLA_FLAGS"]}  # one CPU device
     ref = subprocess.run([sys.executable, "-c", REFERENCE, json.dumps(RUN), str(tmp_path / "l.npy"),
                           str(tmp_path / "f.npy")], env=env, capture_output=True, text=True, timeout=600)
     assert ref.returncode == 0, ref.stderr[-3000:]
