@@ -30,6 +30,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from wan_tpu.encoders.clip_loading import clip_vision_from_original  # noqa: F401 - re-exported (converters)
 from wan_tpu.errors import WanInputError
 from wan_tpu.loading.checkpoint import require_file
 
@@ -168,59 +169,3 @@ def _bicubic_matrix(n_in: int, n_out: int, a: float = -0.75) -> np.ndarray:
             w = ((a + 2) * d - (a + 3)) * d * d + 1 if d <= 1 else ((a * d - 5 * a) * d + 8 * a) * d - 4 * a
             m[i, min(max(base - 1 + k, 0), n_in - 1)] += w
     return m.astype(np.float32)
-
-
-_ORIGINAL_LAYER = {"norm1.": "layer_norm1.", "norm2.": "layer_norm2.", "attn.proj.": "self_attn.out_proj.",
-                   "mlp.0.": "mlp.fc1.", "mlp.2.": "mlp.fc2."}
-_ORIGINAL_TOP = {"visual.pre_norm.": "vision_model.pre_layrnorm.", "visual.post_norm.": "vision_model.post_layernorm.",
-                 "visual.patch_embedding.": "vision_model.embeddings.patch_embedding."}
-VIT_H_HEADS = {1280: 16}  # heads by width of the towers Wan ships (ViT-H/14); the weights do not tell
-
-
-def clip_vision_from_original(state_dict, num_heads: int | None = None) -> tuple[dict, dict]:
-    """Wan's original CLIP state dict (`visual.*`, `textual.*`, `log_scale`) → (a transformers
-    `CLIPVisionModel` config.json dict, its tensors in transformers' names). Tensors keep their type
-    and dtype (torch tensors or numpy arrays: only reshapes and slices).
-
-    The visual tower is transformers' CLIP vision transformer: pre-norm blocks with a fused `to_qkv`
-    (q, k, v in that order), exact GELU, LayerNorm eps 1e-5, a patch conv without bias, a class token.
-    The text tower, the projection head and `log_scale` are not part of it and are left out."""
-    visual = {k: v for k, v in state_dict.items() if k.startswith("visual.")}
-    if "visual.pos_embedding" not in visual or "visual.patch_embedding.weight" not in visual:
-        raise WanInputError("the CLIP state dict has no visual.pos_embedding / visual.patch_embedding; "
-                            "is this models_clip_open-clip-xlm-roberta-large-vit-huge-14.pth?")
-    dim, patch = visual["visual.pos_embedding"].shape[-1], visual["visual.patch_embedding.weight"].shape[-1]
-    grid = math.isqrt(visual["visual.pos_embedding"].shape[1] - 1)
-    layers = 1 + max(int(k.split(".")[2]) for k in visual if k.startswith("visual.transformer."))
-    heads = num_heads or VIT_H_HEADS.get(dim)
-    if heads is None or dim % heads:
-        raise WanInputError(f"cannot tell the head count of a {dim}-wide CLIP tower; pass num_heads")
-    config = {
-        "architectures": ["CLIPVisionModel"], "model_type": "clip_vision_model", "hidden_size": dim,
-        "intermediate_size": int(visual["visual.transformer.0.mlp.0.weight"].shape[0]), "num_hidden_layers": layers,
-        "num_attention_heads": heads, "image_size": grid * patch, "patch_size": patch, "num_channels": 3,
-        "hidden_act": "gelu", "layer_norm_eps": 1e-5,
-        "projection_dim": int(visual["visual.head"].shape[1]) if "visual.head" in visual else dim,
-    }
-    out = {"vision_model.embeddings.class_embedding": visual.pop("visual.cls_embedding").reshape(dim),
-           "vision_model.embeddings.position_embedding.weight": visual.pop("visual.pos_embedding")[0]}
-    visual.pop("visual.head", None)
-    for name, value in visual.items():
-        top = next((k for k in _ORIGINAL_TOP if name.startswith(k)), None)
-        if top is not None:
-            out[_ORIGINAL_TOP[top] + name[len(top):]] = value
-            continue
-        if not name.startswith("visual.transformer."):
-            raise WanInputError(f"unexpected CLIP tensor {name!r}; is this Wan's CLIP checkpoint?")
-        index, rest = name[len("visual.transformer."):].split(".", 1)
-        layer = f"vision_model.encoder.layers.{index}."
-        if rest.startswith("attn.to_qkv."):
-            kind = rest[len("attn.to_qkv."):]
-            for i, proj in enumerate(("q_proj", "k_proj", "v_proj")):
-                out[f"{layer}self_attn.{proj}.{kind}"] = value[i * dim : (i + 1) * dim]
-            continue
-        old = next((k for k in _ORIGINAL_LAYER if rest.startswith(k)), None)
-        if old is None:
-            raise WanInputError(f"unexpected CLIP tensor {name!r}; is this Wan's CLIP checkpoint?")
-        out[layer + _ORIGINAL_LAYER[old] + rest[len(old):]] = value
-    return config, out

@@ -12,12 +12,22 @@ all; negative: all but the last -num_layers) are then read, as stored (torch lay
 the leading layer axis. With
 a mesh each parameter is placed by the `clip` rules of `wan_tpu.configs.sharding` as it is read.
 The vision `post_layernorm` is checked but not read (it feeds only the pooled output); `position_ids`
-buffers, which older transformers saved, are ignored.
+buffers, which older transformers saved, and the projection of `CLIPVisionModelWithProjection` /
+`CLIPTextModelWithProjection` (`visual_projection`, `text_projection`) are ignored.
+
+`load_clip_vision` also takes one file (told apart by its tensor names, the config inferred from the shapes;
+the head count, which weights do not tell, from `CLIP_HEADS` by width or `num_heads`):
+  * Wan's own `models_clip_open-clip-xlm-roberta-large-vit-huge-14.pth` (XLM-R text tower + ViT-H/14,
+    read weights-only and memory-mapped): its visual tower under transformers' names
+    (`clip_vision_from_original`; the fused q/k/v are split as views of the file), the rest unread;
+  * ComfyUI's `clip_vision/clip_vision_h.safetensors`: transformers' `CLIPVisionModelWithProjection`
+    names (with or without `vision_model.`); `visual_projection` and any text tower are not read.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 
 import jax.numpy as jnp
@@ -26,10 +36,12 @@ from flax import nnx
 
 from wan_tpu.encoders.clip import CLIPTextConfig, CLIPTextTransformer, CLIPVisionConfig, CLIPVisionTransformer
 from wan_tpu.errors import WanInputError
-from wan_tpu.loading.checkpoint import open_checkpoint, read_config
+from wan_tpu.loading.checkpoint import MappedSource, open_checkpoint, read_config
+from wan_tpu.loading.component_files import is_weights_file, open_weights_file, strip_prefix, weights_in_dtype, wrong_component
 from wan_tpu.loading.params import Layout, StoredParam, load_params
 
 _LAYERS = ("encoder", "layers")
+_UNREAD = ("position_ids", "visual_projection.weight", "text_projection.weight")
 
 
 def checkpoint_names(prefix: str, path: tuple[str, ...], num_layers: int) -> list[str]:
@@ -41,11 +53,13 @@ def checkpoint_names(prefix: str, path: tuple[str, ...], num_layers: int) -> lis
 
 
 def load_clip_vision(path, dtype=jnp.float32, mesh=None, num_layers: int | None = None,
-                     attention_impl: str | None = None) -> CLIPVisionTransformer:
-    """A `CLIPVisionModel` folder → `CLIPVisionTransformer` keeping its first `num_layers` blocks (None: all;
-    negative: all but the last -num_layers, so -1 gives `hidden_states[-2]`)."""
+                     attention_impl: str | None = None, num_heads: int | None = None) -> CLIPVisionTransformer:
+    """A `CLIPVisionModel` folder or a CLIP file (the module docstring) → `CLIPVisionTransformer` keeping its
+    first `num_layers` blocks (None: all; negative: all but the last -num_layers, so -1 gives
+    `hidden_states[-2]`). `num_heads`: a file's head count where `CLIP_HEADS` does not know its width."""
     return _load(path, "image_encoder", "vision_model.", CLIPVisionConfig, num_layers, mesh, _vision(dtype, attention_impl),
-                 unread=("post_layernorm.weight", "post_layernorm.bias"))
+                 unread=("post_layernorm.weight", "post_layernorm.bias"),
+                 opener=lambda p: open_clip_vision(p, dtype, num_heads))
 
 
 def load_clip_text(path, dtype=jnp.float32, mesh=None, num_layers: int | None = None) -> CLIPTextTransformer:
@@ -54,12 +68,68 @@ def load_clip_text(path, dtype=jnp.float32, mesh=None, num_layers: int | None = 
                  lambda cfg: CLIPTextTransformer(cfg, dtype))
 
 
-def clip_vision_config(path, num_layers: int | None = None) -> CLIPVisionConfig:
+def clip_vision_config(path, num_layers: int | None = None, num_heads: int | None = None) -> CLIPVisionConfig:
     """The config of the tower `load_clip_vision(path, num_layers=...)` gives (its kept blocks), from
-    config.json alone (no tensor read)."""
+    config.json or a file's header alone (no tensor read)."""
     path = os.fspath(path)
-    return _kept(path, CLIPVisionConfig.from_json(read_config(path, "image_encoder"), os.path.join(path, "config.json")),
-                 num_layers)
+    config = open_clip_vision(path, num_heads=num_heads)[0] if is_weights_file(path) else read_config(path, "image_encoder")
+    return _kept(path, CLIPVisionConfig.from_json(config, _config_where(path)), num_layers)
+
+
+def _config_where(path: str) -> str:
+    return path if is_weights_file(path) else os.path.join(path, "config.json")
+
+
+# Heads by width of the CLIP vision towers in use (ViT-B/L: OpenAI; H, bigG: open_clip, Wan's ViT-H/14), and
+# their activation: the weights tell neither.
+CLIP_HEADS = {768: 12, 1024: 16, 1280: 16, 1664: 16}
+CLIP_ACTIVATION = {768: "quick_gelu", 1024: "quick_gelu"}
+_HF_MARKER = "encoder.layers.0.self_attn.q_proj.weight"
+_WAN_MARKER = "visual.transformer.0.attn.to_qkv.weight"
+
+
+def clip_vision_config_from_shapes(tensors, prefix: str, num_heads: int | None = None) -> dict:
+    """transformers' `CLIPVisionModel` config.json of vision tower weights (names under `prefix`), from their
+    shapes; the head count from `num_heads` or `CLIP_HEADS`."""
+    def shape(name):
+        if prefix + name not in tensors:
+            raise WanInputError(f"the CLIP weights have no {prefix + name!r}; is this a CLIP vision tower?")
+        return tuple(tensors.shape(prefix + name))
+
+    (dim,) = shape("embeddings.class_embedding")
+    patch = shape("embeddings.patch_embedding.weight")[-1]
+    positions = shape("embeddings.position_embedding.weight")[0]
+    layers = 1 + max(int(n[len(prefix):].split(".")[2]) for n in tensors if n.startswith(f"{prefix}encoder.layers."))
+    heads = num_heads or CLIP_HEADS.get(dim)
+    if heads is None or dim % heads:
+        raise WanInputError(f"cannot tell the head count of a {dim}-wide CLIP tower; pass num_heads")
+    return {"architectures": ["CLIPVisionModel"], "model_type": "clip_vision_model", "hidden_size": dim,
+            "intermediate_size": shape("encoder.layers.0.mlp.fc1.weight")[0], "num_hidden_layers": layers,
+            "num_attention_heads": heads, "image_size": math.isqrt(positions - 1) * patch, "patch_size": patch,
+            "num_channels": shape("embeddings.patch_embedding.weight")[1],
+            "hidden_act": CLIP_ACTIVATION.get(dim, "gelu"), "layer_norm_eps": 1e-5}
+
+
+def open_clip_vision(path, dtype=jnp.float32, num_heads: int | None = None) -> tuple[dict, object]:
+    """(config dict, tensors under transformers' names) of an image encoder folder or file (the module
+    docstring); a file's layout and config come from its header alone."""
+    path = os.fspath(path)
+    if not is_weights_file(path):
+        return open_checkpoint(path, "image_encoder")
+    raw = open_weights_file(path, "image encoder")
+    if any(n.endswith(_WAN_MARKER) for n in raw):
+        raw = weights_in_dtype(strip_prefix(raw, _WAN_MARKER), dtype)
+        config, arrays = clip_vision_from_original(raw, num_heads)
+        made = {n: (tuple(a.shape), a.dtype, lambda a=a: a) for n, a in arrays.items()}
+        return config, MappedSource(raw, {}, made)
+    if not any(n.endswith(_HF_MARKER) for n in raw):
+        raise wrong_component(path, "image_encoder", raw)
+    marker = "vision_model." + _HF_MARKER if any(n.endswith("vision_model." + _HF_MARKER) for n in raw) else _HF_MARKER
+    raw = weights_in_dtype(strip_prefix(raw, marker), dtype)
+    prefix = "vision_model." if any(n.startswith("vision_model.") for n in raw) else ""
+    # A `CLIPVisionModelWithProjection` or a whole `CLIPModel`: the vision tower's tensors only.
+    tensors = MappedSource(raw, {n: n for n in raw if n.startswith(prefix) and not n.startswith("text_model.")})
+    return clip_vision_config_from_shapes(tensors, prefix, num_heads), tensors
 
 
 def abstract_clip_vision(config: CLIPVisionConfig, dtype=jnp.float32, attention_impl: str | None = None):
@@ -81,12 +151,12 @@ def _kept(path: str, cfg, num_layers: int | None):
     return dataclasses.replace(cfg, num_hidden_layers=keep)
 
 
-def _load(path, what, prefix, config_class, num_layers, mesh, build, unread=()):
+def _load(path, what, prefix, config_class, num_layers, mesh, build, unread=(), opener=None):
     path = os.fspath(path)
-    config, tensors = open_checkpoint(path, what)
+    config, tensors = (opener or (lambda p: open_checkpoint(p, what)))(path)
     if not any(n.startswith(prefix) for n in tensors):
         prefix = ""  # transformers 5 saves the towers' tensors without it
-    cfg = config_class.from_json(config, os.path.join(path, "config.json"))
+    cfg = config_class.from_json(config, _config_where(path))
     total = cfg.num_hidden_layers
     kept = _kept(path, cfg, num_layers)
     keep = kept.num_hidden_layers
@@ -107,7 +177,7 @@ def _load(path, what, prefix, config_class, num_layers, mesh, build, unread=()):
             raise WanInputError(f"{path}: tensor {n!r} has shape {tuple(tensors.shape(n))}, but config.json implies "
                                 f"{shape}; the weights do not match config.json")
     for n in tensors:
-        if n not in expected and not n.endswith("position_ids"):
+        if n not in expected and not n.endswith(_UNREAD):
             raise WanInputError(f"{path}: unexpected tensor {n!r} (shape {tuple(tensors.shape(n))}) is not a parameter "
                                 f"of the CLIP model config.json describes; check that config.json belongs to these weights")
 
@@ -130,3 +200,60 @@ def _load(path, what, prefix, config_class, num_layers, mesh, build, unread=()):
         target = flat[i][1].get_value()
         flat[i][1].set_value(jnp.zeros(target.shape, target.dtype))
     return nnx.merge(graphdef, nnx.from_flat_state(flat))
+
+
+# ---- Wan's own CLIP (`wan/modules/clip.py`) ---------------------------------------------------------
+
+_ORIGINAL_LAYER = {"norm1.": "layer_norm1.", "norm2.": "layer_norm2.", "attn.proj.": "self_attn.out_proj.",
+                   "mlp.0.": "mlp.fc1.", "mlp.2.": "mlp.fc2."}
+_ORIGINAL_TOP = {"visual.pre_norm.": "vision_model.pre_layrnorm.", "visual.post_norm.": "vision_model.post_layernorm.",
+                 "visual.patch_embedding.": "vision_model.embeddings.patch_embedding."}
+
+
+def clip_vision_from_original(state_dict, num_heads: int | None = None) -> tuple[dict, dict]:
+    """Wan's original CLIP state dict (`visual.*`, `textual.*`, `log_scale`) → (a transformers
+    `CLIPVisionModel` config.json dict, its tensors in transformers' names). Tensors keep their type
+    and dtype (torch tensors or numpy arrays: only reshapes and slices).
+
+    The visual tower is transformers' CLIP vision transformer: pre-norm blocks with a fused `to_qkv`
+    (q, k, v in that order), exact GELU, LayerNorm eps 1e-5, a patch conv without bias, a class token.
+    The text tower, the projection head and `log_scale` are not part of it and are left out."""
+    visual = {k: v for k, v in state_dict.items() if k.startswith("visual.")}
+    if "visual.pos_embedding" not in visual or "visual.patch_embedding.weight" not in visual:
+        raise WanInputError("the CLIP state dict has no visual.pos_embedding / visual.patch_embedding; "
+                            "is this models_clip_open-clip-xlm-roberta-large-vit-huge-14.pth?")
+    dim, patch = visual["visual.pos_embedding"].shape[-1], visual["visual.patch_embedding.weight"].shape[-1]
+    grid = math.isqrt(visual["visual.pos_embedding"].shape[1] - 1)
+    layers = 1 + max(int(k.split(".")[2]) for k in visual if k.startswith("visual.transformer."))
+    heads = num_heads or CLIP_HEADS.get(dim)
+    if heads is None or dim % heads:
+        raise WanInputError(f"cannot tell the head count of a {dim}-wide CLIP tower; pass num_heads")
+    config = {
+        "architectures": ["CLIPVisionModel"], "model_type": "clip_vision_model", "hidden_size": dim,
+        "intermediate_size": int(visual["visual.transformer.0.mlp.0.weight"].shape[0]), "num_hidden_layers": layers,
+        "num_attention_heads": heads, "image_size": grid * patch, "patch_size": patch, "num_channels": 3,
+        "hidden_act": "gelu", "layer_norm_eps": 1e-5,
+        "projection_dim": int(visual["visual.head"].shape[1]) if "visual.head" in visual else dim,
+    }
+    out = {"vision_model.embeddings.class_embedding": visual.pop("visual.cls_embedding").reshape(dim),
+           "vision_model.embeddings.position_embedding.weight": visual.pop("visual.pos_embedding")[0]}
+    visual.pop("visual.head", None)
+    for name, value in visual.items():
+        top = next((k for k in _ORIGINAL_TOP if name.startswith(k)), None)
+        if top is not None:
+            out[_ORIGINAL_TOP[top] + name[len(top):]] = value
+            continue
+        if not name.startswith("visual.transformer."):
+            raise WanInputError(f"unexpected CLIP tensor {name!r}; is this Wan's CLIP checkpoint?")
+        index, rest = name[len("visual.transformer."):].split(".", 1)
+        layer = f"vision_model.encoder.layers.{index}."
+        if rest.startswith("attn.to_qkv."):
+            kind = rest[len("attn.to_qkv."):]
+            for i, proj in enumerate(("q_proj", "k_proj", "v_proj")):
+                out[f"{layer}self_attn.{proj}.{kind}"] = value[i * dim : (i + 1) * dim]
+            continue
+        old = next((k for k in _ORIGINAL_LAYER if rest.startswith(k)), None)
+        if old is None:
+            raise WanInputError(f"unexpected CLIP tensor {name!r}; is this Wan's CLIP checkpoint?")
+        out[layer + _ORIGINAL_LAYER[old] + rest[len(old):]] = value
+    return config, out

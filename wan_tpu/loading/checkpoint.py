@@ -30,6 +30,9 @@ SAFETENSORS_DTYPES = {
     "I8": np.int8,
     "U8": np.uint8,
     "BOOL": np.bool_,
+    # ComfyUI's fp8 checkpoints; safetensors names them so since 0.4.
+    "F8_E4M3": ml_dtypes.float8_e4m3fn,
+    "F8_E5M2": ml_dtypes.float8_e5m2,
 }
 
 
@@ -62,6 +65,9 @@ def _read_header(path: str) -> dict[str, _Entry]:
     for name, info in header.items():
         if name == "__metadata__":
             continue
+        if isinstance(info, dict) and isinstance(info.get("dtype"), str) and info["dtype"] not in SAFETENSORS_DTYPES:
+            raise WanInputError(f"{path}: tensor {name!r} is stored as {info['dtype']}, which wan_tpu does not read "
+                                f"(it reads {', '.join(SAFETENSORS_DTYPES)}); convert the file to bf16 or fp8_e4m3fn")
         try:
             dtype = np.dtype(SAFETENSORS_DTYPES[info["dtype"]])
             shape = tuple(int(d) for d in info["shape"])
@@ -74,6 +80,12 @@ def _read_header(path: str) -> dict[str, _Entry]:
             )
         entries[name] = _Entry(path, dtype, shape, begin, end)
     return entries
+
+
+def file_entries(path: str) -> dict[str, tuple[tuple[int, ...], np.dtype]]:
+    """name → (shape, dtype) of one safetensors file from its header alone; a truncated or corrupt file fails
+    here with one line (every tensor must lie inside the file)."""
+    return {name: (e.shape, e.dtype) for name, e in _read_header(path).items()}
 
 
 def read_metadata(path: str) -> dict[str, str]:
@@ -117,6 +129,35 @@ class TensorSource(Mapping):
         finally:
             os.close(fd)
 
+    def read_slice(self, name: str, index: tuple[slice, ...]) -> np.ndarray:
+        """The box `index` (contiguous slices, one per leading dimension) of tensor `name`, reading only its bytes:
+        one positioned read per contiguous run (a multi-host load reads each device's shard, not the tensor)."""
+        e = self._entries[name]
+        spans = [sl.indices(n)[:2] for sl, n in zip(tuple(index) + (slice(None),) * (len(e.shape) - len(index)), e.shape)]
+        out = np.empty(tuple(max(0, b - a) for a, b in spans), e.dtype)
+        # Dimensions after the last partial one are read whole with it: one run per index of those before.
+        partial = [d for d, (a, b) in enumerate(spans) if (a, b) != (0, e.shape[d])]
+        k = partial[-1] if partial else 0
+        run = out.dtype.itemsize * int(np.prod(out.shape[k:], dtype=np.int64))
+        strides = np.cumprod((e.shape[1:] + (1,))[::-1])[::-1] * e.dtype.itemsize
+        if out.size == 0:
+            return out
+        view = memoryview(out.reshape(-1).view(np.uint8))
+        fd = os.open(e.file, os.O_RDONLY)
+        try:
+            for n, outer in enumerate(np.ndindex(*out.shape[:k])):
+                offset = e.begin + sum(int(strides[d]) * (spans[d][0] + i) for d, i in enumerate(outer))
+                offset += int(strides[k]) * spans[k][0] if spans else 0
+                done = 0
+                while done < run:
+                    got = os.preadv(fd, [view[n * run + done:(n + 1) * run]], offset + done)
+                    if got <= 0:
+                        raise WanInputError(f"{e.file}: ends inside tensor {name!r} (truncated download?); re-download it")
+                    done += got
+        finally:
+            os.close(fd)
+        return out
+
     @property
     def files(self) -> list[str]:
         """The safetensors files the tensors live in."""
@@ -133,6 +174,53 @@ class TensorSource(Mapping):
 
     def __len__(self) -> int:
         return len(self._entries)
+
+
+class MappedSource(Mapping):
+    """Another source's tensors under other names (`names`: ours → its), some of them made on read.
+
+    `made`: name → (shape, dtype, read) for tensors that are computed from the source rather than
+    stored (an fp8 weight times its scale, a GGUF block dequantised): `read()` returns the host array,
+    so a caller holds one such tensor at a time. Everything else is the source's own memory map."""
+
+    def __init__(self, source, names: dict[str, str], made: dict | None = None):
+        self.source, self._names, self._made = source, dict(names), dict(made or {})
+
+    def __getitem__(self, name: str) -> np.ndarray:
+        if name in self._made:
+            return self._made[name][2]()
+        return self.source[self._names[name]]
+
+    def read_into(self, name: str, out: np.ndarray) -> None:
+        if name in self._made or not hasattr(self.source, "read_into"):
+            out[...] = self[name]
+        else:
+            self.source.read_into(self._names[name], out)
+
+    def read_slice(self, name: str, index: tuple[slice, ...]) -> np.ndarray:
+        if name in self._made or not hasattr(self.source, "read_slice"):
+            return np.ascontiguousarray(self[name][index])
+        return self.source.read_slice(self._names[name], index)
+
+    @property
+    def files(self) -> list[str]:
+        return self.source.files
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return tuple(self._made[name][0]) if name in self._made else tuple(self.source.shape(self._names[name]))
+
+    def dtype(self, name: str) -> np.dtype:
+        return np.dtype(self._made[name][1]) if name in self._made else self.source.dtype(self._names[name])
+
+    def __contains__(self, name) -> bool:
+        return name in self._made or name in self._names
+
+    def __iter__(self) -> Iterator[str]:
+        yield from self._made
+        yield from (n for n in self._names if n not in self._made)
+
+    def __len__(self) -> int:
+        return len(self._made) + sum(1 for n in self._names if n not in self._made)
 
 
 def component_files(path: str, what: str = "model") -> list[str]:

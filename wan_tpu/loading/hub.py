@@ -11,8 +11,9 @@ command.
 
 The official Wan repositories (`Wan-AI/Wan2.1-T2V-1.3B`, ...) ship another layout
 (`diffusion_pytorch_model*.safetensors` and `config.json` at the top level, `Wan2.1_VAE.pth`,
-`models_t5_*.pth`, `google/umt5-xxl/`); `original_format_hint` recognises it and names the
-`-Diffusers` repository of the same model, which is what wan_tpu reads.
+`models_t5_*.pth`, `google/umt5-xxl/`), which `wan_tpu.loading.formats` reads as it is; when one is
+incomplete or damaged, `original_format_hint` says so and names the `-Diffusers` repository of the
+same model as the other way to get it.
 """
 
 from __future__ import annotations
@@ -82,9 +83,10 @@ _ORIGINAL_MARKERS = ("diffusion_pytorch_model*.safetensors", "diffusion_pytorch_
                      "models_t5_*.pth", "google/umt5-xxl", "high_noise_model")
 
 
-def original_format_hint(path: str) -> str | None:
+def original_format_hint(path: str, problem: str | None = None) -> str | None:
     """One line naming the `-Diffusers` repository to download when `path` holds an original-format
-    Wan checkpoint (the official repositories' layout); None for any other folder."""
+    Wan checkpoint (the official repositories' layout) that cannot be read as it is (`problem`: why;
+    `wan_tpu.loading.formats` reads complete ones); None for any other folder."""
     if os.path.isdir(os.path.join(path, "transformer")):
         return None
     found = sorted({os.path.basename(m) for pattern in _ORIGINAL_MARKERS for m in glob.glob(os.path.join(path, pattern))})
@@ -95,8 +97,9 @@ def original_format_hint(path: str) -> str | None:
         fix = f"download {' or '.join(repos)} instead (`{download_command(repos[0])}`, or --model {repos[0]} --download)"
     else:
         fix = "download the matching Wan-AI/...-Diffusers repository instead (see wan_tpu/configs/models.py)"
-    return (f"{path} is an original-format Wan checkpoint ({', '.join(found[:3])}); wan_tpu reads the diffusers "
-            f"layout: {fix}")
+    if problem is None:
+        problem = "it is incomplete (the DiT weights, Wan2.*_VAE.pth, models_t5_*.pth and google/umt5-xxl/ are all needed)"
+    return f"{path} is an original-format Wan checkpoint ({', '.join(found[:3])}) that cannot be read: {problem}; fix that, or {fix}"
 
 
 def _diffusers_repos(path: str) -> list[str]:

@@ -11,14 +11,21 @@ and restore the weights bit-exactly.
 Formats (detected per key, so one file may mix them):
   - diffusers / PEFT: `transformer.blocks.0.attn1.to_q.lora_A.weight` + `lora_B.weight` (+ `lora_B.bias`);
     alpha from `….alpha` tensors or the `lora_adapter_metadata` that diffusers' `save_lora_weights`
-    writes (`lora_alpha`, `alpha_pattern`, `use_rslora`); without either, alpha = rank (scale 1).
-  - original Wan / kohya / musubi: `diffusion_model.blocks.0.self_attn.q.lora_down.weight` + `lora_up` + `alpha`.
-  - ComfyUI: `lora_unet_blocks_0_self_attn_q.lora_down.weight` (the same names with `_` for `.`).
+    writes (`lora_alpha`, `alpha_pattern`, `use_rslora`); without either, alpha = rank (scale 1). Also
+    PEFT's `base_model.model.` / unmerged `lora_A.default.weight` (DiffSynth-Studio), bare `lora_A`,
+    diffusers' older `lora.down.weight` / `to_q_lora.down.weight` / `lora_linear_layer.down.weight`.
+  - original Wan (ComfyUI, ai-toolkit, lightx2v, CausVid): `diffusion_model.blocks.0.self_attn.q.lora_down.weight`
+    + `lora_up` (+ `alpha`), or `lora_A` / `lora_B`.
+  - kohya / musubi-tuner: `lora_unet_blocks_0_self_attn_q.lora_down.weight` (the same names with `_` for `.`);
+    kohya on diffusers names `lora_transformer_blocks_0_attn1_to_q…`; SimpleTuner's LyCORIS `lycoris_…`.
   - full deltas, as step-distill LoRAs carry them: `….diff` (weight), `….diff_b` (bias), also on
-    norms (`norm3`, `norm_q`, `norm_k`), the head and the modulation tables.
+    norms (`norm3`, `norm_q`, `norm_k`; LyCORIS `w_norm` / `b_norm`), the head and the modulation tables.
 Module names may be Wan's (`self_attn.q`, `ffn.0`, `norm3`, `head.head`, `time_projection.1`, ...;
 `wan_tpu.loading.wan_names.original_wan_to_diffusers`) or diffusers' (`attn1.to_q`,
-`ffn.net.0.proj`, `norm2`, `proj_out`, ...) under any of the prefixes.
+`ffn.net.0.proj`, `norm2`, `proj_out`, ...) under any of the prefixes. Keys no layer takes are refused in
+one line that names a few of them (the LoRA is for another model), except the image branch of a Wan 2.1
+I2V LoRA on a DiT without one (Wan 2.2 I2V A14B: every other layer has 2.1 I2V 14B's shapes): those are
+left out, with a one-line warning, and listed in `LoraInfo.skipped`. DoRA, LoHa, LoKr, LoCon are refused.
 A layer receives `W + scale · (alpha / rank) · B·A`, plus `scale · diff` and `scale · diff_b`
 (PEFT's `lora_B.bias` belongs to `lora_B`: `scale · (alpha / rank) · bias`, as PEFT computes it).
 diffusers ignores the blocks' `diff` entries and every norm entry (zero in the files it has seen);
@@ -33,12 +40,28 @@ parameter's sharding, shape and dtype, so a compiled denoise step takes the merg
 retracing. The factors of all layers of one parameter go in one call, so a LoRA on every block
 linear of a 14B model is 10 calls; full-weight deltas go one layer per call.
 
+Quantised DiTs (`quantize="fp8"` / `"int8"`, or an fp8 checkpoint). A LoRA's pairs are not merged into the
+8-bit kernels: each quantised block linear becomes a `LowRankQuantizedLinear`, its kernel and scales
+untouched, adding x·down·up (float32 sums) to its quantised product; a further LoRA's factors are
+concatenated to them. Merging into the dequantised weight and quantising again was measured less
+accurate (`benchmarks/lora_quantized_error.py`, tiny DiT, rank 8, updates of 0.1·‖W‖, CPU, 2026-11-27:
+output error against float32 with the LoRA merged exactly 3.58e-2 merged vs 2.80e-2 apart in fp8, where
+the quantisation alone costs 2.70e-2; 8.75e-3 vs 6.58e-3 in int8; rank 32 at 0.5·‖W‖, fp8: 4.01e-2 vs
+2.90e-2): re-rounding the sum adds a second quantisation error, the separate term none. The cost: the
+module structure changes, so a compiled step traces again after the load and after the unload, and each
+linear runs two rank-r matmuls more (2·r·(in + out) multiply-adds per token; rank 64 on a 14B block
+linear: about 5% of its 8-bit product). Full `diff` deltas on a quantised kernel, not low-rank, are merged
+into the dequantised weight and quantised again. Unloading puts the quantised linears back as they were
+(bit for bit); a DiT quantised after its LoRAs were merged cannot undo them (their unquantised weights are
+gone) and says so.
+
 Restoring exactly. `round(W + d) - d` is not `W` in bfloat16, and keeping the deltas cannot undo a
 rounding. So the touched parameters are restored from an exact source instead: a DiT loaded by
 `load_transformer` re-reads them from the checkpoint's memory map (the loader's own code path, so the
 same bits; no host memory is held between load and unload, and a file changed on disk since the load
-is refused with an error); any other DiT (presets, random weights) keeps a host copy of each touched
-parameter, taken before its first change. Unloading re-places each parameter with its original
+is refused with an error); any other DiT (presets, random weights), and any quantised kernel a `diff`
+changes (a checkpoint holds the unquantised weights), keeps a host copy of each touched parameter, taken
+before its first change. Unloading re-places each parameter with its original
 sharding, so it too causes no retrace.
 """
 
@@ -50,26 +73,45 @@ import json
 import math
 import os
 import re
+import warnings
 import weakref
 from collections import defaultdict
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec
 
 from wan_tpu.errors import WanInputError
+from wan_tpu.layers.quantized import QuantizedLinear, quantize_weight
 from wan_tpu.loading.wan_names import diffusers_to_original_wan
 from wan_tpu.wan.weights import checkpoint_origin, param_sources
 
-# Prefixes a key may carry before the module name.
-_PREFIXES = ("base_model.model.", "model.diffusion_model.", "diffusion_model.", "transformer.", "lora_unet_")
-# Key suffix → role.
-_SUFFIXES = {
-    ".lora_A.weight": "down", ".lora_down.weight": "down",
-    ".lora_B.weight": "up", ".lora_up.weight": "up",
-    ".lora_B.bias": "up_bias", ".lora_up.bias": "up_bias", ".diff_b": "diff_b",
-    ".diff": "diff", ".alpha": "alpha",
-}
+# Prefixes a key may carry before the module name: PEFT, ComfyUI / original Wan, diffusers, kohya and
+# musubi-tuner (`lora_unet_`, underscored), kohya on diffusers names (`lora_transformer_`), SimpleTuner's
+# LyCORIS (`lycoris_`), DiffSynth-Studio (`pipe.dit.`).
+_PREFIXES = ("base_model.model.", "model.diffusion_model.", "diffusion_model.", "transformer.", "lora_unet_",
+             "lora_transformer_", "lycoris_", "pipe.dit.")
+# Key suffix → role, as the tools write them (ComfyUI's `LoRAAdapter.load` reads all of these): PEFT /
+# diffusers (`lora_A/B`, PEFT's unmerged `.default` adapter, mochi's bare `lora_A/B`), kohya
+# (`lora_down/up`), older diffusers attention processors (`to_q_lora.down`, `lora.down`,
+# `lora_linear_layer.down`), full deltas (`diff`, `diff_b`; LyCORIS norms `w_norm`, `b_norm`), `alpha`.
+_SUFFIXES = dict(sorted({
+    ".lora_A.weight": "down", ".lora_down.weight": "down", ".lora.down.weight": "down", "_lora.down.weight": "down",
+    ".lora_linear_layer.down.weight": "down", ".lora_A.default.weight": "down", ".lora_A": "down",
+    ".lora_B.weight": "up", ".lora_up.weight": "up", ".lora.up.weight": "up", "_lora.up.weight": "up",
+    ".lora_linear_layer.up.weight": "up", ".lora_B.default.weight": "up", ".lora_B": "up",
+    ".lora_B.bias": "up_bias", ".lora_up.bias": "up_bias", ".diff_b": "diff_b", ".b_norm": "diff_b",
+    ".diff": "diff", ".w_norm": "diff", ".alpha": "alpha",
+}.items(), key=lambda kv: -len(kv[0])))  # longest first: `.lora_B.weight` before `.lora_B`
+# Entries of adapter kinds other than LoRA: refused by name.
+_UNSUPPORTED = (("dora_scale", "DoRA"), (".hada_", "LoHa"), (".lokr_", "LoKr"), (".lora_mid.", "LoCon (lora_mid)"),
+                (".set_weight", "weight replacement (set_weight)"), (".reshape_weight", "reshaped LoRA"),
+                (".a1.weight", "GLoRA"))
+# Modules of Wan 2.1's I2V image branch: a 2.1 I2V LoRA on a DiT without one (Wan 2.2 I2V A14B, whose other
+# layers have the same shapes) leaves them out, reporting them, rather than refusing the file.
+_IMAGE_BRANCH = re.compile(r"(^|[._])(k_img|v_img|norm_k_img|add_k_proj|add_v_proj|norm_added_k|img_emb|image_embedder)([._]|$)")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -108,9 +150,11 @@ class LoraInfo:
     scale: float
     tensors: int  # LoRA entries applied (a down/up pair counts once)
     parameters: tuple[str, ...]  # our parameter paths that changed
+    skipped: tuple[str, ...] = ()  # keys of an image branch this DiT does not have
 
     def __str__(self):
-        return f"{os.path.basename(self.path)} (scale {self.scale:g}): {self.tensors} layers changed"
+        left_out = f", {len(self.skipped)} image-branch keys left out" if self.skipped else ""
+        return f"{os.path.basename(self.path)} (scale {self.scale:g}): {self.tensors} layers changed{left_out}"
 
 
 def _open(path) -> tuple:
@@ -125,21 +169,25 @@ def _open(path) -> tuple:
     return TensorSource([path]), read_metadata(path)
 
 
-def _split_key(key: str) -> tuple[str, str]:
-    """`key` → (module name without prefix, role)."""
+def _split_key(key: str) -> tuple[str, str] | None:
+    """`key` → (module name without prefix, role); None for a key that is no LoRA entry."""
+    kind = next((kind for marker, kind in _UNSUPPORTED if marker in key), None)
+    if kind is not None:
+        raise WanInputError(f"LoRA key {key!r} is a {kind} entry, which is not supported; use a plain LoRA")
     suffix = next((s for s in _SUFFIXES if key.endswith(s)), None)
-    if suffix is not None:
-        module, role = key[: -len(suffix)], _SUFFIXES[suffix]
-    else:
-        if "dora_scale" in key or re.search(r"\.(hada|lokr|lora_mid)", key):
-            kind = "DoRA" if "dora_scale" in key else "LyCORIS/LoHa/LoKr"
-            raise WanInputError(f"LoRA key {key!r} is a {kind} entry, which is not supported; use a plain LoRA")
-        raise WanInputError(f"LoRA key {key!r} is not a LoRA entry (lora_A/B, lora_down/up, alpha, diff, diff_b); "
-                            "use a plain LoRA for the Wan DiT")
+    if suffix is None:
+        return None
+    module, role = key[: -len(suffix)], _SUFFIXES[suffix]
+    module = module.replace(".processor.", ".")  # diffusers' old attention-processor LoRAs (`attn1.processor.to_q_lora`)
     for prefix in _PREFIXES:
         if module.startswith(prefix):
             return module[len(prefix):], role
     return module, role
+
+
+def _few(keys) -> str:
+    keys = list(keys)
+    return ", ".join(repr(k) for k in keys[:3]) + (f" and {len(keys) - 3} more" if len(keys) > 3 else "")
 
 
 class _PeftAlpha:
@@ -176,19 +224,34 @@ class _Entry:
 
 def _plan(dit, path, scale: float):
     """Read a LoRA file's header and check it against `dit` (possibly abstract) without reading its data:
-    (tensors, {param path: [_Entry]}, entry count)."""
+    (tensors, {param path: [_Entry]}, entry count, image-branch keys left out)."""
     tensors, metadata = _open(path)
     table = _module_table(dit)
     groups: dict[str, dict[str, str]] = defaultdict(dict)
+    unknown, unplaced, skipped = [], [], []
+    no_image_branch = dit.config.image_dim is None
     for key in tensors:
-        module, role = _split_key(key)
-        if module not in table:
-            raise WanInputError(f"LoRA key {key!r} in {path} matches no layer of this transformer "
-                                f"({dit.config.num_layers} blocks); is the LoRA for another Wan model?")
+        parsed = _split_key(key)
+        if parsed is None or parsed[0] not in table:
+            (unknown if parsed is None else skipped if no_image_branch and _IMAGE_BRANCH.search(parsed[0])
+             else unplaced).append(key)
+            continue
+        module, role = parsed
         if role in groups[module]:
             raise WanInputError(f"LoRA keys {groups[module][role]!r} and {key!r} in {path} are the same entry of "
                                 f"layer {module!r}; keep one")
         groups[module][role] = key
+    if unknown:
+        more = f" (nor are {_few(unknown[1:])})" if len(unknown) > 1 else ""
+        raise WanInputError(f"LoRA key {unknown[0]!r} in {path} is not a LoRA entry{more}: expected lora_A/B, "
+                            "lora_down/up, alpha, diff or diff_b entries; use a plain LoRA for the Wan DiT")
+    if unplaced:
+        more = f", nor do {len(unplaced) - 1} more ({_few(unplaced[1:])})" if len(unplaced) > 1 else ""
+        raise WanInputError(f"LoRA key {unplaced[0]!r} in {path} matches no layer of this transformer "
+                            f"({dit.config.num_layers} blocks){more}; is the LoRA for another Wan model?")
+    if skipped and not groups:
+        raise WanInputError(f"LoRA {path} changes only an image branch ({_few(skipped)}), which this transformer "
+                            "does not have; it is for a Wan 2.1 I2V model")
     peft = _PeftAlpha(metadata)
     plan: dict[str, list[_Entry]] = defaultdict(list)
     count = 0
@@ -224,7 +287,7 @@ def _plan(dit, path, scale: float):
                                     "model size")
             plan[t.param].append(_Entry(t.layer, (roles[role],), s, t.transform))
             count += role != "up_bias"
-    return tensors, dict(plan), count
+    return tensors, dict(plan), count, tuple(skipped)
 
 
 def check_lora(dit, path, scale: float = 1.0) -> int:
@@ -262,27 +325,58 @@ def _placement(value):
     return value.sharding if value.committed else None
 
 
+def _add_quantized(kernel, kernel_scale, layers, a, b, *, fmt: str):
+    """The merge into a quantised linear (`wan_tpu.layers.quantized`), layer by layer: the float32 weight
+    kernel · scale, plus a[j] @ b[j] (b None: + a[j]), quantised again with new per-output-channel scales."""
+
+    def body(j, carry):
+        k, s = carry
+        l = layers[j]
+        delta = a[j] if b is None else jnp.matmul(a[j], b[j], precision=jax.lax.Precision.HIGHEST)
+        w = jax.lax.dynamic_index_in_dim(k, l, 0, keepdims=False).astype(jnp.float32)
+        w = w * jax.lax.dynamic_index_in_dim(s, l, 0, keepdims=True)
+        wq, ws = quantize_weight(w + delta, fmt)
+        return jax.lax.dynamic_update_index_in_dim(k, wq, l, 0), jax.lax.dynamic_update_index_in_dim(s, ws[None], l, 0)
+
+    return jax.lax.fori_loop(0, layers.shape[0], body, (kernel, kernel_scale))
+
+
 @functools.cache
-def _add_fn(sharding, stacked: bool):
+def _add_fn(sharding, stacked: bool, fmt: str | None = None):
     # The merged weight must be placed exactly like the one it replaces. CPU cannot donate (and
     # warns), so only accelerators update in place.
-    donate = () if jax.default_backend() == "cpu" else (0,)
+    donate = () if jax.default_backend() == "cpu" else (0,) if fmt is None else (0, 1)
     placed = {} if sharding is None else {"out_shardings": sharding}
+    if fmt is not None:
+        return jax.jit(functools.partial(_add_quantized, fmt=fmt), donate_argnums=donate, **placed)
     return jax.jit(functools.partial(_add, stacked=stacked), donate_argnums=donate, **placed)
 
 
-def _apply(var, tensors, entries: list[_Entry]) -> None:
-    """Add one parameter's entries to it on device; only this parameter's changes are read into host memory."""
+def _quantized_parent(dit, param: str):
+    """The `QuantizedLinear` whose kernel `param` is, or None."""
+    parent = functools.reduce(getattr, param.split(".")[:-1], dit)
+    return parent if isinstance(parent, QuantizedLinear) and param.endswith(".kernel") else None
+
+
+def _apply(var, tensors, entries: list[_Entry], quantized=None) -> None:
+    """Add one parameter's entries to it on device; only this parameter's changes are read into host memory.
+    `quantized`: the `QuantizedLinear` the parameter is the kernel of (merged and quantised again)."""
     value = var.get_value()
     stacked = entries[0].layer is not None
-    fn = _add_fn(_placement(value), stacked)
+    if quantized is None:
+        fn = _add_fn(_placement(value), stacked)
+    else:
+        scale_var = quantized.kernel_scale
+        placements = (_placement(value), _placement(scale_var.get_value()))
+        fn = _add_fn(None if None in placements else placements, stacked, quantized.fmt)
+        value = (value, scale_var.get_value())
     by_rank = defaultdict(list)
     for e in entries:
         if len(e.keys) == 1:
             # Full deltas go one layer at a time: a stacked 14B FFN delta would be a full copy.
             delta = np.asarray(tensors[e.keys[0]], np.float32)
             delta = (delta if e.transform is None else e.transform(delta)) * np.float32(e.scale)
-            value = fn(value, np.asarray([e.layer or 0], np.int32), delta[None], None)
+            value = fn(*_args(value), np.asarray([e.layer or 0], np.int32), delta[None], None)
             continue
         down, up = (np.asarray(tensors[k], np.float32) for k in e.keys)
         rank = down.shape[0]
@@ -290,8 +384,71 @@ def _apply(var, tensors, entries: list[_Entry]) -> None:
         by_rank[rank].append((e.layer or 0, down.reshape(rank, -1).T, (up.reshape(-1, rank) * np.float32(e.scale)).T))
     for terms in by_rank.values():
         layers = np.asarray([l for l, _, _ in terms], np.int32)
-        value = fn(value, layers, np.stack([d for _, d, _ in terms]), np.stack([u for _, _, u in terms]))
-    var.set_value(value)
+        value = fn(*_args(value), layers, np.stack([d for _, d, _ in terms]), np.stack([u for _, _, u in terms]))
+    if quantized is None:
+        var.set_value(value)
+    else:
+        var.set_value(value[0])
+        quantized.kernel_scale.set_value(value[1])
+
+
+def _args(value) -> tuple:
+    return value if isinstance(value, tuple) else (value,)
+
+
+class LowRankQuantizedLinear(QuantizedLinear):
+    """A `QuantizedLinear` whose LoRAs are kept beside its 8-bit product rather than merged into it:
+    y = quantised(x) + (x · down) · up, the low-rank products accumulated in float32 and added in float32
+    before the output cast. `down` (…, in, r) and `up` (…, r, out), the LoRA scale folded into `up`, in the
+    layer's activation dtype; stacked like the kernel. The kernel and its scales stay as they were."""
+
+    def __init__(self, base: QuantizedLinear, down, up):
+        super().__init__(base.kernel[...], base.kernel_scale[...], None if base.bias is None else base.bias[...],
+                         fmt=base.fmt, dtype=base.dtype)
+        self.lora_down = nnx.Param(down)
+        self.lora_up = nnx.Param(up)
+
+    def __call__(self, x):
+        y = super().__call__(x)
+        down, up = self.lora_down[...], self.lora_up[...]
+        h = jnp.einsum("...i,ir->...r", x.astype(down.dtype), down, preferred_element_type=jnp.float32)
+        low_rank = jnp.einsum("...r,ro->...o", h.astype(up.dtype), up, preferred_element_type=jnp.float32)
+        return (y.astype(jnp.float32) + low_rank).astype(y.dtype)
+
+
+def _low_rank_factors(tensors, entries: list[_Entry], kernel) -> tuple[np.ndarray, np.ndarray]:
+    """One LoRA's pairs for a stacked quantised kernel (layers, in, out) → down (layers, in, r), up (layers, r, out),
+    scale folded into up; layers it does not touch get zeros (r: the largest rank summed over one layer's entries)."""
+    per_layer = defaultdict(list)
+    for e in entries:
+        down, up = (np.asarray(tensors[k], np.float32) for k in e.keys)
+        rank = down.shape[0]
+        per_layer[e.layer or 0].append((down.reshape(rank, -1).T, (up.reshape(-1, rank) * np.float32(e.scale)).T))
+    width = max(sum(d.shape[1] for d, _ in terms) for terms in per_layer.values())
+    layers, fan_in, fan_out = kernel.shape
+    down = np.zeros((layers, fan_in, width), np.float32)
+    up = np.zeros((layers, width, fan_out), np.float32)
+    for layer, terms in per_layer.items():
+        down[layer] = np.pad(np.concatenate([d for d, _ in terms], 1), ((0, 0), (0, width - sum(d.shape[1] for d, _ in terms))))
+        up[layer] = np.pad(np.concatenate([u for _, u in terms], 0), ((0, width - sum(u.shape[0] for _, u in terms)), (0, 0)))
+    return down, up
+
+
+def _add_low_rank(dit, param: str, linear: QuantizedLinear, tensors, entries: list[_Entry]) -> None:
+    """Put one LoRA's pairs for `param` (a quantised kernel) beside it: the linear becomes (or stays) a
+    `LowRankQuantizedLinear`, a further LoRA's factors concatenated to the ones already there."""
+    dtype = jnp.dtype(linear.dtype or jnp.float32)
+    down, up = _low_rank_factors(tensors, entries, linear.kernel.get_value())
+    if isinstance(linear, LowRankQuantizedLinear):
+        down = np.concatenate([np.asarray(jax.device_get(linear.lora_down[...]), np.float32), down], -1)
+        up = np.concatenate([np.asarray(jax.device_get(linear.lora_up[...]), np.float32), up], -2)
+    kernel = linear.kernel.get_value()
+    # Small (rank × width per layer): replicated on the kernel's mesh, or left uncommitted like it.
+    place = (lambda a: jax.device_put(a, NamedSharding(kernel.sharding.mesh, PartitionSpec()))) if (
+        kernel.committed and isinstance(kernel.sharding, NamedSharding)) else jnp.asarray
+    *modules, name, _ = param.split(".")
+    setattr(functools.reduce(getattr, modules, dit), name,
+            LowRankQuantizedLinear(linear, place(down.astype(dtype)), place(up.astype(dtype))))
 
 
 # ---- per-DiT bookkeeping ------------------------------------------------------------------------------
@@ -300,7 +457,10 @@ def _apply(var, tensors, entries: list[_Entry]) -> None:
 @dataclasses.dataclass
 class _State:
     loaded: list  # LoraInfo of every load, in order
-    originals: dict  # param path → (host copy or None to re-read from the checkpoint, `_placement`)
+    # param path → (host copy or None to re-read from the checkpoint, `_placement`, whether it was quantised)
+    originals: dict
+    # module path → the quantised linear a `LowRankQuantizedLinear` replaced
+    modules: dict = dataclasses.field(default_factory=dict)
 
 
 # DiT → _State. A side table rather than an attribute: attributes of an nnx module are part of its
@@ -314,21 +474,35 @@ def _variable(dit, path: str):
 
 
 def load_lora(dit, path, scale: float = 1.0) -> LoraInfo:
-    """Merge the LoRA at `path` into `dit`'s weights with `scale` (see the module docstring); calls stack."""
-    from wan_tpu.wan.quantize import ensure_unquantized
-
-    ensure_unquantized(dit, "merging a LoRA")
+    """Merge the LoRA at `path` into `dit`'s weights with `scale` (see the module docstring); calls stack.
+    Keys of an image branch `dit` lacks (a Wan 2.1 I2V LoRA on Wan 2.2 I2V A14B) are left out with a warning."""
     scale = _check_scale(scale)
-    tensors, plan, count = _plan(dit, path, scale)
+    tensors, plan, count, skipped = _plan(dit, path, scale)
     state = _STATES.setdefault(dit, _State([], {}))
     from_checkpoint = checkpoint_origin(dit) is not None
     for param, entries in plan.items():
-        var = _variable(dit, param)
-        if param not in state.originals:
-            value = var.get_value()
-            state.originals[param] = (None if from_checkpoint else np.asarray(jax.device_get(value)), _placement(value))
-        _apply(var, tensors, entries)
-    info = LoraInfo(os.fspath(path), scale, count, tuple(sorted(plan)))
+        var, quantized = _variable(dit, param), _quantized_parent(dit, param)
+        # A quantised kernel keeps its LoRA pairs apart (`LowRankQuantizedLinear`); full deltas merge into it.
+        pairs = [e for e in entries if len(e.keys) == 2] if quantized is not None else []
+        merged = [e for e in entries if quantized is None or len(e.keys) == 1]
+        if merged:
+            touched = [(param, var)] + ([] if quantized is None else [(param + "_scale", quantized.kernel_scale)])
+            for name, v in touched:
+                if name not in state.originals:
+                    value = v.get_value()
+                    # Quantised weights cannot be re-read from a checkpoint (it holds the unquantised ones): kept.
+                    keep = quantized is not None or not from_checkpoint
+                    state.originals[name] = (np.asarray(jax.device_get(value)) if keep else None, _placement(value),
+                                             quantized is not None)
+            _apply(var, tensors, merged, quantized)
+        if pairs:
+            module = param.rpartition(".")[0]
+            state.modules.setdefault(module, quantized)
+            _add_low_rank(dit, param, _quantized_parent(dit, param), tensors, pairs)
+    info = LoraInfo(os.fspath(path), scale, count, tuple(sorted(plan)), skipped)
+    if skipped:
+        warnings.warn(f"LoRA {os.path.basename(info.path)}: {len(skipped)} keys of an image branch this transformer "
+                      f"does not have were left out ({_few(skipped)})", stacklevel=2)
     state.loaded.append(info)
     return info
 
@@ -341,14 +515,18 @@ def loaded_loras(dit) -> list[LoraInfo]:
 
 def unload_lora(dit) -> None:
     """Undo every `load_lora` on `dit`: each touched parameter gets back its exact original bits and sharding."""
-    from wan_tpu.wan.quantize import ensure_unquantized
-
     state = _STATES.get(dit)
     if state is None:
         return
-    ensure_unquantized(dit, "unloading a LoRA")
+    if any(was != (_quantized_parent(dit, p) is not None) for p, (_, _, was) in state.originals.items()
+           if not p.endswith("_scale")):
+        raise WanInputError("the DiT was quantised after its LoRAs were merged, so their unquantised weights are gone; "
+                            "reload the DiT to undo them")
+    for module, linear in state.modules.items():
+        *parents, name = module.split(".")
+        setattr(functools.reduce(getattr, parents, dit), name, linear)
     origin = checkpoint_origin(dit)
-    for param, (host, sharding) in state.originals.items():
+    for param, (host, sharding, _) in state.originals.items():
         if host is None:
             host = origin.read(param)
         _variable(dit, param).set_value(jax.device_put(host, sharding))

@@ -1,11 +1,12 @@
 """The official Wan `generate.py` names: its flags as aliases of ours, its `--task` names checked
 against the checkpoint.
 
-    python -m wan_tpu.generate --task t2v-1.3B --size 832*480 --ckpt_dir ./Wan2.1-T2V-1.3B-Diffusers \\
+    python -m wan_tpu.generate --task t2v-1.3B --size 832*480 --ckpt_dir ./Wan2.1-T2V-1.3B \\
         --frame_num 81 --sample_steps 50 --sample_shift 3 --sample_guide_scale 5 --base_seed 42 \\
         --sample_solver unipc --prompt "..." --save_file cat.mp4
 
-is the same run as the same command with our names. `ALIASES` is the table the CLI adds (and the
+is the same run as the same command with our names, on the official download as it is (or its
+`-Diffusers` folder). `ALIASES` is the table the CLI adds (and the
 README prints); flags of the official script that have no meaning here get a one-line answer
 (`UNSUPPORTED`). `--base_seed -1` (the official default: a random seed) draws one and prints it.
 """

@@ -30,9 +30,9 @@ where e4m3 keeps 3: one forward moved by 1.47e-2 (1.3B) / 2.38e-2 (14B) against 
 5.97e-2 / 5.44e-2 in FP8. Its products come back in int32, twice the bytes of FP8's bf16: at 1.3B
 (width 1,536) int8 linears were no faster than bf16; at 14B, with FP8 attention, 1.2% slower than FP8.
 
-LoRA: adapters merge into the bf16 weights, so load them before quantising
-(`pipe = WanPipeline.from_pretrained(path)`, `pipe.load_lora_weights(...)`, then `pipe.quantize("fp8")`);
-merging into a quantised DiT is refused (`ensure_unquantized`).
+LoRA: loaded before quantising, adapters merge into the bf16 weights; loaded into a quantised DiT, they
+stay beside the 8-bit products as low-rank terms (`wan_tpu.wan.lora.LowRankQuantizedLinear`, the more
+accurate of the two ways measured there).
 """
 
 from __future__ import annotations
@@ -44,6 +44,7 @@ from jax.sharding import NamedSharding
 
 from wan_tpu.errors import WanInputError
 from wan_tpu.layers.quantized import FORMATS, QuantizedLinear, quantize_weight
+from wan_tpu.parallel import offload
 
 MODES = tuple(FORMATS)
 # The block linears, as (submodule, attribute) under `WanTransformer.blocks`.
@@ -133,19 +134,36 @@ def quantize_transformer(dit, mode: str = "fp8", mesh=None, linears=BLOCK_LINEAR
         linear = getattr(parent, name, None)
         if linear is None:
             continue
-        kernel = linear.kernel[...]
+        # A block stack offloaded to host memory (`wan_tpu.parallel.offload`) is quantised on the device one
+        # linear at a time and goes back: the device never holds the whole bf16 stack.
+        streamed = offload.on_host(linear.kernel[...])
+        kernel = offload.to_device(linear.kernel[...])
         scale_shape = kernel.shape[:-2] + kernel.shape[-1:]
         shardings = None
         if mesh is not None:
             path = f"blocks.{parent_name}.{name}.kernel_scale"
             shardings = (kernel.sharding, _scale_sharding(mesh, path, scale_shape, heads))
-        wq, scale = _quantizer(mode, shardings)(kernel)
-        bias = None if linear.bias is None else linear.bias[...]
-        setattr(parent, name, QuantizedLinear(wq, scale, bias, fmt=mode, dtype=linear.dtype or kernel.dtype))
+        quantized = _quantizer(mode, shardings)(kernel)
+        install_quantized(dit, mode, {(parent_name, name): tuple(map(offload.to_host, quantized)) if streamed else quantized})
         del kernel, linear
+    dit.quantization = mode
+    if getattr(dit, "resident_blocks", None) is not None:  # resident copies of the quantised stack
+        dit.offload_blocks(dit.resident_block_count)
+    return dit
+
+
+def install_quantized(dit, mode: str, linears: dict) -> object:
+    """Put already quantised block linears in place: `linears` maps (parent, name) of `BLOCK_LINEARS` to
+    (kernel (layers, in, out) in `mode`'s dtype, float32 scales (layers, out)), e.g. as a checkpoint stores
+    them (`wan_tpu.wan.transformer_loading`); each keeps the bias and dtype of the linear it replaces."""
+    for (parent_name, name), (wq, scale) in linears.items():
+        parent = getattr(dit.blocks, parent_name)
+        linear = getattr(parent, name)
+        bias = None if linear.bias is None else linear.bias[...]
+        setattr(parent, name, QuantizedLinear(wq, scale, bias, fmt=mode, dtype=linear.dtype or dit.dtype))
     dit.quantization = mode
     return dit
 
 
-__all__ = ["BLOCK_LINEARS", "MODES", "check_device", "check_mode", "ensure_unquantized", "quantize_transformer",
-           "supported"]
+__all__ = ["BLOCK_LINEARS", "MODES", "check_device", "check_mode", "ensure_unquantized", "install_quantized",
+           "quantize_transformer", "supported"]
