@@ -1,6 +1,7 @@
-"""An HTTP endpoint compatible with the authors' real-robot server (`scripts/evaluation/real_eval_server.py`).
+"""The authors' real-robot protocol (`scripts/evaluation/real_eval_server.py`), served by `wan_tpu.serve`.
 
     python -m wan_tpu.unifolm --model ckpt/unifolm-wma-0 --serve 8000 [--steps 16] [--fs 15]
+    python -m wan_tpu.serve --model ckpt/unifolm-wma-0 --port 8000 [--steps 16] [--fs 15]     # the same server
 
 `POST /predict_action` with their JSON payload — `observation.images.top` (n_obs, 3, H, W) pixel values
 0..255, `observation.state` (n_obs, dof) in robot units, `action` (ignored, zeros in their client) and
@@ -11,18 +12,15 @@ missing, a wrong shape, NaN, a body over 64 MiB: 413) and 500 for a failure of o
 serving either way. As their server: decision-making with the action tokens
 dropped (`keep_action_tokens=False`), 16 DDIM steps, eta 1; images of another size are resized (short
 side, bilinear) and centre-cropped as their `resize_center_crop` transform (PIL's filter, not
-torchvision's: close, not bit-exact). Binds 127.0.0.1 only; put a proxy in front to expose it.
+torchvision's: close, not bit-exact). Binds 127.0.0.1 unless `wan-serve --host` says otherwise (then with an
+API key). This module holds the protocol (payload checks, `predict_action`); the HTTP server is `wan_tpu.serve`'s.
 """
 
 from __future__ import annotations
 
-import json
-from http.server import BaseHTTPRequestHandler, HTTPServer
-
 import numpy as np
 
 from wan_tpu.errors import WanInputError
-from wan_tpu.runtime import interrupt
 
 
 def resize_center_crop(images: np.ndarray, height: int, width: int) -> np.ndarray:
@@ -43,7 +41,7 @@ def resize_center_crop(images: np.ndarray, height: int, width: int) -> np.ndarra
     return np.stack(out)
 
 
-MAX_BODY = 64 * 2**20  # 64 MiB: two 3×1080×1920 frames as JSON numbers fit; a larger body is refused unread
+MAX_BODY = 64 * 2**20  # 64 MiB: two 3×1080×1920 frames as JSON numbers fit; a larger body is refused unread (413)
 
 
 def one_line(error: BaseException) -> str:
@@ -97,65 +95,12 @@ def predict_action(pipe, payload: dict, num_steps: int = 16, eta: float = 1.0, s
         return 500, {"result": "error", "desc": f"internal error: {one_line(e)}"}
 
 
-def make_server(pipe, port: int, **options) -> HTTPServer:
-    """A server on 127.0.0.1:`port` (0: any free port) answering POST /predict_action."""
-
-    class Handler(BaseHTTPRequestHandler):
-        def _answer(self, status: int, response: dict) -> None:
-            body = json.dumps(response, allow_nan=False).encode()
-            self.send_response(status)
-            self.send_header("Content-Type", "application/json")
-            self.send_header("Content-Length", str(len(body)))
-            self.end_headers()
-            self.wfile.write(body)
-
-        def do_POST(self):  # noqa: N802 (http.server's name)
-            if self.path != "/predict_action":
-                self._answer(404, {"result": "error", "desc": "only POST /predict_action"})
-                return
-            try:
-                length = int(self.headers.get("Content-Length", 0))
-            except ValueError:
-                length = -1
-            if length < 0 or length > MAX_BODY:
-                self.close_connection = True
-                self._answer(413 if length > MAX_BODY else 400,
-                             {"result": "error", "desc": f"the body must have a Content-Length of at most {MAX_BODY} bytes"})
-                return
-            try:
-                payload = json.loads(self.rfile.read(length))
-            except (json.JSONDecodeError, UnicodeDecodeError) as e:
-                self._answer(400, {"result": "error", "desc": f"the body is not JSON: {one_line(e)}"})
-                return
-            self._answer(*predict_action(pipe, payload, **options))
-
-        def log_message(self, fmt, *args):
-            pass
-
-    # Single-threaded on purpose: one request at a time on the accelerator (the pipeline is not re-entrant).
-    return HTTPServer(("127.0.0.1", port), Handler)
-
-
-def serve(args) -> None:
-    from wan_tpu.runtime.cli import dtype_of, parse_mesh
-    from wan_tpu.unifolm.pipeline import UnifolmPipeline
-
-    pipe = UnifolmPipeline.from_pretrained(args.model, mesh=parse_mesh(args.mesh), dtype=dtype_of(args.dtype),
-                                           attention=args.attention, stats=args.stats,
-                                           encoder_dtype=dtype_of(args.encoder_dtype),
-                                           compile_cache=not args.no_compile_cache)
-    if not pipe.has_heads:
-        raise WanInputError(f"{pipe.name} has no action head; serve a UnifoLM-WMA-0 checkpoint")
-    server = make_server(pipe, args.serve, num_steps=args.steps or 16, eta=args.eta, seed=args.seed, fs=args.fs)
-    print(f"serving POST http://127.0.0.1:{server.server_address[1]}/predict_action ({pipe.name}); Ctrl-C stops")
-    server.timeout = 0.2  # how often Ctrl-C / SIGTERM is looked at between requests
-    # The components load and the request's programs compile while the server already listens: the first
-    # request waits only for what is still missing.
-    steps = args.steps or 16
-    try:
-        with pipe.prepare("decision", num_steps=steps, eta=args.eta, keep_action_tokens=False):
-            while True:
-                interrupt.check()
-                server.handle_request()
-    finally:
-        server.server_close()
+def serve_argv(args) -> list[str]:
+    """`wan-unifolm --serve PORT ...` as the `wan-serve` command line that serves the same model, flags and port."""
+    argv = ["--family", "unifolm", "--model", args.model, "--port", str(args.serve), "--eta", str(args.eta),
+            "--encoder-dtype", args.encoder_dtype, "--seed", str(args.seed), "--dtype", args.dtype]
+    for flag, value in (("--mesh", args.mesh), ("--attention", args.attention), ("--steps", args.steps),
+                        ("--fs", args.fs), ("--stats", args.stats)):
+        if value is not None:
+            argv += [flag, str(value)]
+    return argv + (["--no-compile-cache"] if args.no_compile_cache else []) + (["--quiet"] if args.quiet else [])
