@@ -13,7 +13,9 @@ counts (the safetensors headers, `wan_tpu.runtime.validate.check_checkpoint`) an
 - image encode (I2V/TI2V): CLIP + VAE weights + 1.15× the 2-strip VAE decode working set (the
   encode/decode peak ratio measured in docs/PERFORMANCE.md: 2.51/2.21 GiB at 480p, 5.34/4.79 at 720p;
   the estimate gives 2.56 and 5.54 GiB).
-- denoise: the DiT weights (both A14B experts: both are loaded) + one step's activations:
+- denoise: the DiT weights (both A14B experts: both are loaded; `--quantize`d block linears at one byte
+  a weight; of an offloaded DiT the weights outside the block stack, its resident blocks and the two
+  blocks a streamed pass holds) + one step's activations:
   `tokens · (ffn_dim + 6·dim) · 4` bytes with `tokens = batch · S` (batch 2 with CFG, S the patch
   count): the float32 temporaries of one block, as XLA's buffer assignment reports them for the 1.3B
   DiT at 832×480×81 (4.95 GiB of temporaries for 65,520 tokens, 4.15 GiB without the attention
@@ -26,6 +28,11 @@ counts (the safetensors headers, `wan_tpu.runtime.validate.check_checkpoint`) an
   peaks in docs/PERFORMANCE.md (bf16, default 2 strips): 2.26 vs 2.21 GiB at 480p, 4.85 vs 4.79 GiB at
   720p; for the fewest strips that fit, else the tiled decode (one tile + twice the video: 2.43 vs
   2.17 GiB measured at 720p).
+
+Offload (`plan_offload`, `--offload auto|none|blocks[:N]`): when the denoise stage does not fit with every
+DiT block on the device, `auto` keeps the most blocks resident that fit and streams the others from host
+memory (`WanTransformer.offload_blocks`); host RAM must then hold the streamed stacks. Each stage's peak is
+its own: the encoders leave the device after encoding and the DiT before decoding (`OffloadPlan.release`).
 
 With a mesh the DiT and UMT5 weights are FSDP-sharded over every device and DiT activations over
 `dp` (when the batch divides), `sp` and `tp`; VAE weights are replicated and its activations split
@@ -45,6 +52,8 @@ import jax
 from wan_tpu.errors import WanInputError
 from wan_tpu.loading import stacking
 from wan_tpu.runtime.memory import GiB, available_bytes
+
+RESIDENT_PLANNED = object()  # `stage_bytes`'s default: the pipeline's own offload plan
 
 
 @dataclass(frozen=True)
@@ -95,17 +104,58 @@ def dit_step_bytes(cfg, tokens: int, batch: int, attention: str, layout: Layout)
     return int(act)
 
 
-@functools.lru_cache(maxsize=8)
-def _dit_elements(cfg) -> int:
-    """Parameter count of a DiT config (presets have no safetensors headers to count from)."""
-    import jax
+@functools.lru_cache(maxsize=16)
+def dit_bytes(cfg, dtype_name: str = "bfloat16", quantization: str | None = None) -> tuple[int, int]:
+    """(bytes of the parameters outside the block stack, bytes of one block) of a DiT config loaded in
+    `dtype_name` (float32 where diffusers keeps it); with `quantization` the block linears take one byte
+    per weight and a float32 scale per output channel (`wan_tpu.wan.quantize`)."""
     import jax.numpy as jnp
     from flax import nnx
 
+    from wan_tpu.wan.quantize import BLOCK_LINEARS
     from wan_tpu.wan.transformer import WanTransformer
 
-    abstract = stacking.eval_shape(lambda: WanTransformer(cfg, dtype=jnp.float32, rngs=nnx.Rngs(0)))
-    return sum(x.size for x in jax.tree.leaves(nnx.state(abstract)))
+    abstract = stacking.eval_shape(lambda: WanTransformer(cfg, dtype=jnp.dtype(dtype_name), rngs=nnx.Rngs(0)))
+    linears = {f"blocks.{parent}.{name}.kernel" for parent, name in BLOCK_LINEARS}
+    fixed = stack = 0
+    for key, var in nnx.to_flat_state(nnx.state(abstract)):
+        path, x = ".".join(map(str, key)), var.get_value()
+        if not path.startswith("blocks."):
+            fixed += x.size * x.dtype.itemsize
+        elif quantization and path in linears:
+            stack += x.size + x.shape[0] * x.shape[-1] * 4
+        else:
+            stack += x.size * x.dtype.itemsize
+    return fixed, stack // cfg.num_layers
+
+
+def _experts(pipe):
+    variant = pipe.variant
+    return [variant.transformer] + ([variant.transformer_2] if variant.transformer_2 is not None else [])
+
+
+def dit_device_bytes(pipe, resident: int | None) -> int:
+    """The DiT weights a device holds while denoising, summed over the experts: all of them (`resident`
+    None), or with `resident` blocks kept and the rest streamed (two blocks in flight)."""
+    total = 0
+    for cfg in _experts(pipe):
+        fixed, block = dit_bytes(cfg, _dtype_name(pipe.dtype), pipe.quantization)
+        total += fixed + block * (cfg.num_layers if resident is None else min(resident, cfg.num_layers))
+    cfg = _experts(pipe)[0]
+    if resident is not None and resident < cfg.num_layers:
+        total += 2 * dit_bytes(cfg, _dtype_name(pipe.dtype), pipe.quantization)[1]
+    return total
+
+
+def dit_host_bytes(pipe) -> int:
+    """Host RAM the streamed block stacks take: every block of every expert (the resident ones too)."""
+    return sum(dit_bytes(cfg, _dtype_name(pipe.dtype), pipe.quantization)[1] * cfg.num_layers for cfg in _experts(pipe))
+
+
+def _dtype_name(dtype) -> str:
+    import jax.numpy as jnp
+
+    return jnp.dtype(dtype).name
 
 
 @functools.lru_cache(maxsize=8)
@@ -121,11 +171,12 @@ def _abstract_vae(config, dtype: str = "float32"):
 
 
 def stage_bytes(pipe, s, stages=("text", "image", "denoise", "decode"), attention_impl_name: str | None = None,
-                keep_dit: bool = False, image: bool = False) -> dict[str, tuple[int, str]]:
+                keep_dit: bool = False, image: bool = False, resident=RESIDENT_PLANNED) -> dict[str, tuple[int, str]]:
     """Stage → (peak bytes per device, what dominates it) for run settings `s` of pipeline `pipe`.
 
     `keep_dit`: the DiT stays loaded while decoding (`--prompts` runs). `image`: an image is encoded.
-    The decode entry is its fastest plan (`decode_plans` lists the others).
+    `resident`: DiT blocks kept on the device, the rest streamed (None: all; default: the pipeline's
+    `offload_plan`). The decode entry is its fastest plan (`decode_plans` lists the others).
     """
     import jax
     import jax.numpy as jnp
@@ -137,9 +188,10 @@ def stage_bytes(pipe, s, stages=("text", "image", "denoise", "decode"), attentio
     size = jnp.dtype(pipe.dtype).itemsize
     elements = pipe.weight_elements or {}
     variant = pipe.variant
-    experts = [variant.transformer] + ([variant.transformer_2] if variant.transformer_2 is not None else [])
-    names = ["transformer", "transformer_2"][: len(experts)]
-    dit_weights = sum((elements.get(name) or _dit_elements(cfg)) * size for name, cfg in zip(names, experts)) // n
+    if resident is RESIDENT_PLANNED:
+        plan = getattr(pipe, "offload_plan", None)
+        resident = None if plan is None else plan.resident
+    dit_weights = dit_device_bytes(pipe, resident) // n
     latent = pipe.latent_shape(s.height, s.width, s.num_frames)
     z = jax.ShapeDtypeStruct(latent, pipe.vae_dtype)
     out = {}
@@ -158,6 +210,8 @@ def stage_bytes(pipe, s, stages=("text", "image", "denoise", "decode"), attentio
         step = dit_step_bytes(cfg, tokens, 2 if s.do_cfg else 1, impl, layout)
         logits = impl in attention_lib.MATERIALISES_LOGITS
         what = f"DiT activations over {tokens:,} tokens" + (f", {impl} attention's logits" if logits else "")
+        if resident is not None and resident < cfg.num_layers:
+            what += f", {resident} of {cfg.num_layers} blocks resident"
         out["denoise"] = (dit_weights + step + 8 * math.prod(latent) * 4, what)
     if "decode" in stages:
         model, vae_weights = _vae(pipe)
@@ -223,16 +277,113 @@ def check_fits(pipe, s, stages=("text", "image", "denoise", "decode"), attention
         )
 
 
-def _advice(pipe, s, stage, layout, free, attention_impl_name) -> str:
+@dataclass(frozen=True)
+class OffloadPlan:
+    """What leaves the device during a run: `resident` DiT blocks kept on it, the others streamed from host
+    memory (None: every block on the device, nothing streamed); `release`: each component leaves the device
+    when its stage is done (the encoders after encoding, the DiT before decoding)."""
+
+    resident: int | None
+    layers: int
+    release: bool = False
+    device_free: int | None = None  # what the choice was made for (bytes per device)
+    host_bytes: int | None = None  # host RAM the streamed stacks take
+
+    @property
+    def streamed(self) -> bool:
+        return self.resident is not None and self.resident < self.layers
+
+    def describe(self) -> str:
+        """One line saying what was chosen, with the sizes that decided it."""
+        if not self.streamed:
+            return "offload: none (every DiT block on the device)"
+        line = (f"offload: blocks:{self.resident} ({self.resident} of {self.layers} DiT blocks on the device, "
+                f"{self.layers - self.resident} streamed from host memory")
+        if self.host_bytes is not None:
+            line += f" holding {self.host_bytes / GiB:.1f} GiB"
+        if self.device_free is not None:
+            line += f"; {self.device_free / GiB:.1f} GiB of device memory free"
+        return line + ")"
+
+
+def plan_offload(pipe, s, choice="auto", attention_impl_name: str | None = None, device_free: int | None = None,
+                 host_free: int | None = None) -> OffloadPlan:
+    """The offload of a run (`choice`: "auto", None for none, or N resident blocks; see
+    `wan_tpu.wan.settings.parse_offload`). `auto` keeps every block on the device when the denoise stage
+    fits, else the most blocks that fit; a `WanInputError` (one line) when even a fully streamed DiT does
+    not fit the device, or the host RAM cannot hold the streamed blocks. `device_free`, `host_free`: the
+    free bytes per device and of the host (default: as the backend and the OS report them; on CPU, where
+    the "device" is host RAM, streaming saves nothing and `auto` streams nothing)."""
+    from wan_tpu.runtime.memory import host_available_bytes
+
+    layers = pipe.variant.transformer.num_layers
+    if choice is None:
+        return OffloadPlan(None, layers)
+    layout = Layout.of(pipe.mesh)
+    where = "device memory per device"
+    if device_free is None:
+        if layout.platform == "cpu" and choice == "auto":
+            return OffloadPlan(None, layers)
+        device_free, where = available_bytes()
+    if choice != "auto" and choice > layers:
+        raise WanInputError(f"--offload blocks:{choice} keeps more blocks resident than the DiT's {layers}; "
+                            f"pass a count from 0 to {layers}")
+    if device_free is None:  # memory not reported: nothing to decide from
+        return OffloadPlan(None, layers) if choice == "auto" else OffloadPlan(choice, layers, True)
+
+    def need(resident):
+        return stage_bytes(pipe, s, ("denoise",), attention_impl_name, resident=resident)["denoise"][0]
+
+    everything = dit_device_bytes(pipe, None) // layout.devices + sum(
+        n * (4 if c == "image_encoder" else _itemsize(pipe, c)) for c, n in (pipe.weight_elements or {}).items()
+        if c not in ("transformer", "transformer_2")) // layout.devices
+    if choice == "auto":
+        if need(None) <= device_free:
+            return OffloadPlan(None, layers, release=everything > device_free)
+        fitting = [n for n in range(layers - 1, -1, -1) if need(n) <= device_free]
+        if not fitting:
+            raise WanInputError(
+                f"this run needs about {need(0) / GiB:.1f} GiB of {where} for denoise even with every DiT block "
+                f"streamed from host memory, but {device_free / GiB:.1f} GiB is free; "
+                f"{_advice(pipe, s, 'denoise', layout, device_free, attention_impl_name, resident=0)}"
+            )
+        choice = fitting[0]
+    host_need = dit_host_bytes(pipe)
+    plan = OffloadPlan(choice, layers, True, device_free, host_need)
+    host = host_free if host_free is not None else host_available_bytes()
+    if plan.streamed and host is not None and host_need > host:
+        smaller = "" if pipe.quantization else "--quantize int8 or fp8 (half the bytes), "
+        raise WanInputError(
+            f"streaming the DiT's blocks from host memory needs about {host_need / GiB:.1f} GiB of host RAM but "
+            f"{host / GiB:.1f} GiB is free; use a machine with more RAM, {smaller}or shard over more devices with "
+            "--mesh"
+        )
+    return plan
+
+
+def _itemsize(pipe, component: str) -> int:
+    import jax.numpy as jnp
+
+    return jnp.dtype(pipe.vae_dtype if component == "vae" else pipe.dtype).itemsize
+
+
+def _advice(pipe, s, stage, layout, free, attention_impl_name, resident=RESIDENT_PLANNED) -> str:
     import jax
 
     tips = []
     if stage == "denoise":
-        smaller = _smaller_run(pipe, s, layout, free, attention_impl_name)
+        smaller = _smaller_run(pipe, s, layout, free, attention_impl_name, resident)
         if smaller:
             tips.append(f"a smaller run fits, e.g. --size {smaller[0]}*{smaller[1]} --frames {smaller[2]}")
         else:
             tips.append("use a smaller --size or fewer --frames")
+        plan = getattr(pipe, "offload_plan", None)
+        if resident is RESIDENT_PLANNED and (plan is None or plan.resident is None) and layout.platform != "cpu":
+            streamed, _ = stage_bytes(pipe, s, ("denoise",), attention_impl_name, resident=0)["denoise"]
+            if streamed <= free:
+                tips.append("stream the DiT's blocks from host memory with --offload auto")
+        if not pipe.quantization and layout.platform != "cpu":
+            tips.append("--quantize int8 or fp8 (half the DiT's bytes)")
     elif stage == "decode":
         tips.append("use a smaller --size or fewer --frames (the VAE decode already splits into strips and tiles)")
     else:
@@ -244,7 +395,7 @@ def _advice(pipe, s, stage, layout, free, attention_impl_name) -> str:
     return "; or ".join(tips)
 
 
-def _smaller_run(pipe, s, layout, free, attention_impl_name) -> tuple[int, int, int] | None:
+def _smaller_run(pipe, s, layout, free, attention_impl_name, resident=RESIDENT_PLANNED) -> tuple[int, int, int] | None:
     """The largest (width, height, frames) among simple reductions of this run whose denoise fits."""
     multiple = pipe.vae_config.scale_factor_spatial * pipe.variant.transformer.patch_size[1]
     t = pipe.vae_config.scale_factor_temporal
@@ -258,7 +409,7 @@ def _smaller_run(pipe, s, layout, free, attention_impl_name) -> tuple[int, int, 
                 candidates.add((w, h, frames))
     for w, h, frames in sorted(candidates, key=lambda c: -(c[0] * c[1] * c[2])):
         smaller = type(s)(h, w, frames, s.num_inference_steps, s.guidance_scale, s.guidance_scale_2, s.flow_shift)
-        need, _ = stage_bytes(pipe, smaller, ("denoise",), attention_impl_name)["denoise"]
+        need, _ = stage_bytes(pipe, smaller, ("denoise",), attention_impl_name, resident=resident)["denoise"]
         if need <= free:
             return w, h, frames
     return None
@@ -267,7 +418,7 @@ def _smaller_run(pipe, s, layout, free, attention_impl_name) -> tuple[int, int, 
 def weights_fit(weight_bytes: dict[str, int], names, mesh) -> bool:
     """Whether the weights of `names` fit together in 90% of the free memory of a device (their bytes
     split over the mesh's devices); True where the backend does not report memory (CPU) or sizes are unknown."""
-    stats = jax.devices()[0].memory_stats() or {}
+    stats = jax.local_devices()[0].memory_stats() or {}
     if "bytes_limit" not in stats or not weight_bytes:
         return True
     free = stats["bytes_limit"] - stats.get("bytes_in_use", 0)
@@ -282,7 +433,7 @@ def decode_compiles_beside_denoise(pipe, s) -> bool:
     memory, the decode compiles before the first step instead (a 14B 720p run from an empty compile
     cache on an 80 GB H100 ran out of memory in its first steps otherwise). True off GPUs (TPU
     compiles take no device memory) and where the memory is unknown."""
-    device = jax.devices()[0]
+    device = jax.local_devices()[0]
     stats = device.memory_stats() or {}
     if device.platform != "gpu" or "bytes_limit" not in stats:
         return True
@@ -293,7 +444,7 @@ def decode_compiles_beside_denoise(pipe, s) -> bool:
 def free_bytes_after_release(vae) -> int | None:
     """The free device memory `decode` will see once the encoders and the DiT are released: all of it
     but the VAE's weights (None where the backend does not report memory)."""
-    stats = jax.devices()[0].memory_stats() or {}
+    stats = jax.local_devices()[0].memory_stats() or {}
     if "bytes_limit" not in stats:
         return None
     from flax import nnx

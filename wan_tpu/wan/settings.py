@@ -160,3 +160,28 @@ def model_parts(variant: WanVariant) -> dict[str, str]:
         parts["image_encoder"] = "image_encoder"
         parts["image_processor"] = "image_processor"
     return parts
+
+
+OFFLOAD_CHOICES = "auto, none, blocks or blocks:N"
+
+
+def parse_offload(value) -> str | int | None:
+    """`--offload` / `offload=`: "auto" (the estimate chooses), "none" (None: every weight on the device),
+    "blocks" (every DiT block streamed from host memory: 0 resident) or "blocks:N" (the first N blocks
+    resident, the rest streamed); an int N is "blocks:N"."""
+    if value is None or value == "none":
+        return None
+    if value == "auto":
+        return "auto"
+    if isinstance(value, int) and not isinstance(value, bool):
+        count = value
+    elif isinstance(value, str) and (value == "blocks" or value.startswith("blocks:")):
+        count = value.partition(":")[2] or "0"
+        if not count.isdigit():
+            raise WanInputError(f"--offload {value}: N in blocks:N must be a whole number of resident blocks (0 or more)")
+        count = int(count)
+    else:
+        raise WanInputError(f"--offload {value!r} is not one of {OFFLOAD_CHOICES}")
+    if count < 0:
+        raise WanInputError(f"--offload blocks:{count}: the resident block count cannot be negative")
+    return count

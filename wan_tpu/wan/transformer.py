@@ -43,6 +43,7 @@ from wan_tpu.layers.embeddings import FeedForward, TextProjection, TimestepEmbed
 from wan_tpu.layers.norms import FP32LayerNorm, layer_norm, modulated_layer_norm
 from wan_tpu.layers.rope import rope_tables
 from wan_tpu.loading.stacking import eval_shape, stack_layers
+from wan_tpu.parallel import offload
 from wan_tpu.wan import lora as lora_lib
 
 
@@ -118,6 +119,8 @@ class WanTransformer(nnx.Module):
         self.shard_activation = identity
         # "fp8" once `wan_tpu.wan.quantize.quantize_transformer` has replaced the block linears.
         self.quantization = None
+        # The first blocks' device copies while `blocks` lives in host memory (`offload_blocks`).
+        self.resident_blocks = nnx.data(None)
 
     def __call__(self, hidden_states, timestep, encoder_hidden_states, encoder_hidden_states_image=None):
         """Noise prediction (B, C_out, F, H, W), as diffusers' forward(...).sample; runs compiled."""
@@ -127,11 +130,18 @@ class WanTransformer(nnx.Module):
 
     def load_lora(self, path, scale: float = 1.0):
         """Merge the LoRA file at `path` into the weights, in place, on device (`wan_tpu.wan.lora`); calls stack."""
+        self._ensure_resident("merging a LoRA")
         return lora_lib.load_lora(self, path, scale)
 
     def unload_lora(self) -> None:
         """Undo every `load_lora`: the weights as they were before, bit for bit."""
+        self._ensure_resident("unloading a LoRA")
         lora_lib.unload_lora(self)
+
+    def _ensure_resident(self, action: str) -> None:
+        if self.offloaded:
+            raise WanInputError(f"{action} changes the weights on the device, but this DiT's blocks are offloaded to "
+                                "host memory; call restore_blocks() first (WanPipeline reloads the DiT instead)")
 
     def apply(self, hidden_states, timestep, encoder_hidden_states, encoder_hidden_states_image=None):
         """The forward computation, traced op by op; call it under jit (see `forward`)."""
@@ -160,8 +170,8 @@ class WanTransformer(nnx.Module):
         return DiTInputs(x, temb, tproj, context, context_image, rope_tables(cfg.attention_head_dim, grid), grid)
 
     def run_blocks(self, inputs: DiTInputs, x, start: int = 0, stop: int | None = None):
-        """Blocks `start`..`stop` (default: all) on the token stream `x` (B, S, dim)."""
-        stop = self.config.num_layers if stop is None else stop
+        """Blocks `start`..`stop` (default: all) on the token stream `x` (B, S, dim); an offloaded stack
+        (`offload_blocks`) runs its resident blocks, then streams the others from host memory."""
         block_graph, block_state = nnx.split(self.blocks)
         self_attn, cross_attn, shard = self.self_attention, self.cross_attention, self.shard_activation
 
@@ -170,17 +180,39 @@ class WanTransformer(nnx.Module):
             with jax.named_scope("dit_block"):
                 block = nnx.merge(block_graph, layer_state)
                 x = block(x, inputs.context, inputs.context_image, inputs.tproj, inputs.rope, self_attn, cross_attn)
-                return shard(x, "tokens"), None
+                return shard(x, "tokens")
 
-        if (start, stop) == (0, self.config.num_layers):
-            return jax.lax.scan(body, x, block_state)[0]
+        if not offload.is_streamed(block_state):
+            return offload.scan_layers(body, x, block_state, None, start, stop)
+        resident = None if self.resident_blocks is None else nnx.split(self.resident_blocks)[1]
+        return offload.scan_layers(body, x, resident, block_state, start, stop)
 
-        # A part of the stack (a step cache's first block, or the rest): index the stacked weights inside
-        # the loop, as the full scan does, rather than slicing them (a slice would copy the weights).
-        def indexed(x, i):
-            return body(x, jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, i, keepdims=False), block_state))
+    def offload_blocks(self, resident: int = 0) -> WanTransformer:
+        """Keep the first `resident` blocks on the device and the whole stack in host memory, streamed a
+        block ahead of its use inside the compiled forward (`wan_tpu.parallel.offload`); in place, and again
+        with another count (the stack stays in host memory). Outputs are bit-identical to the resident
+        DiT's. LoRAs merge first (on the device); quantising an offloaded DiT goes linear by linear through
+        the device (`wan_tpu.wan.quantize`); `restore_blocks` undoes it."""
+        self.resident_blocks = nnx.data(None)  # the old resident copies go before the new ones come
+        self.resident_blocks = nnx.data(offload.offload_stack(self.blocks, resident))
+        return self
 
-        return jax.lax.scan(indexed, x, jnp.arange(start, stop))[0]
+    def restore_blocks(self) -> None:
+        """Undo `offload_blocks`: the whole stack back on the device."""
+        offload.restore_stack(self.blocks)
+        self.resident_blocks = nnx.data(None)
+
+    @property
+    def offloaded(self) -> bool:
+        """Whether the block stack lives in host memory (`offload_blocks`)."""
+        return offload.is_streamed(nnx.state(self.blocks))
+
+    @property
+    def resident_block_count(self) -> int:
+        """Blocks whose weights stay on the device: all of them unless offloaded."""
+        if not self.offloaded:
+            return self.config.num_layers
+        return 0 if self.resident_blocks is None else jax.tree.leaves(nnx.state(self.resident_blocks))[0].shape[0]
 
     def head(self, inputs: DiTInputs, x):
         """Output norm and modulation, projection, unpatchify: noise prediction (B, C_out, F, H, W)."""

@@ -1,0 +1,304 @@
+"""Big models on small cards: the DiT step with its blocks streamed from host memory (`--offload`) against
+the all-resident step, on a device whose usable memory is capped, and each stage's own peak.
+
+    python benchmarks/bench_offload.py                          # one H100/H200: 14B at 24 and 16 GiB, 1.3B at 8 GiB
+    python benchmarks/bench_offload.py --quantize int8,fp8      # also FP8 (H100/H200)
+    python benchmarks/bench_offload.py --rows 14b:none,14b:16 --quantize int8 --no-stages --time-limit 540
+    python benchmarks/bench_offload.py --tiny                   # smoke run (CPU, seconds)
+
+Each row runs in a fresh process (`XLA_PYTHON_CLIENT_MEM_FRACTION` caps a GPU's usable memory per process;
+XLA reads it once): random weights at the real sizes (drawn on the device one parameter at a time, a streamed
+stack moved to host memory as it is drawn, so the device never holds more than the cap), the blocks
+`wan_tpu.wan.memory.plan_offload` keeps resident for the cap (`--resident N` forces a count), then one CFG
+denoise step's DiT forward (batch 2, 512 text tokens; 480p 81 frames by default) timed as the median of
+`--iters` after a warm-up. Resident rows run uncapped: a 14B bf16 DiT fits no 24 GiB card. Columns:
+
+- step s: the median forward; × resident: against the same weights' all-resident row (target ≤ 1.25);
+- stream bound s: the bytes a step streams (the non-resident blocks, plus the last one fetched twice) over
+  the host → device bandwidth measured in the same process (a 1 GiB pinned copy): no streamed step can be
+  faster, and a step near it is bandwidth-bound rather than compute-bound;
+- peak GiB: `memory_stats()["peak_bytes_in_use"]` of the process (n/a where the backend reports none).
+
+Stage rows (text encode with UMT5-XXL, denoise, VAE decode), each in its own capped process: the peak of each
+stage alone, as a run with offload sees it (the encoders leave the device before the DiT comes, the DiT
+before the decode; the decode picks strips or tiles from the free memory).
+TPU: run it on the chip itself (v5e-1: 16 GiB HBM); the caps only apply to GPUs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import functools
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # harness.py, beside this script
+import harness  # noqa: E402
+
+GiB = 2**30
+CONFIGS = {"14b": "wan2.1-t2v-14b", "1.3b": "wan2.1-t2v-1.3b", "tiny": "tiny"}
+# (config, budget GiB or None for uncapped): the rows of the device run.
+DEFAULT_ROWS = [("14b", None), ("14b", 24), ("14b", 16), ("1.3b", None), ("1.3b", 8)]
+TINY_ROWS = [("tiny", None), ("tiny", 0)]  # 0: a budget the plan is given, not a cap (CPU has none)
+
+
+def gpu_total_bytes() -> int | None:
+    """The first NVIDIA GPU's memory as the driver reports it (JAX not started: the cap must come first)."""
+    if not shutil.which("nvidia-smi"):
+        return None
+    out = subprocess.run(["nvidia-smi", "--query-gpu=memory.total", "--format=csv,noheader,nounits"],
+                         capture_output=True, text=True, timeout=60).stdout.split()
+    return int(out[0]) * 2**20 if out else None
+
+
+def cap_memory(budget_gib: float | None) -> None:
+    """Cap this process's usable GPU memory at `budget_gib` (before JAX starts)."""
+    total = gpu_total_bytes()
+    if budget_gib and total:
+        os.environ["XLA_PYTHON_CLIENT_MEM_FRACTION"] = f"{budget_gib * GiB / total:.4f}"
+
+
+# ---- one row, in its own process ---------------------------------------------------------------------
+
+
+def random_weights(abstract, streamed_prefix: str | None, seed: int = 0):
+    """Seeded random weights for the abstract module `abstract`, drawn on the device one parameter at a
+    time in its dtype; parameters under `streamed_prefix` go to host memory as soon as they are drawn."""
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from wan_tpu.parallel import offload
+
+    @functools.cache
+    def program(shape, dtype):  # one per distinct parameter shape (q, k, v and out share theirs)
+        return jax.jit(lambda k: (jax.random.normal(k, shape, jnp.float32 if jnp.dtype(dtype).itemsize > 2 else dtype)
+                                  * (1 / max(shape[-1], 1)) ** 0.5).astype(dtype))
+
+    graphdef, state = nnx.split(abstract)
+    flat = nnx.to_flat_state(state)
+    key = jax.random.key(seed)
+    for i, (path, var) in enumerate(flat):
+        spec = var.get_value()
+        value = program(tuple(spec.shape), jnp.dtype(spec.dtype))(jax.random.fold_in(key, i))
+        if streamed_prefix and str(path[0]) == streamed_prefix:
+            value = offload.to_host(value)
+        var.set_value(value)
+    return nnx.merge(graphdef, nnx.from_flat_state(flat))
+
+
+def host_to_device_gbps(nbytes: int = GiB) -> float:
+    """Host → device bandwidth of one pinned copy of `nbytes` (the best of three), GB/s."""
+    import jax
+    import jax.numpy as jnp
+
+    from wan_tpu.parallel import offload
+
+    device = jax.devices()[0]
+    host = offload.to_host(jnp.zeros(nbytes // 2, jnp.bfloat16))
+    target = jax.sharding.SingleDeviceSharding(device)
+    best = float("inf")
+    for _ in range(3):
+        start = time.perf_counter()
+        jax.block_until_ready(jax.device_put(host, target))
+        best = min(best, time.perf_counter() - start)
+    return nbytes / best / 1e9
+
+
+def peak_bytes() -> int | None:
+    import jax
+
+    return (jax.devices()[0].memory_stats() or {}).get("peak_bytes_in_use")
+
+
+def run_denoise(args) -> dict:
+    """One row: the DiT forward of a CFG step, resident or streamed as the plan for the budget says."""
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from wan_tpu.configs.models import VARIANTS
+    from wan_tpu.configs.vae import TINY_VAE, VAE_PRESETS
+    from wan_tpu.wan import memory
+    from wan_tpu.wan.pipeline import WanPipeline
+    from wan_tpu.wan.quantize import quantize_transformer
+    from wan_tpu.wan.transformer import WanTransformer, set_attention
+
+    variant = VARIANTS[CONFIGS[args.config]]
+    if args.config == "tiny":  # more blocks than the preset's 2, so that some stream
+        variant = dataclasses.replace(variant, transformer=dataclasses.replace(variant.transformer, num_layers=6))
+    cfg = variant.transformer
+    pipe = WanPipeline(variant, TINY_VAE if args.config == "tiny" else VAE_PRESETS["wan2.1"], {}, name=args.config,
+                       dtype=jnp.bfloat16)
+    pipe.quantization = None if args.quantize == "bf16" else args.quantize
+    s = pipe.settings(height=args.height, width=args.width, num_frames=args.frames)
+    resident, said = None, ""
+    if args.budget is not None:
+        free = None
+        if args.budget == 0:  # --tiny: a "device" halfway between the fully streamed and the resident need
+            need = [memory.stage_bytes(pipe, s, ("denoise",), args.attention, resident=r)["denoise"][0] for r in (0, None)]
+            free = sum(need) // 2
+        plan = memory.plan_offload(pipe, s, "auto", args.attention, device_free=free)
+        resident = plan.resident if args.resident is None else args.resident
+        said = plan.describe()
+    streamed = resident is not None and resident < cfg.num_layers
+    abstract = nnx.eval_shape(lambda: WanTransformer(cfg, dtype=jnp.bfloat16, rngs=nnx.Rngs(0)))
+    dit = random_weights(abstract, "blocks" if streamed else None)
+    if pipe.quantization:
+        quantize_transformer(dit, pipe.quantization)
+    if streamed:
+        dit.offload_blocks(resident)
+    set_attention(dit, args.attention, None)
+    latent = pipe.latent_shape(s.height, s.width, s.num_frames)
+    keys = jax.random.split(jax.random.key(1), 2)
+    x = jax.random.normal(keys[0], (2, *latent[1:]), jnp.bfloat16)
+    t = jnp.array([900.0, 900.0])
+    context = jax.random.normal(keys[1], (2, 512, cfg.text_dim), jnp.bfloat16)
+    timing = harness.measure(lambda: dit(x, t, context), jax.block_until_ready, iters=args.iters)
+    _, block = memory.dit_bytes(cfg, "bfloat16", pipe.quantization)
+    streamed_bytes = (cfg.num_layers - resident + 1) * block if streamed else 0
+    gbps = host_to_device_gbps(min(GiB, max(block, 2**20))) if streamed else None
+    return {"config": args.config, "quantize": args.quantize, "budget": args.budget,
+            "resident": cfg.num_layers if resident is None else resident, "layers": cfg.num_layers,
+            "step": timing.median, "first": timing.first, "streamed_bytes": streamed_bytes, "gbps": gbps,
+            "peak": peak_bytes(), "devices": harness.device_kind(jax.devices()), "plan": said}
+
+
+def run_stage(args) -> dict:
+    """One stage alone in a capped process: its peak device memory."""
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from wan_tpu.configs.vae import TINY_VAE, VAE_PRESETS
+    from wan_tpu.wan.pipeline import WanPipeline
+
+    tiny = args.config == "tiny"
+    if args.stage == "text":
+        from wan_tpu.encoders.umt5 import UMT5Config, UMT5Encoder
+        from wan_tpu.wan.presets import tiny_umt5_config
+
+        cfg = tiny_umt5_config(32) if tiny else UMT5Config(vocab_size=256384, d_model=4096, d_kv=64, d_ff=10240,
+                                                            num_layers=24, num_heads=64)
+        encoder = random_weights(nnx.eval_shape(lambda: UMT5Encoder(cfg, jnp.bfloat16)), None)
+        embeds = jax.random.normal(jax.random.key(0), (2, 512, cfg.d_model), jnp.bfloat16)
+        timing = harness.measure(lambda: encoder(embeds, jnp.ones((2, 512), jnp.int32)), jax.block_until_ready,
+                                 iters=1)
+    else:
+        from wan_tpu.configs.models import VARIANTS
+        from wan_tpu.vae.model import WanVAE
+
+        config = TINY_VAE if tiny else VAE_PRESETS["wan2.1"]
+        vae = random_weights(nnx.eval_shape(lambda: WanVAE(config, dtype=jnp.float32, rngs=nnx.Rngs(0))), None)
+        pipe = WanPipeline(VARIANTS[CONFIGS[args.config]], config, {}, name="vae", dtype=jnp.bfloat16)
+        z = jax.random.normal(jax.random.key(0), pipe.latent_shape(args.height, args.width, args.frames))
+        timing = harness.measure(lambda: vae.decode(z), jax.block_until_ready, iters=1)
+    return {"stage": args.stage, "budget": args.budget, "seconds": timing.median, "peak": peak_bytes()}
+
+
+# ---- the table -----------------------------------------------------------------------------------------
+
+
+def child(argv, budget, deadline, limit) -> tuple[dict | None, str | None]:
+    budget = [] if budget is None else ["--budget", str(budget)]
+    return harness.run_part([sys.executable, os.path.abspath(__file__), *argv, *budget], deadline, limit)
+
+
+def parse_rows(text: str) -> list[tuple[str, float | None]]:
+    """`14b:none,14b:16` → [("14b", None), ("14b", 16.0)]."""
+    rows = []
+    for item in text.split(","):
+        config, _, budget = item.partition(":")
+        if config not in CONFIGS or not budget:
+            raise SystemExit(f"--rows {item}: expected CONFIG:GIB or CONFIG:none, CONFIG from {', '.join(CONFIGS)}")
+        rows.append((config, None if budget == "none" else float(budget)))
+    return rows
+
+
+def budget_name(budget) -> str:
+    return "uncapped" if budget is None else "given to the plan" if budget == 0 else f"{budget:g} GiB"
+
+
+def gib(n) -> str:
+    return "n/a" if n is None else f"{n / GiB:.2f}"
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--tiny", action="store_true", help="the tiny DiT, VAE and UMT5 at 64×64×5 (CPU smoke run)")
+    p.add_argument("--quantize", default="bf16,int8", help="comma-separated, from bf16, int8, fp8")
+    p.add_argument("--size", default="832*480", help="W*H (default 480p)")
+    p.add_argument("--frames", type=int, default=81)
+    p.add_argument("--iters", type=int, default=2)
+    p.add_argument("--attention", default=None, help="DiT attention kernel (default: the backend's fastest)")
+    p.add_argument("--resident", type=int, default=None, help="resident blocks of the streamed rows (default: the plan's)")
+    p.add_argument("--stages", action=argparse.BooleanOptionalAction, default=True, help="the per-stage peak rows")
+    p.add_argument("--rows", default=None, help="CONFIG:GIB or CONFIG:none (uncapped), comma-separated (default: "
+                   + ",".join(f"{c}:{'none' if b is None else b}" for c, b in DEFAULT_ROWS) + ")")
+    p.add_argument("--time-limit", type=float, default=None, help="seconds for the whole table; rows past it are skipped")
+    # One row of the parent's table (run in a fresh process).
+    p.add_argument("--config", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--budget", type=float, default=None, help=argparse.SUPPRESS)
+    p.add_argument("--stage", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--result-json", default=None, help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    args.width, args.height = map(int, args.size.split("*"))
+    if args.tiny:
+        args.width, args.height, args.frames = 64, 64, 5
+    if args.config is not None:  # a child: one row
+        cap_memory(args.budget)
+        result = run_stage(args) if args.stage else run_denoise(args)
+        with open(args.result_json, "w") as f:
+            json.dump(result, f)
+        return
+    harness.print_env()
+    common = ["--size", f"{args.width}*{args.height}", "--frames", str(args.frames), "--iters", str(args.iters)]
+    common += [] if args.attention is None else ["--attention", args.attention]
+    common += [] if args.resident is None else ["--resident", str(args.resident)]
+    plan = parse_rows(args.rows) if args.rows else TINY_ROWS if args.tiny else DEFAULT_ROWS
+    deadline = None if args.time_limit is None else time.perf_counter() + args.time_limit
+    rows, failed = [], []
+    for config, budget in plan:
+        for quant in args.quantize.split(","):
+            result, why = child(["--config", config, "--quantize", quant, *common], budget, deadline, args.time_limit)
+            (rows.append(result) if result else failed.append((config, quant, budget, why)))
+    baseline = {(r["config"], r["quantize"]): r["step"] for r in rows if r["budget"] is None}
+    print(f"\nDiT forward of one CFG step ({args.width}×{args.height}, {args.frames} frames, batch 2), random weights")
+    table = []
+    for r in rows:
+        base = baseline.get((r["config"], r["quantize"]))
+        bound = r["streamed_bytes"] / (r["gbps"] * 1e9) if r["gbps"] else None
+        table.append([r["config"], r["quantize"], budget_name(r["budget"]),
+                      f"{r['resident']}/{r['layers']}", f"{r['step']:.3f}",
+                      "" if base is None else f"{r['step'] / base:.2f}",
+                      "" if bound is None else f"{bound:.3f} ({r['gbps']:.1f} GB/s)", gib(r["peak"])])
+    table += [[c, q, budget_name(b), why] for c, q, b, why in failed]
+    print(harness.table(["config", "weights", "device memory", "resident blocks", "step s", "× resident",
+                         "stream bound s", "peak GiB"], table))
+    for r in rows:
+        if r["plan"]:
+            print(f"{r['config']} {r['quantize']} at {budget_name(r['budget'])}: {r['plan']}")
+    if not args.stages:
+        return
+    budgets = sorted({b for _, b in plan if b is not None}, reverse=True)
+    stage_rows = []
+    for budget in budgets:
+        for stage in ("text", "decode"):
+            result, why = child(["--config", "tiny" if args.tiny else "14b", "--stage", stage, *common], budget,
+                                deadline, args.time_limit)
+            stage_rows.append([stage, budget_name(budget), why] if result is None else
+                              [stage, budget_name(budget), f"{result['seconds']:.2f}", gib(result["peak"])])
+    denoise = [[f"denoise ({r['config']} {r['quantize']})", budget_name(r["budget"]), f"{r['step']:.2f}", gib(r["peak"])]
+               for r in rows
+               if r["budget"] is not None and r["config"] != "1.3b"]
+    print("\nEach stage alone (its own process and cap): UMT5-XXL text encode, the streamed DiT step, VAE decode")
+    print(harness.table(["stage", "device memory", "s", "peak GiB"], stage_rows + denoise))
+
+
+if __name__ == "__main__":
+    main()
