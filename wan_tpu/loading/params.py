@@ -22,6 +22,9 @@ float32 → bfloat16 to nearest even.
 
 With a mesh, the host builds each parameter in its final layout and dtype and `place` puts it on the
 devices slice by slice (`wan_tpu.parallel.sharding.place_param`), so a device never holds more than its shard.
+In a job of several processes (`wan_tpu.runtime.distributed`) `place` is given a `ParamSlices` instead:
+each process reads from the checkpoint only the slices its own devices hold (`ParamSlices[index]`), so no
+host reads, or holds, a whole sharded parameter.
 """
 
 from __future__ import annotations
@@ -110,6 +113,90 @@ class StoredParam:
         return np.ascontiguousarray(self.layout.apply(self.read_stored(), self.stacked).astype(self.dtype, copy=False))
 
 
+def _span(index, shape) -> list[tuple[int, int]]:
+    spans = []
+    for i, n in enumerate(shape):
+        sl = index[i] if i < len(index) else slice(None)
+        start, stop, step = sl.indices(n)
+        if step != 1:
+            raise ValueError(f"only contiguous slices are read, got step {step}")
+        spans.append((start, max(start, stop)))
+    return spans
+
+
+def _groups(stored: tuple[int, ...], ours: tuple[int, ...]) -> list[tuple[range, range]]:
+    """The dimensions of `stored` and of its reshape `ours` that cover each other (equal products)."""
+    groups, i, j = [], 0, 0
+    while i < len(stored) or j < len(ours):
+        a, b, p, q = i, j, 1, 1
+        if i < len(stored):
+            p, i = stored[i], i + 1
+        if j < len(ours):
+            q, j = ours[j], j + 1
+        while p != q:
+            if p < q:
+                p, i = p * stored[i], i + 1
+            else:
+                q, j = q * ours[j], j + 1
+        groups.append((range(a, i), range(b, j)))
+    return groups
+
+
+class ParamSlices:
+    """A `StoredParam` in our layout and dtype, read a slice at a time: `shape`, `dtype`, `[index]` (a tuple
+    of contiguous slices, as `jax.make_array_from_callback` gives) reads only the stored bytes that slice
+    needs; `np.asarray(...)` reads it whole."""
+
+    def __init__(self, param: StoredParam):
+        self.param = param
+        stored = param.stored_shape
+        self.lead = stored[:1] if param.stacked else ()
+        layer = stored[len(self.lead):]
+        layout = param.layout
+        self.reshaped = tuple(layout.reshape) if layout.reshape is not None else layer
+        self.perm = tuple(layout.perm) if layout.perm is not None else tuple(range(len(self.reshaped)))
+        self.groups = _groups(layer, self.reshaped)
+        self.shape = self.lead + tuple(self.reshaped[p] for p in self.perm)
+        self.dtype = np.dtype(param.dtype)
+        self.ndim = len(self.shape)
+
+    def __array__(self, dtype=None, copy=None):
+        out = self.param.read_host()
+        return out if dtype is None else out.astype(dtype)
+
+    def __getitem__(self, index) -> np.ndarray:
+        if not isinstance(index, tuple):
+            index = (index,)
+        spans = _span(index, self.shape)
+        lead_span, ours = spans[:len(self.lead)], spans[len(self.lead):]
+        # Our dimension k is the reshaped dimension perm[k].
+        reshaped = [None] * len(self.reshaped)
+        for k, p in enumerate(self.perm):
+            reshaped[p] = ours[k]
+        stored_index, region, after = [], [], []
+        for s_dims, r_dims in self.groups:
+            whole = all(reshaped[r] == (0, self.reshaped[r]) for r in r_dims)
+            if len(s_dims) == 1 and len(r_dims) == 1:
+                a, b = reshaped[r_dims[0]]
+                stored_index.append(slice(a, b))
+                region.append(b - a)
+                after.append(slice(None))
+            else:
+                # A slice across merged dimensions is not one box of the stored tensor: read the group whole.
+                stored_index += [slice(None)] * len(s_dims)
+                region += [self.reshaped[r] for r in r_dims]
+                after += [slice(None) if whole else slice(*reshaped[r]) for r in r_dims]
+        p = self.param
+        names = p.names[slice(*lead_span[0])] if p.stacked else p.names[:1]
+        read = getattr(p.tensors, "read_slice", None)
+        layers = [read(n, tuple(stored_index)) if read is not None else np.asarray(p.tensors[n][tuple(stored_index)])
+                  for n in names]
+        a = np.stack(layers) if p.stacked else layers[0]
+        a = a.reshape(*a.shape[:len(self.lead)], *region)[(slice(None),) * len(self.lead) + tuple(after)]
+        a = a.transpose(*range(len(self.lead)), *(q + len(self.lead) for q in self.perm))
+        return np.ascontiguousarray(a.astype(self.dtype, copy=False))
+
+
 @functools.partial(jax.jit, static_argnames=("layout", "stacked", "dtype"))
 def _to_ours(layers, layout: Layout, stacked: bool, dtype):
     stored = jnp.stack(layers) if stacked else layers[0]
@@ -147,6 +234,8 @@ def load_params(params: Sequence[StoredParam], place: Callable[[int, np.ndarray]
     """Every parameter on the device, in order: the default device, or where `place(i, host)` puts
     `params[i]` given in our layout and dtype (e.g. sharded over a mesh)."""
     with concurrent.futures.ThreadPoolExecutor(threads) as pool:
+        if place is not None and jax.process_count() > 1:
+            return list(_ordered(pool, lambda i: _place_slices(place, i, params[i]), range(len(params)), threads))
         if place is not None:
             hosts = _ordered(pool, StoredParam.read_host, params, threads)
             return [place(i, host) for i, host in enumerate(hosts)]
@@ -154,6 +243,14 @@ def load_params(params: Sequence[StoredParam], place: Callable[[int, np.ndarray]
         for p, on_device, arrays in _ordered(pool, _put, params, 2 * threads):
             out.append(_layout_program(tuple(arrays), p.layout, p.stacked, p.dtype) if on_device else arrays[0])
         return out
+
+
+def _place_slices(place, i: int, p: StoredParam) -> jax.Array:
+    """`place(i, ...)` given the parameter's slices to read; a `place` that takes only arrays gets it whole."""
+    try:
+        return place(i, ParamSlices(p))
+    except TypeError:
+        return place(i, p.read_host())
 
 
 def _put(p: StoredParam):

@@ -8,13 +8,16 @@ order (it lays `tp`, the chattiest axis, on the nearest devices; it was measured
 Several hosts: `make_mesh` first calls `jax.distributed.initialize()` when the environment says the
 job spans processes and it has not been initialized yet. The signals read are
 
-- `JAX_COORDINATOR_ADDRESS` or `COORDINATOR_ADDRESS` (with `JAX_NUM_PROCESSES`/`NUM_PROCESSES` and
-  `JAX_PROCESS_ID`/`PROCESS_ID` where the cluster is not auto-detected),
+- `WAN_TPU_COORDINATOR`, `JAX_COORDINATOR_ADDRESS` or `COORDINATOR_ADDRESS` (with
+  `WAN_TPU_NUM_PROCESSES`/`JAX_NUM_PROCESSES`/`NUM_PROCESSES` and `WAN_TPU_PROCESS_ID`/`JAX_PROCESS_ID`/
+  `PROCESS_ID` where the cluster is not auto-detected),
 - a multi-host Cloud TPU slice: `TPU_WORKER_HOSTNAMES` or `TPU_PROCESS_ADDRESSES` naming more
   than one host, or `MEGASCALE_COORDINATOR_ADDRESS` (multislice),
 - Slurm (`SLURM_NTASKS` > 1) or Open MPI (`OMPI_COMM_WORLD_SIZE` > 1) launches.
 
-On one host none of these is set and nothing happens.
+On one host none of these is set and nothing happens. The commands start the job earlier, from their
+`--coordinator`/`--num-processes`/`--process-id` flags too (`wan_tpu.runtime.distributed`). The mesh then
+spans every process's devices (`jax.devices()`); each process drives its own (`jax.local_devices()`).
 """
 
 from __future__ import annotations
@@ -57,7 +60,7 @@ def maybe_initialize_distributed() -> bool:
     """Start `jax.distributed` when the environment describes a multi-process job; True if started."""
     if jax.distributed.is_initialized():
         return False
-    coordinator = _env_first("JAX_COORDINATOR_ADDRESS", "COORDINATOR_ADDRESS")
+    coordinator = _env_first("WAN_TPU_COORDINATOR", "JAX_COORDINATOR_ADDRESS", "COORDINATOR_ADDRESS")
     multi_host = (
         coordinator is not None
         or _more_than_one(_env_first("TPU_WORKER_HOSTNAMES", "TPU_PROCESS_ADDRESSES"), ",")
@@ -70,8 +73,8 @@ def maybe_initialize_distributed() -> bool:
     kwargs = {}
     if coordinator is not None:
         kwargs["coordinator_address"] = coordinator
-        num = _env_first("JAX_NUM_PROCESSES", "NUM_PROCESSES")
-        pid = _env_first("JAX_PROCESS_ID", "PROCESS_ID")
+        num = _env_first("WAN_TPU_NUM_PROCESSES", "JAX_NUM_PROCESSES", "NUM_PROCESSES")
+        pid = _env_first("WAN_TPU_PROCESS_ID", "JAX_PROCESS_ID", "PROCESS_ID")
         if num is not None and pid is not None:
             kwargs.update(num_processes=int(num), process_id=int(pid))
     try:

@@ -125,21 +125,35 @@ def _resolve(mesh, family, path, shape, num_heads=None):
 def place_param(mesh, family: str, param_path: str, host_array, dtype=None, num_heads: int | None = None) -> jax.Array:
     """Put one parameter on `mesh` as its rule says; each device reads only its own slice.
 
-    `host_array` may be a read-only memory map; `dtype` (optional) converts each slice as it is read;
-    `num_heads` (DiT, optional) lets a model whose heads `tp` does not divide land in its final layout
-    (`shard_transformer` re-places it otherwise).
+    `host_array` may be a read-only memory map, or anything that reads a slice when indexed
+    (`wan_tpu.loading.params.ParamSlices`: on a mesh spanning several processes each process then reads
+    only its own devices' slices, each once however many of its devices hold it); `dtype` (optional)
+    converts each slice as it is read; `num_heads` (DiT, optional) lets a model whose heads `tp` does not
+    divide land in its final layout (`shard_transformer` re-places it otherwise).
     """
     shape = tuple(host_array.shape)
-    sharding = NamedSharding(mesh, param_spec(mesh, family, param_path, shape, num_heads))
+    return put(host_array, NamedSharding(mesh, param_spec(mesh, family, param_path, shape, num_heads)), dtype)
+
+
+def put(host_array, sharding, dtype=None) -> jax.Array:
+    """`host_array` (numpy, a memory map, a `ParamSlices`, or a jax.Array) on `sharding`: each device gets its
+    slice, read once per process however many of its devices hold it. On a mesh spanning processes each
+    process fills only its own devices, with no collective (`jax.device_put` of a host array would compare the
+    processes' copies first: a collective, which a loader in a background thread must not issue, since every
+    process has to issue its collectives in the same order); every process passes the same values."""
     if isinstance(host_array, jax.Array):
         arr = host_array if dtype is None else host_array.astype(dtype)
         return jax.device_put(arr, sharding)
+    pieces = {}
 
     def read(index):
-        piece = np.asarray(host_array[index])
-        return piece if dtype is None else piece.astype(dtype)
+        key = tuple((sl.start, sl.stop) for sl in index)
+        if key not in pieces:
+            piece = np.asarray(host_array[index])
+            pieces[key] = piece if dtype is None else piece.astype(dtype)
+        return pieces[key]
 
-    return jax.make_array_from_callback(shape, sharding, read)
+    return jax.make_array_from_callback(tuple(host_array.shape), sharding, read)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -205,13 +219,22 @@ def shard_module(module: nnx.Module, mesh, family: str, num_heads: int | None = 
         if not isinstance(value, (jax.Array, jax.ShapeDtypeStruct)):
             continue
         spec = param_spec(mesh, family, ".".join(str(k) for k in path), value.shape, num_heads)
-        target = NamedSharding(mesh, spec)
+        # Memory kind kept: a stack offloaded to host memory (`wan_tpu.parallel.offload`) stays there.
+        target = NamedSharding(mesh, spec, memory_kind=getattr(value.sharding, "memory_kind", None))
         if isinstance(value, jax.ShapeDtypeStruct):
             var.set_value(jax.ShapeDtypeStruct(value.shape, value.dtype, sharding=target))
         elif not value.sharding.is_equivalent_to(target, value.ndim):
-            var.set_value(jax.device_put(value, target))
+            var.set_value(reshard(value, target))
     nnx.update(module, state)
     return module
+
+
+def reshard(value: jax.Array, target: NamedSharding) -> jax.Array:
+    """`value` on `target`; onto a mesh spanning processes from this process's own copy (the same in every
+    process) without a collective, as `put` does."""
+    if target.is_fully_addressable or not value.is_fully_addressable:
+        return jax.device_put(value, target)
+    return put(np.asarray(value), target)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -345,6 +368,8 @@ __all__ = [
     "param_bytes_per_device",
     "param_spec",
     "place_param",
+    "put",
+    "reshard",
     "shard_module",
     "shard_transformer",
     "token_layout",

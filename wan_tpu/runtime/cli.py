@@ -3,13 +3,15 @@ the stage commands).
 
 - `CliParser`: argparse whose errors are one line (`WanInputError`, exit status 2).
 - `add_common_args`: the flags every family shares, declared here once (`--model`, `--dtype`, `--mesh`,
-  `--attention`, `--seed`, `--output`, `--overwrite`, `--no-compile-cache`, `--profile`, `--quiet`),
-  with each family's defaults and help.
+  `--attention`, `--seed`, `--output`, `--overwrite`, `--no-compile-cache`, `--profile`, `--quiet`; with
+  `--mesh`, one run over several processes: `--coordinator`, `--num-processes`, `--process-id`), with each
+  family's defaults and help.
 - `parse_mesh`, `check_attention`, `dtype_of`: the shared flags' values, checked before any load.
 - `run_cli`: the contract of a command: bad input → one line on stderr and status 2; a non-finite
   result → one line and status 1; Ctrl-C / SIGTERM → one line naming what was kept, 130 / 143
   (`wan_tpu.runtime.interrupt`); otherwise 0. A command line also claims its device memory and XLA
-  defaults before the first device use.
+  defaults before the first device use; every command joins its multi-process job there
+  (`wan_tpu.runtime.distributed`: one writer; a stop on any process stops all).
 - `exit_now`: leave without the interpreter's teardown once the work is written.
 """
 
@@ -67,6 +69,13 @@ def add_common_args(p: argparse.ArgumentParser, *, model_default, model_help: st
     if mesh:
         p.add_argument("--mesh", default=None,
                        help="device mesh dp,sp,tp (product = number of devices; default: one device)")
+        p.add_argument("--coordinator", default=None, metavar="HOST:PORT",
+                       help="several processes, one run: process 0's address, the same on every process "
+                            "(default: $WAN_TPU_COORDINATOR, or what JAX detects: a TPU pod slice, Slurm, Open MPI)")
+        p.add_argument("--num-processes", default=None, type=int, metavar="N",
+                       help="processes in the run (with --coordinator; default: $WAN_TPU_NUM_PROCESSES)")
+        p.add_argument("--process-id", default=None, type=int, metavar="I",
+                       help="this process's number, 0..N-1; process 0 writes the outputs (default: $WAN_TPU_PROCESS_ID)")
     if attention:
         p.add_argument("--attention", default=None,
                        help="attention kernel (reference, splash_exp2, pallas_gpu, cudnn; default: the backend's fastest; "
@@ -88,9 +97,14 @@ def add_overwrite(p: argparse.ArgumentParser, help: str = "replace existing outp
 
 
 def parse_mesh(spec: str | None):
-    """`dp,sp,tp` → a mesh over all devices (None → no mesh: one device)."""
+    """`dp,sp,tp` → a mesh over all devices (None → no mesh: one device; in a job of several processes,
+    sequence-parallel over every process's devices)."""
     if spec is None:
-        return None
+        from wan_tpu.runtime import distributed
+
+        if distributed.process_count() == 1:
+            return None
+        spec = "1,-1,1"
     parts = spec.split(",")
     if len(parts) != 3 or not all(p.strip().lstrip("-").isdigit() for p in parts):
         raise WanInputError(f"mesh {spec!r} is not dp,sp,tp; pass e.g. --mesh 2,1,4 (product = number of devices)")
@@ -141,11 +155,14 @@ def run_cli(run: Callable, parser: argparse.ArgumentParser, argv=None) -> int:
 
                 claim_device_memory()
                 apply_xla_defaults()
+            from wan_tpu.runtime import distributed
             from wan_tpu.runtime.profiling import process_start
 
+            distributed.initialize_from_args(args)  # before any device use
             # `startup` counts from the process start for a command line, from this call for a call from Python.
             args.started = process_start() if argv is None else called
-            run(args)
+            with distributed.stop_all_on_error():
+                run(args)
             # A signal during the last write or after it is not dropped: the files are complete, and the
             # closing line says which were kept.
             interrupt.check()
@@ -159,6 +176,10 @@ def run_cli(run: Callable, parser: argparse.ArgumentParser, argv=None) -> int:
         except NonFiniteError as e:
             interrupt.say(f"error: {e}")
             return 1
+        finally:
+            from wan_tpu.runtime import distributed
+
+            distributed.finish()
     return 0
 
 

@@ -33,7 +33,7 @@ def available_bytes() -> tuple[int | None, str]:
     """(free bytes per device, what they are): host RAM on CPU, device memory on GPU/TPU."""
     import jax
 
-    device = jax.devices()[0]
+    device = jax.local_devices()[0]
     if device.platform == "cpu":
         return host_available_bytes(), "host RAM"
     stats = device.memory_stats() or {}

@@ -3,7 +3,8 @@
 Encoding goes through `imageio` + `imageio-ffmpeg`, which carries its own ffmpeg binary, so nothing
 has to be installed on the host. The file is written under a temporary name beside the target and
 renamed into place, so an interrupted run never leaves a truncated mp4 under the requested name
-(a Ctrl-C stops between frames: `wan_tpu.runtime.interrupt`).
+(a Ctrl-C stops between frames: `wan_tpu.runtime.interrupt`). In a job of several processes only process 0
+writes (`wan_tpu.runtime.distributed.is_writer`); the others check the output and count the frames.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import warnings
 import numpy as np
 
 from wan_tpu.errors import WanInputError
-from wan_tpu.runtime import interrupt
+from wan_tpu.runtime import distributed, interrupt
 from wan_tpu.runtime.validate import check_output
 
 
@@ -46,9 +47,11 @@ class VideoWriter:
         self._tmp = os.path.join(parent, f".{name}.{os.getpid()}.partial.mp4")
         self._writer = None
         self._stack = contextlib.ExitStack()
+        self.writes = distributed.is_writer()
 
     def __enter__(self) -> VideoWriter:
-        self._stack.enter_context(interrupt.temporary(self._tmp))
+        if self.writes:
+            self._stack.enter_context(interrupt.temporary(self._tmp))
         return self
 
     def append(self, frames: np.ndarray) -> None:
@@ -59,6 +62,10 @@ class VideoWriter:
             raise ValueError(f"frames must be uint8 (T, H, W, 3), got {frames.dtype} {frames.shape}")
         if frames.shape[1] % 2 or frames.shape[2] % 2:
             raise WanInputError(f"video size {frames.shape[2]}x{frames.shape[1]} must be even for H.264; use a multiple of 16")
+        if not self.writes:
+            self.frames += len(frames)
+            interrupt.check("write")
+            return
         with _ffmpeg_subprocess():
             if self._writer is None:
                 # format="FFMPEG": without imageio-ffmpeg imageio would silently pick another plugin (tiff)
@@ -80,7 +87,7 @@ class VideoWriter:
             if self._writer is not None:
                 with _ffmpeg_subprocess():
                     self._writer.close()
-            if exc_type is None and self.frames:
+            if exc_type is None and self.frames and self.writes:
                 os.replace(self._tmp, self.path)
         finally:
             if os.path.exists(self._tmp):

@@ -21,7 +21,6 @@ import dataclasses
 import math
 import os
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx

@@ -282,7 +282,7 @@ def _free_device_bytes() -> int | None:
         from wan_tpu.runtime.memory import host_available_bytes
 
         return host_available_bytes()
-    stats = jax.devices()[0].memory_stats() or {}
+    stats = jax.local_devices()[0].memory_stats() or {}
     if "bytes_limit" not in stats:
         return None
     return stats["bytes_limit"] - stats.get("bytes_in_use", 0)

@@ -13,7 +13,9 @@ The container is written here (an 8-byte little-endian header length, a JSON hea
 little-endian data, as the safetensors spec lays it out) so that bfloat16 is stored as its raw bits
 (dtype "BF16") with no float conversion, and so that tensors stream to disk one at a time. The file
 is written under a temporary name in the destination folder and renamed into place, so a failed or
-interrupted write never leaves a partial stage file (nor replaces a good one).
+interrupted write never leaves a partial stage file (nor replaces a good one). In a job of several
+processes every process calls `save_stage` (arrays spread over processes are gathered, a collective) and
+only process 0 writes (`wan_tpu.runtime.distributed`).
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ import numpy as np
 
 from wan_tpu.errors import WanInputError
 from wan_tpu.loading.checkpoint import SAFETENSORS_DTYPES, TensorSource, read_metadata
-from wan_tpu.runtime import interrupt
+from wan_tpu.runtime import distributed, interrupt
 
 FORMAT = "wan_tpu.stage/1"
 _DTYPE_NAMES = {np.dtype(t): name for name, t in SAFETENSORS_DTYPES.items()}
@@ -149,6 +151,10 @@ def save_stage(path: str, tensors: Mapping, meta: StageMeta | Mapping, overwrite
     header["__metadata__"] = meta.to_metadata()
     head = json.dumps(header, ensure_ascii=False).encode()
     head += b" " * (-len(head) % 8)  # data starts 8-byte aligned, as the safetensors writer pads
+    if distributed.process_count() > 1:
+        tensors = {name: distributed.to_host(t) for name, t in tensors.items()}
+        if not distributed.is_writer():
+            return
 
     # Created with O_EXCL under a random name (not mkstemp, whose 0600 mode would stick to the
     # renamed file): the final file gets the usual umask permissions.
