@@ -18,6 +18,7 @@ COMMANDS = {
     "wan-convert-matrix-game": "wan_tpu.matrix_game.convert",
     "wan-unifolm": "wan_tpu.unifolm.cli",
     "wan-convert-unifolm": "wan_tpu.unifolm.convert",
+    "wan-serve": "wan_tpu.serve.cli",
 }
 
 
@@ -67,3 +68,7 @@ def unifolm(argv=None):
 
 def convert_unifolm(argv=None):
     run("wan-convert-unifolm", argv)
+
+
+def serve(argv=None):
+    run("wan-serve", argv)

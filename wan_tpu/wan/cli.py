@@ -6,7 +6,9 @@
     python -m wan_tpu.generate --model Wan-AI/Wan2.1-T2V-1.3B-Diffusers --prompts prompts.jsonl --output out/v.mp4
 
 `--model` takes a diffusers-format checkpoint folder, a Hugging Face model id from the local cache
-(`--download` fetches it if absent) or a built-in preset; it defaults to `tiny`, random weights that
+(`--download` fetches it if absent), an official Wan folder, a DiT file (`.safetensors` of any
+ComfyUI precision, `.gguf`) with `--vae FILE --text-encoder FILE` (`--image-encoder FILE` for Wan 2.1
+I2V; Wan 2.2 A14B: the high-noise file, `--model-low FILE` the low-noise one), a ComfyUI `models/` folder (`wan_tpu.wan.model_files`) or a built-in preset; it defaults to `tiny`, random weights that
 only show the machinery works (a notice says so). Settings left out take the official Wan defaults
 of the model (size, frames, steps, guidance, shift: see `wan_tpu.wan.settings`). The official Wan
 `generate.py` flag names work too (`--ckpt_dir`, `--frame_num`, `--sample_steps`, ...:
@@ -55,8 +57,9 @@ def add_model_args(p: argparse.ArgumentParser, *, output_default: str, output_he
     from wan_tpu.wan.official import ALIASES
 
     add_common_args(p, aliases=ALIASES, model_default=None,
-                    model_help="diffusers-format checkpoint folder, Hugging Face model id (org/name) or preset "
-                               "(default: tiny, or the input stage file's)",
+                    model_help="diffusers-format checkpoint folder, Hugging Face model id (org/name), official Wan "
+                               "folder, DiT file (.safetensors, .gguf; with --vae/--text-encoder), ComfyUI models/ "
+                               "folder or preset (default: tiny, or the input stage file's)",
                     dtype_default=None, dtype_help="DiT and text encoder dtype (default: bfloat16; VAE: float32)",
                     seed=seed, seed_default=None,
                     seed_help="seed of the initial noise (default 0; same seed → same video; negative: a random one)",
@@ -68,6 +71,20 @@ def add_model_args(p: argparse.ArgumentParser, *, output_default: str, output_he
     p.add_argument("--quantize", choices=("fp8", "int8"), default=None,
                    help="the DiT's block linears in fp8 (H100/H200/Ada GPUs, TPU v7) or int8 (NVIDIA GPUs from A100 on, "
                         "TPU v5e/v5p/v6e/v7; under half of fp8's error)")
+    p.add_argument("--model-low", default=None, metavar="FILE",
+                   help="Wan 2.2 A14B as files: the low-noise DiT file, --model the high-noise one (ComfyUI "
+                        "wan2.2_*_low_noise_14B_*.safetensors, ...)")
+    p.add_argument("--vae", default=None, metavar="FILE",
+                   help="VAE file for a --model DiT file or folder (Wan2.1_VAE.pth, ComfyUI wan_2.1_vae.safetensors, ...)")
+    p.add_argument("--text-encoder", default=None, metavar="FILE",
+                   help="UMT5 text encoder file for a --model DiT file or folder (models_t5_*.pth, ComfyUI umt5_xxl_*.safetensors)")
+    p.add_argument("--image-encoder", default=None, metavar="FILE",
+                   help="CLIP image encoder file for a Wan 2.1 I2V DiT file (ComfyUI clip_vision_h.safetensors, ...)")
+    p.add_argument("--tokenizer", default=None, metavar="FOLDER",
+                   help="UMT5 tokenizer folder for single files (default: google/umt5-xxl from the Hugging Face cache)")
+    p.add_argument("--offload", default="auto", metavar="auto|none|blocks[:N]",
+                   help="what leaves the device: auto (default: DiT blocks streamed from host memory only when the run "
+                        "would not fit otherwise), none, blocks (every DiT block streamed) or blocks:N (N resident)")
 
 
 def add_run_args(p: argparse.ArgumentParser) -> None:
@@ -197,6 +214,10 @@ def load_pipeline(args):
     pipe = WanPipeline.from_pretrained(args.model, mesh=mesh, dtype=dtype, attention=args.attention,
                                        download=args.download, check_memory=not args.no_memory_check,
                                        quantize=getattr(args, "quantize", None),
+                                       transformer_2=getattr(args, "model_low", None),
+                                       **{k: getattr(args, k, None) for k in ("vae", "text_encoder", "image_encoder",
+                                                                               "tokenizer")},
+                                       offload=getattr(args, "offload", "auto"),
                                        compile_cache=not args.no_compile_cache)
     for path, scale, expert in lora_specs(args):
         pipe.load_lora_weights(path, scale=scale, expert=expert)  # checked now, merged when the DiT loads

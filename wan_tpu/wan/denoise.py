@@ -136,13 +136,15 @@ def denoise(
     step_seconds: list | None = None,
     cache=None,
     cache_stats: list | None = None,
+    on_step=None,
 ) -> jax.Array:
     """Run the whole schedule from the initial noise `latents` (B, z, F, h, w); returns the final latents.
 
     `transformers`: the DiT, or the (high-noise, low-noise) experts of Wan 2.2 A14B with their
     `guidance_scales` and `boundary_ratio`. `step_seconds`, if given, receives each step's wall time
     (the first includes compilation). `cache`: a resolved step cache (`wan_tpu.wan.step_cache.resolve`);
-    `cache_stats`, if given, receives its `CacheStats`.
+    `cache_stats`, if given, receives its `CacheStats`. `on_step(done, total)`, if given, is called after
+    each step is finished (a server's progress and cancel point: an exception it raises stops the loop).
     """
     from tqdm.auto import tqdm
 
@@ -170,6 +172,8 @@ def denoise(
                 step_seconds.append(now - last)
             last = now
             bar.update()
+            if on_step is not None:
+                on_step(index + 1, n)
 
         for i in range(n):
             e = 0 if i < switch else 1

@@ -25,6 +25,11 @@ instead reads them all at once and compiles the text encoder, the denoise step a
 (`wan_tpu.runtime.compile_ahead`), which is what `python -m wan_tpu.generate` does. The pipeline's
 `compile_cache` choice applies to its own loads, compiles and calls only (`compile_cache.selected`).
 
+Big models on small devices: `offload="auto"` (the default; `set_offload`) has the memory check choose, per
+run, how many DiT blocks stay on the device and streams the others from host memory inside the compiled step
+(`WanTransformer.offload_blocks`); where the components do not fit together, a call releases each after
+its stage (the text encoder before the DiT, the DiT before the decode).
+
 Same seed, same model, same settings, same devices and mesh → identical latents: the initial noise
 is `jax.random.normal(jax.random.key(seed), (1, z, F, h, w), float32)`.
 """
@@ -44,7 +49,7 @@ import numpy as np
 from wan_tpu.configs.models import WanVariant, config_to_json
 from wan_tpu.configs.vae import WanVAEConfig
 from wan_tpu.errors import WanInputError
-from wan_tpu.runtime import interrupt
+from wan_tpu.runtime import distributed, interrupt
 from wan_tpu.runtime.compile_cache import in_pipeline_choice
 from wan_tpu.runtime.profiling import scope
 from wan_tpu.vae.model import frames_to_uint8
@@ -55,6 +60,7 @@ from wan_tpu.wan.settings import RunSettings, model_parts, resolve_settings, res
 from wan_tpu.wan.transformer import set_attention
 
 STAGES = ("text", "image", "denoise", "decode")
+DITS = ("transformer", "transformer_2")
 
 
 class WanPipeline:
@@ -87,14 +93,20 @@ class WanPipeline:
         self.quantization = None  # "fp8"/"int8" once `quantize` was asked for
         self._warmup = None
         self._decode_beside_denoise = True  # set by `prepare` (`wan_tpu.wan.memory.decode_compiles_beside_denoise`)
+        self.offload = "auto"  # `set_offload`'s choice: "auto", None (none) or the resident DiT block count
+        self.offload_plan = None  # `wan_tpu.wan.memory.OffloadPlan` of the last checked run
 
     # ---- construction -------------------------------------------------------------------------
 
     @classmethod
     def from_pretrained(cls, path_or_preset: str, *, mesh=None, dtype=jnp.bfloat16, attention: str | None = None,
                         compile_cache: bool = True, vae_dtype=jnp.float32, download: bool = False,
-                        check_memory: bool = True, quantize: str | None = None) -> WanPipeline:
-        """A pipeline over a diffusers-format folder, a Hugging Face model id, or a preset name (`tiny`).
+                        check_memory: bool = True, quantize: str | None = None, vae=None, text_encoder=None,
+                        image_encoder=None, tokenizer=None, offload="auto", transformer_2=None) -> WanPipeline:
+        """A pipeline over a diffusers-format folder, a Hugging Face model id, or a preset name (`tiny`); or
+        an official Wan folder, a DiT file (`.safetensors`, `.gguf`) with `vae=`, `text_encoder=` (and
+        `image_encoder=`) files, or a ComfyUI `models/` folder (`wan_tpu.wan.model_files`). Wan 2.2 A14B as
+        files: the high-noise DiT file, its low-noise one as `transformer_2=`.
 
         `mesh`: a device mesh (`wan_tpu.make_mesh`) to shard over, None for one device. `dtype` is the DiT
         and text encoder dtype (default bfloat16); the VAE runs in `vae_dtype` (float32 by default, as the
@@ -106,18 +118,40 @@ class WanPipeline:
         only with `download=True`. `check_memory=False` skips the memory estimate that refuses runs too
         large for the devices (`wan_tpu.runtime.memory`). `quantize="fp8"` runs the DiT's block linears in
         FP8 (`wan_tpu.wan.quantize`; checked against the device now, applied as each DiT loads, after its
-        LoRAs are merged).
+        LoRAs are merged). A DiT file whose block linears are all fp8 (or GGUF Q8_0) is quantised in that
+        format by default where the device has its matrix units: its weights stay 8-bit.
+        `tokenizer`: the UMT5 tokenizer folder for single files (default: `google/umt5-xxl` from the cache).
+        `offload`: "auto" (default), "none", "blocks" or "blocks:N" (`set_offload`).
         """
         from wan_tpu.loading import hub
         from wan_tpu.runtime.validate import check_checkpoint
+        from wan_tpu.wan import model_files
 
+        components = dict(transformer_2=transformer_2, vae=vae, text_encoder=text_encoder, image_encoder=image_encoder)
         if path_or_preset in presets.PRESETS:
+            if any(v is not None for v in components.values()):
+                raise WanInputError(f"preset {path_or_preset} has its own components; drop "
+                                    "--model-low/--vae/--text-encoder/--image-encoder")
             pipe = presets.PRESETS[path_or_preset](cls, dtype=dtype, mesh=mesh, attention=attention,
                                                    vae_dtype=vae_dtype)
             pipe.check_memory = check_memory
             pipe.compile_cache = bool(compile_cache)
-            return pipe.quantize(quantize)
-        path = hub.resolve_model(os.fspath(path_or_preset), download=download)
+            return pipe.quantize(quantize).set_offload(offload)
+        path = os.fspath(path_or_preset)
+        if not os.path.isfile(path):  # a file is no model id, even where its relative path reads org/name
+            path = hub.resolve_model(path, download=download)
+        if os.path.exists(path) and model_files.uses_files(path, **components):
+            try:
+                files = model_files.resolve_files(path, **components, tokenizer=tokenizer, download=download)
+            except WanInputError as e:
+                hint = hub.original_format_hint(path, str(e)) if os.path.isdir(path) else None
+                raise (e if hint is None else WanInputError(hint)) from None
+            if quantize is None and files.native_8bit and model_files.runs_natively(files.native_8bit, mesh):
+                quantize = files.native_8bit
+            return cls(files.variant, files.vae_config, _folder_loaders(path, files.parts, dtype, mesh, attention, vae_dtype),
+                       name=os.path.abspath(path), dtype=dtype, mesh=mesh, vae_dtype=vae_dtype, attention=attention,
+                       weight_elements=files.weights, check_memory=check_memory, text_encoder_config=files.text_config,
+                       compile_cache=bool(compile_cache)).quantize(quantize).set_offload(offload)
         if not os.path.isdir(path):
             raise WanInputError(
                 f"model {path!r} is neither a checkpoint folder, a Hugging Face model id (org/name) nor a preset; pass a "
@@ -144,7 +178,7 @@ class WanPipeline:
         return cls(variant, vae_config, _folder_loaders(path, parts, dtype, mesh, attention, vae_dtype),
                    name=os.path.abspath(path), dtype=dtype, mesh=mesh, vae_dtype=vae_dtype, attention=attention,
                    weight_elements=weights, check_memory=check_memory, text_encoder_config=text_config,
-                   compile_cache=bool(compile_cache)).quantize(quantize)
+                   compile_cache=bool(compile_cache)).quantize(quantize).set_offload(offload)
 
     @in_pipeline_choice
     def quantize(self, mode: str | None) -> WanPipeline:
@@ -158,8 +192,43 @@ class WanPipeline:
         self.quantization = mode
         for name in ("transformer", "transformer_2"):
             if name in self._loaded and not self._loaded[name].quantization:
-                quantize_transformer(self._loaded[name], mode, self.mesh)
+                if self._loaded[name].offloaded:  # quantised on the device as it loads again
+                    self.release(name)
+                else:
+                    quantize_transformer(self._loaded[name], mode, self.mesh)
         return self
+
+    def set_offload(self, offload="auto") -> WanPipeline:
+        """What leaves the device during a run: "auto" (the memory estimate chooses, per run, the fewest
+        DiT blocks to stream from host memory, none when everything fits), "none", "blocks" (every block
+        streamed) or "blocks:N" (N blocks resident, the rest streamed; `WanTransformer.offload_blocks`).
+        With any offload but "none" each component also leaves the device when its stage is done."""
+        from wan_tpu.wan.settings import parse_offload
+
+        self.offload = parse_offload(offload)
+        self.offload_plan = None
+        return self
+
+    def _resident_blocks(self) -> int | None:
+        """DiT blocks to keep on the device (None: all): the explicit choice, else the last run's plan."""
+        if isinstance(self.offload, int):
+            return self.offload
+        return None if self.offload_plan is None else self.offload_plan.resident
+
+    def _place_dit(self, dit):
+        """Offload (or bring back) the DiT's blocks as the plan says; a loaded DiT follows a new plan."""
+        resident = self._resident_blocks()
+        if resident is not None and resident < dit.config.num_layers:
+            if not dit.offloaded or dit.resident_block_count != resident:
+                dit.offload_blocks(resident)
+        elif dit.offloaded:
+            dit.restore_blocks()
+        return dit
+
+    def _release_stages(self) -> bool:
+        """Whether components leave the device after their stage in a whole-pipeline call."""
+        return self.offload is not None and (isinstance(self.offload, int) or
+                                             (self.offload_plan is not None and self.offload_plan.release))
 
     @in_pipeline_choice
     def component(self, name: str):
@@ -171,19 +240,30 @@ class WanPipeline:
                 loaded = self._warmup.take_load(name) if self._warmup is not None else None
                 self._loaded[name] = loaded if loaded is not None else self._load(name)
             interrupt.check("load")
+        if name in DITS:
+            self._place_dit(self._loaded[name])
         return self._loaded[name]
 
     def _load(self, name: str):
         """Component `name` read from its loader, with the LoRAs registered for it merged (and then, for
-        the DiT, quantised if asked for)."""
-        component = self._loaders[name]()
-        for path, scale, names in self._loras:
-            if name in names:
-                component.load_lora(path, scale)
-        if self.quantization and name in ("transformer", "transformer_2"):
+        the DiT, quantised if asked for: straight from the file's 8-bit weights when no LoRA is merged)."""
+        loader = self._loaders[name]
+        loras = [(path, scale) for path, scale, names in self._loras if name in names]
+        quantizing = self.quantization and not loras and getattr(loader, "quantizes", False)
+        options = {"quantize": self.quantization} if quantizing else {}
+        resident = self._resident_blocks()
+        if (name in DITS and resident is not None and resident < self.variant.transformer.num_layers and not loras
+                and getattr(loader, "quantizes", False)):
+            options["offload"] = True  # the block stack read straight into host memory (LoRAs merge on the device)
+        component = loader(**options)
+        for path, scale in loras:
+            component.load_lora(path, scale)
+        if self.quantization and name in ("transformer", "transformer_2") and not component.quantization:
             from wan_tpu.wan.quantize import quantize_transformer
 
             quantize_transformer(component, self.quantization, self.mesh)
+        if name in DITS:
+            self._place_dit(component)
         return component
 
     def release(self, *names: str) -> None:
@@ -231,14 +311,18 @@ class WanPipeline:
             check_lora(abstract_transformer(configs[name]), path, scale)
         self._loras.append((os.fspath(path), float(scale), names))
         for name in names:
-            if name in self._loaded:
+            if name in self._loaded and self._loaded[name].offloaded:
+                self.release(name)  # merged on the device as it loads again, before its blocks leave
+            elif name in self._loaded:
                 self._loaded[name].load_lora(path, scale)
 
     @in_pipeline_choice
     def unload_lora_weights(self) -> None:
         """Undo every `load_lora_weights`: the DiT weights as loaded, bit for bit."""
         for name in ("transformer", "transformer_2"):
-            if name in self._loaded:
+            if name in self._loaded and self._loaded[name].offloaded:
+                self.release(name)
+            elif name in self._loaded:
                 self._loaded[name].unload_lora()
         self._loras.clear()
 
@@ -410,14 +494,15 @@ class WanPipeline:
                 guidance_scale: float | None = None, guidance_scale_2: float | None = None,
                 flow_shift: float | None = None, scheduler: str = "unipc", progress: bool = True,
                 step_seconds: list | None = None, sigmas=None, timesteps=None, cache=None,
-                cache_threshold: float | None = None) -> jax.Array:
+                cache_threshold: float | None = None, on_step=None) -> jax.Array:
         """Final latents `(1, z, F, h, w)` from stage-1 `embeds` (+ `encode_image` output for I2V/TI2V).
 
         `latents` overrides the seeded initial noise (e.g. to compare with another implementation).
         `sigmas` / `timesteps`: a given schedule (few-step sampling; see `make_custom_scheduler`), one
         value per step. `cache`: a step cache, "teacache", "magcache", "fbcache" or a config of
         `wan_tpu.wan.step_cache` (`cache_threshold` overrides its threshold); afterwards `self.cache_stats`
-        says how many steps skipped the DiT blocks.
+        says how many steps skipped the DiT blocks. `on_step(done, total)`: called after each step
+        (`wan_tpu.wan.denoise.denoise`).
         """
         num_inference_steps = schedule_steps(num_inference_steps, sigmas, timesteps)
         s = self.settings(height=height, width=width, num_frames=num_frames, num_inference_steps=num_inference_steps,
@@ -444,7 +529,8 @@ class WanPipeline:
         stats = []
         with scope("denoise"):
             out = denoise(experts, jnp.asarray(latents), cond, sched, guidance, self.variant.boundary_ratio,
-                          mesh=self.mesh, progress=progress, step_seconds=step_seconds, cache=step, cache_stats=stats)
+                          mesh=self.mesh, progress=progress, step_seconds=step_seconds, cache=step, cache_stats=stats,
+                          on_step=on_step)
         self.cache_stats = stats[0] if stats else None
         return out
 
@@ -497,7 +583,7 @@ class WanPipeline:
             z = vae.denormalize_latents(jnp.asarray(latents, jnp.float32)).astype(vae.dtype)
             video = jax.block_until_ready(vae.decode(z))
             interrupt.check("decode")
-            frames = np.asarray(frames_to_uint8(video))
+            frames = distributed.to_host(frames_to_uint8(video))  # gathered whole when it spans processes
         return frames[0]
 
     # ---- all stages ---------------------------------------------------------------------------
@@ -508,14 +594,14 @@ class WanPipeline:
                  guidance_scale: float | None = None, flow_shift: float | None = None, seed: int = 0, image=None,
                  guidance_scale_2: float | None = None, latents=None, output_type: str = "np",
                  progress: bool = True, scheduler: str = "unipc", sigmas=None, timesteps=None, cache=None,
-                 cache_threshold: float | None = None) -> np.ndarray:
+                 cache_threshold: float | None = None, on_step=None) -> np.ndarray:
         """Generate a video: uint8 frames `(T, H, W, 3)` (`output_type="latent"`: the final latents).
 
         None settings take the model's official defaults (Wan 2.1 T2V 1.3B: 480×832, 81 frames,
         50 steps, guidance 5.0, shift 5.0; see `wan_tpu.configs.models.VARIANTS`). `guidance_scale_2`
         is the low-noise expert's guidance (Wan 2.2 A14B; default: `guidance_scale` if that is given).
         `latents` replaces the seeded initial noise. `scheduler`, `sigmas`, `timesteps`, `cache`,
-        `cache_threshold`: as `denoise` (`self.cache_stats` reports a step cache's skipped steps).
+        `cache_threshold`, `on_step`: as `denoise` (`self.cache_stats` reports a step cache's skipped steps).
         """
         num_inference_steps = schedule_steps(num_inference_steps, sigmas, timesteps)
         s = self.settings(height=height, width=width, num_frames=num_frames, num_inference_steps=num_inference_steps,
@@ -524,13 +610,17 @@ class WanPipeline:
         embeds = self.encode_prompt(prompt, negative_prompt, s.guidance_scale)
         if image is not None:
             embeds.update(self.encode_image(image, s.height, s.width, s.num_frames))
+        if self._release_stages():  # each stage's peak its own (`set_offload`)
+            self.release("text_encoder", "image_encoder")
         out = self.denoise(embeds, latents=latents, seed=seed, height=s.height, width=s.width,
                            num_frames=s.num_frames, num_inference_steps=s.num_inference_steps,
                            guidance_scale=s.guidance_scale, guidance_scale_2=s.guidance_scale_2,
                            flow_shift=s.flow_shift, progress=progress, scheduler=scheduler, sigmas=sigmas,
-                           timesteps=timesteps, cache=cache, cache_threshold=cache_threshold)
+                           timesteps=timesteps, cache=cache, cache_threshold=cache_threshold, on_step=on_step)
         if output_type == "latent":
             return out
+        if self._release_stages():
+            self.release(*DITS)
         return self.decode(out)
 
 
@@ -553,10 +643,18 @@ class WanPipeline:
     def check_fits(self, s: RunSettings, stages=STAGES, keep_dit: bool = False, image: bool = False) -> None:
         """Refuse (`WanInputError`) a run whose stages would not fit in memory, unless `check_memory` is
         off; `keep_dit`: the DiT stays loaded through decoding (several videos in one run)."""
-        if self.check_memory:
-            from wan_tpu.wan.memory import check_fits
+        from wan_tpu.wan.memory import OffloadPlan, check_fits, plan_offload
 
-            check_fits(self, s, stages, self.attention_impl, keep_dit=keep_dit, image=image)
+        if not self.check_memory:
+            resident = self.offload if isinstance(self.offload, int) else None
+            self.offload_plan = OffloadPlan(resident, self.variant.transformer.num_layers, resident is not None)
+            return
+        if "denoise" in stages:
+            plan = plan_offload(self, s, self.offload, self.attention_impl)
+            if self.offload == "auto" and plan.streamed and plan != self.offload_plan:
+                print(plan.describe())  # once per choice, not once per video
+            self.offload_plan = plan
+        check_fits(self, s, stages, self.attention_impl, keep_dit=keep_dit, image=image)
 
 def schedule_steps(num_inference_steps, sigmas, timesteps):
     """The step count of a run with a given schedule: its length (a different `num_inference_steps` is an error)."""
@@ -586,10 +684,11 @@ def _folder_loaders(path, parts, dtype, mesh, attention, vae_dtype) -> dict:
     # transformers and torch.
     sub = functools.partial(os.path.join, path)
 
-    def dit(folder):
+    def dit(folder, quantize=None, offload=False):
         from wan_tpu.wan.transformer_loading import load_transformer
 
-        return set_attention(load_transformer(sub(folder), dtype=dtype, mesh=mesh), attention, mesh)
+        return set_attention(load_transformer(sub(folder), dtype=dtype, mesh=mesh, quantize=quantize, offload=offload),
+                             attention, mesh)
 
     def vae():
         from wan_tpu.vae.loading import load_vae
@@ -599,18 +698,21 @@ def _folder_loaders(path, parts, dtype, mesh, attention, vae_dtype) -> dict:
     def text_encoder():
         from wan_tpu.encoders.umt5_text import UMT5TextEncoder
 
-        return UMT5TextEncoder.from_pretrained(sub(parts["text_encoder"]), sub(parts["tokenizer"]), dtype=dtype,
-                                               mesh=mesh)
+        return UMT5TextEncoder.from_pretrained(sub(parts["text_encoder"]), sub(parts["tokenizer"]), dtype=dtype, mesh=mesh)
 
     def image_encoder():
         from wan_tpu.encoders.clip_image import CLIPImageEncoder
 
-        return CLIPImageEncoder.from_pretrained(sub(parts["image_encoder"]), sub(parts["image_processor"]),
-                                                dtype=jnp.float32, mesh=mesh)
+        # A single CLIP file has no image_processor/: `from_pretrained` gives it the default preprocessing.
+        processor = sub(parts["image_processor"]) if "image_processor" in parts else None
+        return CLIPImageEncoder.from_pretrained(sub(parts["image_encoder"]), processor, dtype=jnp.float32, mesh=mesh)
 
     loaders = {"transformer": functools.partial(dit, parts["transformer"]), "vae": vae, "text_encoder": text_encoder}
     if "transformer_2" in parts:
         loaders["transformer_2"] = functools.partial(dit, parts["transformer_2"])
+    for name in ("transformer", "transformer_2"):
+        if name in loaders:
+            loaders[name].quantizes = True  # takes `quantize=` and `offload=` (`WanPipeline._load`)
     if "image_encoder" in parts:
         loaders["image_encoder"] = image_encoder
     return loaders
