@@ -73,3 +73,29 @@ def test_unifolm_serve_flag_starts_the_server(tmp_path):
         status = proc.wait(120)
     assert status == 143 and proc.stderr.read().strip().splitlines()[-1].startswith("interrupted")
     assert os.listdir(tmp_path) == []
+
+
+def test_the_readme_play_commands_run_as_written(tmp_path):
+    """The README's "Play Matrix-Game-2 live" commands: each parses; the preset one (on a free port rather
+    than 8000) serves the page and ends with 143 on SIGTERM, leaving nothing behind."""
+    import re
+    import shlex
+
+    readme = open(os.path.join(os.path.dirname(__file__), os.pardir, os.pardir, "README.md"), encoding="utf-8").read()
+    start = readme.index("\n## Play Matrix-Game-2 live\n")
+    (block,) = re.findall(r"```sh\n(.*?)```", readme[start:readme.index("\n## ", start + 1)], re.S)
+    commands = [shlex.split(line, comments=True) for line in block.strip().splitlines()]
+    serves = [c for c in commands if c[:3] == ["python", "-m", "wan_tpu.serve"]]
+    assert [serve_cli.build_parser().parse_args(c[3:]).model for c in serves] == ["mg2", "matrix-game-tiny"]
+    proc = subprocess.Popen([sys.executable, *serves[1][1:], "--port", "0"], cwd=tmp_path, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        line = proc.stdout.readline()
+        assert line.startswith("serving http://127.0.0.1:"), (line, proc.stderr.read() if proc.poll() is not None else "")
+        with urllib.request.urlopen(line.split()[1] + "/play", timeout=60) as page:
+            assert page.status == 200 and "text/html" in page.headers["content-type"]
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        status = proc.wait(120)
+    assert status == 143
+    assert os.listdir(tmp_path) in ([], ["wan_serve"])

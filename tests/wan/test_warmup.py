@@ -91,6 +91,7 @@ def test_weights_fit_against_free_device_memory(monkeypatch):
             return {"bytes_limit": 100, "bytes_in_use": 20}
 
     monkeypatch.setattr(warmup.jax, "devices", lambda: [Device()])
+    monkeypatch.setattr(warmup.jax, "local_devices", lambda: [Device()])
     sizes = {"text_encoder": 40, "transformer": 31, "vae": 2}
     assert wan_memory.weights_fit(sizes, ["text_encoder", "vae"], None)  # 42 <= 0.9 * 80 free
     assert not wan_memory.weights_fit(sizes, ["text_encoder", "transformer", "vae"], None)  # 73 > 72
@@ -107,7 +108,7 @@ def test_decode_compiles_before_the_denoise_where_both_do_not_fit(monkeypatch):
     pipe = wan_tpu.WanPipeline.from_pretrained("tiny")
     s = pipe.settings(height=32, width=32, num_frames=5, num_inference_steps=2)
     need = sum(b for b, _ in stage_bytes(pipe, s, ("denoise", "decode")).values())
-    devices = jax.devices
+    devices, local_devices = jax.devices, jax.local_devices
 
     class GPU:
         platform = "gpu"
@@ -119,10 +120,13 @@ def test_decode_compiles_before_the_denoise_where_both_do_not_fit(monkeypatch):
             return {"bytes_limit": self.limit, "bytes_in_use": 0}
 
     monkeypatch.setattr(warmup.jax, "devices", lambda *a: [GPU(2 * need)])
+    monkeypatch.setattr(warmup.jax, "local_devices", lambda *a: [GPU(2 * need)])
     assert wan_memory.decode_compiles_beside_denoise(pipe, s)
     monkeypatch.setattr(warmup.jax, "devices", lambda *a: [GPU(need)])
+    monkeypatch.setattr(warmup.jax, "local_devices", lambda *a: [GPU(need)])
     assert not wan_memory.decode_compiles_beside_denoise(pipe, s)
     monkeypatch.setattr(warmup.jax, "devices", devices)
+    monkeypatch.setattr(warmup.jax, "local_devices", local_devices)
     assert wan_memory.decode_compiles_beside_denoise(pipe, s)  # this CPU: no autotuner, nothing to wait for
 
     for beside in (True, False):
