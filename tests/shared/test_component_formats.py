@@ -21,7 +21,9 @@ References and tolerances:
     (float8 weights, a float32 `scale_weight` each, the `scaled_fp8` marker, as ComfyUI writes them):
     parameters bit-equal to the folder's, or to the exact dequantisation float32(w8)·scale (the fp8
     encoder's output then lies 6.7e-2 from the unquantised one's, its weights 3.6e-2: e4m3's 3 mantissa bits);
-  * ComfyUI VAE files: the official names in bfloat16, equal to the diffusers copy of the rounded weights.
+  * ComfyUI VAE files: the official names in bfloat16, equal to the diffusers copy of the rounded weights;
+  * the encoders' own `from_pretrained` over one file: parameters bit-equal to the folder's, and a CLIP file's
+    default preprocessing equal to transformers' default `CLIPImageProcessor` saved with `save_pretrained`.
 """
 
 import json
@@ -216,6 +218,28 @@ def test_comfyui_umt5_files(hf_umt5, golden, tmp_path):
     assert 1e-4 < err < 0.1, err
 
 
+def test_text_encoder_from_pretrained_takes_a_file(hf_umt5, golden, tmp_path):
+    """`UMT5TextEncoder.from_pretrained(file, tokenizer)`: the folder's encoder from ComfyUI's single file; a
+    file of another component is named before the tokenizer is read."""
+    from wan_tpu.encoders.tokenizers import tiny_hf_tokenizer
+    from wan_tpu.encoders.umt5_text import UMT5TextEncoder
+
+    tokenizer = tmp_path / "tokenizer"
+    tiny_hf_tokenizer().save_pretrained(str(tokenizer))
+    path = tmp_path / "umt5_xxl_fp16.safetensors"
+    shutil.copy(hf_umt5 / "model.safetensors", path)
+    from_file = UMT5TextEncoder.from_pretrained(path, tokenizer, dtype=jnp.float32)
+    from_folder = UMT5TextEncoder.from_pretrained(hf_umt5, tokenizer, dtype=jnp.float32)
+    assert_same_params(from_file.model, from_folder.model)
+    assert np.array_equal(from_file.embed_tokens(np.arange(64)), from_folder.embed_tokens(np.arange(64)))
+    assert from_file.tokenize(["a cat"])[0].tolist() == from_folder.tokenize(["a cat"])[0].tolist()
+    vae = tmp_path / "Wan2.1_VAE.pth"
+    torch.save(authors_vae("vae21"), vae)
+    with pytest.raises(WanInputError, match="holds a Wan VAE, not a UMT5 text encoder") as e:
+        UMT5TextEncoder.from_pretrained(vae, tmp_path / "no-tokenizer")
+    assert "\n" not in str(e.value)
+
+
 # ---- CLIP ---------------------------------------------------------------------------------------------
 
 
@@ -244,6 +268,30 @@ def test_comfyui_clip_vision_file(tmp_path):
     path = tmp_path / "clip_vision_h.safetensors"
     shutil.copy(folder / "model.safetensors", path)
     assert_same_params(load_clip_vision(path, num_layers=-1, num_heads=2), load_clip_vision(folder, num_layers=-1))
+
+
+def test_image_encoder_from_pretrained_takes_a_file(tmp_path):
+    """`CLIPImageEncoder.from_pretrained(file)`: the folder's tower (its width's head count known), and the
+    preprocessing of transformers' default `CLIPImageProcessor` saved with `save_pretrained`, which a file
+    lacks; a folder without an image processor still has none."""
+    from PIL import Image
+    from transformers import CLIPImageProcessor, CLIPVisionConfig, CLIPVisionModel
+
+    from wan_tpu.encoders.clip_image import CLIPImageEncoder
+
+    torch.manual_seed(0)
+    folder = tmp_path / "image_encoder"
+    CLIPVisionModel(CLIPVisionConfig(hidden_size=768, intermediate_size=32, num_hidden_layers=2, num_attention_heads=12,
+                                     image_size=28, patch_size=14)).save_pretrained(folder)
+    CLIPImageProcessor().save_pretrained(tmp_path / "image_processor")
+    path = tmp_path / "clip_vision_h.safetensors"
+    shutil.copy(folder / "model.safetensors", path)
+    from_file = CLIPImageEncoder.from_pretrained(path)
+    from_folder = CLIPImageEncoder.from_pretrained(folder, tmp_path / "image_processor")
+    assert_same_params(from_file.model, from_folder.model)
+    image = Image.fromarray(np.random.default_rng(0).integers(0, 256, (40, 60, 3), dtype=np.uint8))
+    assert np.array_equal(from_file.preprocess([image]), from_folder.preprocess([image]))
+    assert CLIPImageEncoder.from_pretrained(folder).image_processor is None
 
 
 # ---- wrong files ------------------------------------------------------------------------------------

@@ -1,6 +1,6 @@
 """The checkpoints users have (`wan_tpu.loading.formats`, `wan_tpu.loading.gguf`, `wan_tpu.wan.model_files`):
-official Wan folders, ComfyUI single files (bf16, fp16, fp8, fp8_scaled), GGUF, ComfyUI model roots, and
-the one-line refusals of every wrong combination.
+official Wan folders, ComfyUI single files (bf16, fp16, fp8, fp8_scaled), GGUF, ComfyUI model roots, Wan 2.2
+A14B as two expert files, and the one-line refusals of every wrong combination.
 
 The reference is a tiny diffusers `WanTransformer3DModel` at the `tiny` preset's shapes, saved with
 `save_pretrained` and loaded through our diffusers path. Every other layout is written here as its own
@@ -11,7 +11,8 @@ tools write it: the official layout under the authors' names and config.json (ch
 `gguf` package's `GGUFWriter` and `gguf.quants.quantize` following city96's `tools/convert.py`
 (1-D, small and `.modulation` tensors in F32, the 5-D patch embedding appended in F32).
 Exact layouts give bit-identical parameters; fp8 and GGUF equal our own dequantisation of the file
-bit for bit, and their error against the unquantised weights is printed.
+bit for bit, and their error against the unquantised weights is printed. GGUF Q8_0 on the int8 path equals
+`quantize_weight` jitted on the dequantised weights, bit for bit.
 """
 
 import collections
@@ -332,6 +333,40 @@ def test_gguf_q8_0_onto_the_int8_path(gguf, reference, tmp_path):
     assert direct.quantization == "int8" and direct.blocks.ffn.proj_in.kernel.dtype == jnp.int8
 
 
+def test_q8_0_rescale_gives_the_device_bits(gguf, tmp_path, monkeypatch):
+    """`GGUFSource.int8_rows` (host, row chunks in threads) against `quantize_weight` jitted on the dequantised
+    weight, on bytes no quantiser tunes: blocks whose largest value is not ±127, -128, all-zero rows, zero and
+    subnormal block scales, negative scales, a ragged last chunk."""
+    import jax
+
+    from wan_tpu.layers.quantized import quantize_weight
+    from wan_tpu.loading import gguf as ours
+
+    rng = np.random.default_rng(0)
+    rows, blocks = 203, 3
+    values = rng.integers(-128, 128, (rows, blocks, 32)).astype(np.int8)
+    scales = (rng.standard_normal((rows, blocks, 1)) * 1e-2).astype(np.float16)
+    values[0] = 0
+    scales[1] = 0
+    scales[2] = np.float16(6e-8)
+    data = np.concatenate([scales.view(np.uint8), values.view(np.uint8)], axis=-1).reshape(rows, -1)
+    writer = gguf.GGUFWriter(str(tmp_path / "q8.gguf"), arch="wan")
+    writer.add_tensor("w", data, raw_dtype=gguf.GGMLQuantizationType.Q8_0)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    monkeypatch.setattr(ours, "ROW_CHUNK_BYTES", 5 * blocks * 32)  # 5 rows a chunk: 41 chunks, the last of 3
+    source = ours.GGUFSource(str(tmp_path / "q8.gguf"))
+    scales_only = source.int8_rows("w", values=False)[1]
+    q, scale = source.int8_rows("w")
+    kernel, device_scale = jax.jit(lambda w: quantize_weight(w, "int8"))(jnp.asarray(source["w"].T))
+    np.testing.assert_array_equal(q, np.asarray(kernel).T)
+    np.testing.assert_array_equal(scale, np.asarray(device_scale))
+    np.testing.assert_array_equal(scales_only, scale)
+    np.testing.assert_array_equal(source.int8_rows("w", values=False)[1], scale)  # kept from the values' read
+
+
 # ---- refusals ------------------------------------------------------------------------------------
 
 
@@ -344,10 +379,17 @@ COMPONENTS = os.path.join(os.path.dirname(__file__), "..", "data", "wan_componen
 
 
 def _component(kind):
-    """The authors' tiny `kind` ("vae21", "vae22", "t5") of `scripts/make_golden_wan_components.py`, original names."""
+    """The authors' tiny `kind` of `scripts/make_golden_wan_components.py`, original names: "t5" as stored, "vae21" /
+    "vae22" random values in the names and shapes the file's metadata records."""
+    from safetensors import safe_open
     from safetensors.torch import load_file
 
-    return {k[len(kind) + 1:]: v for k, v in load_file(COMPONENTS).items() if k.startswith(kind + ".")}
+    if kind == "t5":
+        return {k[len(kind) + 1:]: v for k, v in load_file(COMPONENTS).items() if k.startswith(kind + ".")}
+    with safe_open(COMPONENTS, "pt") as f:
+        shapes = json.loads(f.metadata()[kind])
+    g = torch.Generator().manual_seed(0)
+    return {k: (1.0 if k.endswith("gamma") else 0.0) + 0.1 * torch.randn(shape, generator=g) for k, shape in shapes.items()}
 
 
 def _vae_file(path, kind="vae21"):
@@ -508,3 +550,111 @@ def test_official_a14b_parts(tmp_path):
     assert parts["transformer"] == str(tmp_path / "high_noise_model")
     assert parts["transformer_2"] == str(tmp_path / "low_noise_model")
     assert parts["vae"] == str(tmp_path / "Wan2.1_VAE.pth") and "image_encoder" not in parts
+
+
+# ---- Wan 2.2 A14B as two expert files ------------------------------------------------------------
+
+
+@pytest.fixture
+def two_experts(monkeypatch):
+    """A two-expert model (the A14B's switch) at the tiny DiT's shapes, in the table for this test only: the
+    file path finds the A14B by its experts' architecture, and no real A14B fits a test."""
+    import dataclasses
+
+    a14b = VARIANTS["wan2.2-t2v-a14b"]
+    variant = dataclasses.replace(VARIANTS["tiny"], name="tiny-a14b", transformer_2=TINY,
+                                  boundary_ratio=a14b.boundary_ratio, guidance_scale_2=a14b.guidance_scale_2)
+    monkeypatch.setitem(VARIANTS, variant.name, variant)
+    return variant
+
+
+def _expert_files(state, folder):
+    """ComfyUI's two expert files (float32 here, so that the load is exact); the low-noise weights are the
+    high-noise ones negated, so that each expert is seen to come from its own file."""
+    high = folder / "wan2.2_t2v_high_noise_14B_fp16.safetensors"
+    low = folder / "wan2.2_t2v_low_noise_14B_fp16.safetensors"
+    save_file(_torch(_original(state, PREFIX)), high)
+    save_file(_torch(_original({k: -v for k, v in state.items()}, PREFIX)), low)
+    return high, low
+
+
+def test_a14b_from_two_expert_files_and_a_comfy_root(reference, tmp_path, two_experts, monkeypatch):
+    from wan_tpu.wan.model_files import resolve_files
+    from wan_tpu.wan.pipeline import WanPipeline
+
+    state, _, expected = reference
+    root = tmp_path / "models"
+    for sub in ("diffusion_models", "vae", "text_encoders"):
+        (root / sub).mkdir(parents=True)
+    high, low = _expert_files(state, root / "diffusion_models")
+    _vae_file(root / "vae" / "wan_2.1_vae.safetensors")
+    _t5_file(root / "text_encoders" / "umt5_xxl_fp8_e4m3fn_scaled.safetensors")
+    _tokenizer(root / "tokenizer")
+    monkeypatch.chdir(root)  # relative paths, as typed on a command line
+    pipe = WanPipeline.from_pretrained("diffusion_models/" + high.name, transformer_2="diffusion_models/" + low.name,
+                                       vae="vae/wan_2.1_vae.safetensors", tokenizer="tokenizer", dtype=jnp.float32,
+                                       text_encoder="text_encoders/umt5_xxl_fp8_e4m3fn_scaled.safetensors")
+    assert pipe.variant == two_experts
+    _assert_same_params(pipe.transformer, expected)
+    high_params, low_params = _params(pipe.transformer), _params(pipe.transformer_2)
+    for k in high_params:
+        np.testing.assert_array_equal(low_params[k], -high_params[k], err_msg=k)
+
+    files = resolve_files(str(root), tokenizer=str(root / "tokenizer"))
+    assert files.variant == two_experts
+    assert (files.parts["transformer"], files.parts["transformer_2"]) == (str(high), str(low))
+
+
+def test_a14b_expert_files_refused_in_one_line(reference, tmp_path, two_experts, monkeypatch):
+    import dataclasses
+
+    from wan_tpu.wan.model_files import resolve_files
+
+    state, _, _ = reference
+    high, low = _expert_files(state, tmp_path)
+    parts = dict(vae=_vae_file(tmp_path / "vae.safetensors"), text_encoder=_t5_file(tmp_path / "t5.safetensors"),
+                 tokenizer=_tokenizer(tmp_path / "tokenizer"))
+
+    def refused(path, **kw):
+        with pytest.raises(WanInputError) as e:
+            resolve_files(str(path), **{**parts, **kw})
+        return _one_line(e)
+
+    assert "is one expert of a Wan 2.2 A14B model (its name says so), which needs both" in refused(high)
+    assert "is the low-noise expert and --model-low" in refused(low, transformer_2=high) and "swap them" in refused(
+        low, transformer_2=high)
+    assert "--model and --model-low both name" in refused(high, transformer_2=high)
+    assert "holds a Wan VAE, not a Wan DiT (diffusion model); pass a Wan DiT (diffusion model) file with --model-low" \
+        in refused(high, transformer_2=parts["vae"])
+    assert "goes with its high-noise DiT file in --model, but" in refused(tmp_path, transformer_2=low)
+    monkeypatch.delitem(VARIANTS, two_experts.name)
+    assert "two DiTs of 2 layers, width 64, 16 input channels are no Wan 2.2 A14B model" in refused(high, transformer_2=low)
+
+    # Experts of two architectures: a one-block DiT (registered like the pair) as the low-noise file.
+    one_block = dataclasses.replace(TINY, num_layers=1)
+    monkeypatch.setitem(VARIANTS, "tiny-1", dataclasses.replace(VARIANTS["tiny"], name="tiny-1", transformer=one_block))
+    short = tmp_path / "wan_low_noise_1_block.safetensors"
+    save_file(_torch({k: v for k, v in _original(state, PREFIX).items() if ".blocks.1." not in k}), short)
+    assert ("(1 layers, width 64, 16 input channels) and the high-noise DiT" in refused(high, transformer_2=short)
+            and "pass the two experts of one Wan 2.2 A14B model" in refused(high, transformer_2=short))
+    # A ComfyUI root with more than one pair names its files and both flags.
+    root = tmp_path / "models"
+    (root / "diffusion_models").mkdir(parents=True)
+    for file in (high, low, short):
+        os.link(file, root / "diffusion_models" / file.name)
+    assert "--model HIGH_NOISE_FILE --model-low LOW_NOISE_FILE" in refused(root, vae=None, text_encoder=None)
+
+
+def test_cli_takes_model_low(reference, tmp_path, two_experts):
+    """`--model HIGH --model-low LOW` reaches `from_pretrained(..., transformer_2=LOW)` (nothing is loaded yet)."""
+    from wan_tpu.wan.cli import build_parser, load_pipeline, resolve_defaults
+
+    state, _, _ = reference
+    high, low = _expert_files(state, tmp_path)
+    args = build_parser().parse_args([
+        "--model", str(high), "--model-low", str(low), "--vae", str(_vae_file(tmp_path / "vae.safetensors")),
+        "--text-encoder", str(_t5_file(tmp_path / "t5.safetensors")), "--tokenizer", str(_tokenizer(tmp_path / "tok")),
+        "--prompt", "a cat"])
+    resolve_defaults(args)
+    pipe = load_pipeline(args)
+    assert pipe.variant == two_experts and "transformer_2" in pipe._loaders

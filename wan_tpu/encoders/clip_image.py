@@ -7,6 +7,7 @@ last block, whose output nobody reads. Weights go file → device (`load_clip_vi
 transformers is imported.
 
     encoder = CLIPImageEncoder.from_pretrained("ckpt/image_encoder", "ckpt/image_processor")
+    encoder = CLIPImageEncoder.from_pretrained("clip_vision_h.safetensors")   # one file: default preprocessing
     tokens = encoder.encode([pil_image])          # (B, 257, 1280)
 
 `ImageProcessor` is transformers' `CLIPImageProcessor` (its PIL backend, which diffusers' pipelines
@@ -33,6 +34,7 @@ import numpy as np
 from wan_tpu.encoders.clip_loading import clip_vision_from_original  # noqa: F401 - re-exported (converters)
 from wan_tpu.errors import WanInputError
 from wan_tpu.loading.checkpoint import require_file
+from wan_tpu.loading.component_files import is_weights_file
 
 CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
 CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
@@ -119,15 +121,22 @@ class CLIPImageEncoder:
 
     @classmethod
     def from_pretrained(
-        cls, image_encoder_dir, image_processor_dir=None, dtype=jnp.float32, mesh=None, attention_impl=None
+        cls, image_encoder, image_processor_dir=None, dtype=jnp.float32, mesh=None, attention_impl=None
     ) -> CLIPImageEncoder:
         """diffusers' I2V layout: `image_encoder/` (weights) and `image_processor/` (preprocessing; None:
-        only `encode_pixels`, for callers that prepare the pixels themselves)."""
+        only `encode_pixels`, for callers that prepare the pixels themselves). Or one CLIP file (Wan's
+        `models_clip_…vit-huge-14.pth`, ComfyUI's `clip_vision_h.safetensors`; the config from its shapes,
+        `wan_tpu.encoders.clip_loading`): it carries no preprocessing, so without `image_processor_dir` it
+        gets `CLIPImageProcessor`'s defaults, which every Wan I2V checkpoint's `image_processor/` holds
+        (224 px, bicubic, CLIP's mean and std)."""
         from wan_tpu.encoders.clip_loading import load_clip_vision
 
-        require_file(image_encoder_dir, "config.json", "image_encoder")
-        image_processor = None if image_processor_dir is None else ImageProcessor.from_pretrained(image_processor_dir)
-        model = load_clip_vision(image_encoder_dir, dtype=dtype, mesh=mesh, num_layers=-1, attention_impl=attention_impl)
+        single_file = is_weights_file(image_encoder)
+        if not single_file:
+            require_file(image_encoder, "config.json", "image_encoder")
+        image_processor = (ImageProcessor.from_pretrained(image_processor_dir) if image_processor_dir is not None
+                           else ImageProcessor() if single_file else None)
+        model = load_clip_vision(image_encoder, dtype=dtype, mesh=mesh, num_layers=-1, attention_impl=attention_impl)
         return cls(model, image_processor)
 
     def preprocess(self, images) -> np.ndarray:

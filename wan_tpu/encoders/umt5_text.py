@@ -1,6 +1,7 @@
 """The UMT5 text encoder of Wan: our JAX `UMT5Encoder` (`wan_tpu.encoders.umt5`) and its tokenizer.
 
     encoder = UMT5TextEncoder.from_pretrained("ckpt/text_encoder", "ckpt/tokenizer", dtype=jnp.bfloat16)
+    encoder = UMT5TextEncoder.from_pretrained("umt5_xxl_fp8_e4m3fn_scaled.safetensors", "ckpt/tokenizer")
     embeds = encoder.encode(["a cat walks on the grass"])        # (1, 512, 4096)
 
 No torch, transformers or torchax: the weights go from the safetensors to the devices
@@ -65,15 +66,16 @@ class UMT5TextEncoder:
         self.graphdef, self.state = nnx.split(model)
 
     @classmethod
-    def from_pretrained(cls, text_encoder_dir, tokenizer_dir, dtype=jnp.bfloat16, mesh=None) -> UMT5TextEncoder:
-        """diffusers' Wan layout: `text_encoder/` (weights, sharded by the `umt5` rules) and `tokenizer/`."""
+    def from_pretrained(cls, text_encoder, tokenizer_dir, dtype=jnp.bfloat16, mesh=None) -> UMT5TextEncoder:
+        """diffusers' Wan layout: `text_encoder/` (weights, sharded by the `umt5` rules) and `tokenizer/`; or
+        one text encoder file (Wan's `models_t5_umt5-xxl-enc-bf16.pth`, ComfyUI's `umt5_xxl_*.safetensors`:
+        the config from its shapes, `wan_tpu.encoders.umt5_loading`) and a tokenizer folder."""
         from wan_tpu.encoders.tokenizers import UMT5Tokenizer
-        from wan_tpu.encoders.umt5 import UMT5Config
-        from wan_tpu.encoders.umt5_loading import load_umt5
+        from wan_tpu.encoders.umt5_loading import load_umt5, umt5_config
 
-        UMT5Config.from_folder(text_encoder_dir)  # a missing config.json is named before the tokenizer is read
+        umt5_config(text_encoder)  # a missing config.json or a wrong file is named before the tokenizer is read
         tokenizer = UMT5Tokenizer.from_folder(tokenizer_dir, MAX_SEQUENCE_LENGTH)
-        return cls(*load_umt5(text_encoder_dir, dtype=dtype, mesh=mesh), tokenizer)
+        return cls(*load_umt5(text_encoder, dtype=dtype, mesh=mesh), tokenizer)
 
     def tokenize(self, prompts: list[str]) -> tuple[np.ndarray, np.ndarray]:
         """Token ids and attention mask, (B, max_sequence_length) int32, padded and truncated."""

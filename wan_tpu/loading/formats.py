@@ -252,24 +252,10 @@ def scaled_fp8_weights(source, stored: dict[str, str], what: str):
 
 def _q8_0(source, stored: dict[str, str]) -> dict:
     """GGUF Q8_0 linear weights → int8 values at one scale per output channel (the layout of
-    `wan_tpu.layers.quantized`): dequantised in float32 (value × block scale, exact), then quantised
-    per row exactly as `quantize_weight` does on a device."""
-    def dequantised(n):
-        q, d = source.q8_0(n)
-        return (q.reshape(q.shape[0], -1, 32).astype(np.float32) * d.astype(np.float32)[..., None]).reshape(q.shape)
-
-    return {k: ("int8", lambda n=n: int8_rows(dequantised(n))[0], lambda n=n: int8_rows(dequantised(n), values=False)[1])
+    `wan_tpu.layers.quantized`), the bits `quantize_weight` gives for the dequantised weight
+    (`GGUFSource.int8_rows`)."""
+    return {k: ("int8", lambda n=n: source.int8_rows(n)[0], lambda n=n: source.int8_rows(n, values=False)[1])
             for k, n in stored.items() if source.type_name(n) == "Q8_0" and len(source.shape(n)) == 2}
-
-
-def int8_rows(w: np.ndarray, values: bool = True) -> tuple[np.ndarray | None, np.ndarray]:
-    """float32 (out, in) → (int8 (out, in), float32 (out,)): one scale per output channel, the float32
-    operations of `wan_tpu.layers.quantized.quantize_weight` (amax floored at 1e-12, / 127, clip, round
-    half to even) in numpy, so the host gives the device's bits. `values=False`: the scales only."""
-    scale = np.maximum(np.max(np.abs(w), axis=1), np.float32(1e-12)) / np.float32(127.0)
-    if not values:
-        return None, scale
-    return np.round(np.clip(w / scale[:, None], np.float32(-127.0), np.float32(127.0))).astype(np.int8), scale
 
 
 # ---- config from shapes --------------------------------------------------------------------------

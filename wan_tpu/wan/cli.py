@@ -8,7 +8,8 @@
 `--model` takes a diffusers-format checkpoint folder, a Hugging Face model id from the local cache
 (`--download` fetches it if absent), an official Wan folder, a DiT file (`.safetensors` of any
 ComfyUI precision, `.gguf`) with `--vae FILE --text-encoder FILE` (`--image-encoder FILE` for Wan 2.1
-I2V; Wan 2.2 A14B: the high-noise file, `--model-low FILE` the low-noise one), a ComfyUI `models/` folder (`wan_tpu.wan.model_files`) or a built-in preset; it defaults to `tiny`, random weights that
+I2V; Wan 2.2 A14B: the high-noise file, `--model-low FILE` the low-noise one), a ComfyUI `models/`
+folder (`wan_tpu.wan.model_files`) or a built-in preset; it defaults to `tiny`, random weights that
 only show the machinery works (a notice says so). Settings left out take the official Wan defaults
 of the model (size, frames, steps, guidance, shift: see `wan_tpu.wan.settings`). The official Wan
 `generate.py` flag names work too (`--ckpt_dir`, `--frame_num`, `--sample_steps`, ...:
