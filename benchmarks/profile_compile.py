@@ -13,12 +13,39 @@ first and second call's seconds and, per program and thread, how many times JAX 
 compiled it (or loaded it from the cache) and the seconds each took, from `jax.monitoring` events.
 The models have random weights (the VAE's drawn by `wan_tpu.loading.random_init.random_module`, UMT5's zero), so
 no checkpoint is needed; what is measured is compilation, not the numbers.
+
+Cold start of a whole command, one per family (`unifolm`, `matrix-game`, `wan`):
+
+    python benchmarks/profile_compile.py unifolm                    # CPU: unifolm-tiny --mode decision
+    python benchmarks/profile_compile.py unifolm -- --mode interact --iterations 3
+    python benchmarks/profile_compile.py matrix-game                # CPU: matrix-game-tiny, 33 frames
+    python benchmarks/profile_compile.py wan                        # CPU: the tiny preset
+    python benchmarks/profile_compile.py unifolm --device --model /tmp/unifolm-bench      # real size (see --device)
+    python benchmarks/profile_compile.py matrix-game --device --model /tmp/mg_bench/converted
+    python benchmarks/profile_compile.py wan --device --workdir /tmp/be2e                 # Wan 2.1 1.3B, 480p
+
+Each runs the family's command line `--runs` times cold (every run with an empty compile-cache folder:
+`WAN_TPU_CACHE_DIR`) and `--runs` times warm (the folder the first cold run filled), each a fresh
+process timed from spawn to exit, and prints the whole-command seconds (each run, median), the
+seconds to the command's first output line and to its first result (UnifoLM: the end of the first
+sampling; Matrix-Game: the first chunk's frames; Wan: the end of denoising), then the timeline of the
+median cold and the median warm run: what ran when and in which thread, from JAX's own spans (tracing,
+lowering to StableHLO, XLA's compile — autotuning included — and persistent-cache reads) and the
+package's (`wan_tpu.runtime.executable_cache.TIMELINE`: whole programs loaded or compiled and stored,
+abstract modules, random weights, `prepare`'s background loads and compiles, and the main thread's
+waits for them), with the command's stages; spans shorter than `--min-seconds` are summed per kind.
+`--autotune-split` (GPUs) adds a cold run with `--xla_gpu_autotune_level=0`: the difference of XLA's
+compile seconds is the autotuning. `--device`: real sizes; `--model` is a converted folder with random
+weights (UnifoLM: `bench_unifolm.py --size real --workdir DIR` writes one; Matrix-Game-2 universal:
+`bench_matrix_game.py --workdir DIR` writes `DIR/converted`); Wan writes its random 1.3B checkpoint
+under `--workdir` (`bench_e2e.py`'s). Arguments after `--` go to the command itself.
 """
 
 from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
 import importlib
 import os
 import sys
@@ -138,13 +165,221 @@ def startup(args) -> None:
                 lambda: importlib.import_module("wan_tpu.runtime.torchax_compat").import_torchax())
 
 
+# ---- a whole command's cold start -------------------------------------------------------------------
+
+# Per family: its command line module (and the one with its `main`), the stage whose end is its first result, and its run on CPU (tiny
+# presets) and on a device (real sizes; {model}, {workdir}: the options').
+FAMILIES = {
+    "unifolm": dict(module="wan_tpu.unifolm", cli="wan_tpu.unifolm.cli", first="sample",
+                    cpu=["--model", "unifolm-tiny", "--mode", "decision", "--observation", "{inputs}/obs.npz"],
+                    device=["--model", "{model}", "--mode", "decision", "--observation", "{inputs}/obs.npz",
+                            "--steps", "16"]),
+    "matrix-game": dict(module="wan_tpu.matrix_game", cli="wan_tpu.matrix_game.cli", first="first chunk",
+                        cpu=["--model", "matrix-game-tiny", "--image", "{inputs}/image.png", "--random-actions",
+                             "--frames", "33"],
+                        device=["--model", "{model}", "--image", "{inputs}/image.png", "--random-actions",
+                                "--frames", "57"]),
+    "wan": dict(module="wan_tpu.generate", cli="wan_tpu.wan.cli", first="denoise",
+                cpu=["--model", "tiny", "--prompt", "a cat walks on the grass"],
+                device=["--model", "{model}", "--prompt", "a cat walks on the grass", "--size", "832*480",
+                        "--frames", "81", "--steps", "50"]),
+}
+STAGE = "stage"  # the timeline kind of a command's stages (`StageTimer.stage`)
+
+
+def write_inputs(folder: str, family: str, device: bool) -> None:
+    """The command's input files: UnifoLM's observation (2 frames at the model's size, 16-d states), an image."""
+    import numpy as np
+    from PIL import Image
+
+    rng = np.random.default_rng(0)
+    if family == "unifolm":
+        h, w = (320, 512) if device else (128, 128)
+        np.savez(os.path.join(folder, "obs.npz"), images=rng.integers(0, 256, (2, h, w, 3), dtype=np.uint8),
+                 states=rng.uniform(-1, 1, (2, 16)).astype(np.float32))
+    if family == "matrix-game":
+        Image.fromarray(rng.integers(0, 256, (360, 640, 3), dtype=np.uint8)).save(os.path.join(folder, "image.png"))
+
+
+def command(args, inputs: str, output: str) -> list[str]:
+    spec = FAMILIES[args.what]
+    model = args.model
+    if args.device and args.what == "wan" and model is None:
+        sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+        import bench_e2e
+
+        model = bench_e2e.ensure_checkpoint(args.workdir, "1.3b")
+    if args.device and model is None:
+        raise SystemExit(f"--device {args.what} needs --model FOLDER (a converted folder; see the docstring)")
+    argv = [a.format(inputs=inputs, model=model) for a in spec["device" if args.device else "cpu"]]
+    return [sys.executable, os.path.abspath(__file__), "--child", args.what, "--", *argv, "--output", output,
+            "--overwrite", *args.rest]
+
+
+def run_timed(argv: list[str], env: dict) -> dict:
+    """`argv` in a fresh process: seconds from spawn to exit and to its first output byte (stdout or stderr),
+    and the child's RESULT (its timeline); its output is kept for an error message."""
+    import subprocess
+
+    start_wall, start = time.time(), time.perf_counter()
+    proc = subprocess.Popen(argv, env={**os.environ, **env, "PROFILE_SPAWN": repr(start_wall)},
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    first, out = None, bytearray()
+    while chunk := proc.stdout.read1(65536):
+        first = first if first is not None else time.perf_counter() - start
+        out += chunk
+    rc = proc.wait()
+    wall = time.perf_counter() - start
+    text = out.decode(errors="replace")
+    results = harness.read_results(text)
+    if rc or not results:
+        raise SystemExit(f"{' '.join(argv)} failed (exit status {rc}):\n{text[-4000:]}")
+    remat = [line for line in text.splitlines() if "rematerializ" in line]  # XLA's "Can't reduce memory use ..."
+    return dict(wall=wall, first_output=first, remat=remat, **results[-1])
+
+
+def child(what: str, argv: list[str]) -> None:
+    """Run the family's command line in this process, with every span recorded → a RESULT line, then exit
+    as the command line does."""
+    import jax
+
+    from wan_tpu.runtime import profiling
+    from wan_tpu.runtime.cli import exit_now
+    from wan_tpu.runtime.executable_cache import TIMELINE
+
+    spans, counts = [], collections.Counter()
+    names = {"jaxpr_trace_duration": "trace", "jaxpr_to_mlir_module_duration": "lower",
+             "backend_compile_duration": "XLA compile"}
+
+    def on_span(event, start, end, **kw):
+        kind = names.get(event.rsplit("/", 1)[1]) if event.startswith("/jax/core/compile/") else (
+            event[len(TIMELINE):] if event.startswith(TIMELINE) else None)
+        if kind:
+            spans.append((start, end, threading.current_thread().name, kind, kw.get("fun_name", "")))
+
+    def on_duration(event, seconds, **kw):
+        if event == "/jax/compilation_cache/cache_retrieval_time_sec":
+            now = time.time()
+            spans.append((now - seconds, now, threading.current_thread().name, "compile-cache read", ""))
+
+    jax.monitoring.register_event_time_span_listener(on_span)
+    jax.monitoring.register_event_duration_secs_listener(on_duration)
+    jax.monitoring.register_event_listener(lambda event, **kw: counts.update([event]))
+    stage = profiling.StageTimer.stage
+
+    @contextlib.contextmanager
+    def recorded(timer, name):
+        start = time.time()
+        try:
+            with stage(timer, name):
+                yield
+        finally:
+            spans.append((start, time.time(), "MainThread", STAGE, name))
+
+    profiling.StageTimer.stage = recorded
+    sys.argv = [FAMILIES[what]["module"], *argv]
+    rc = importlib.import_module(FAMILIES[what]["cli"]).main()
+    harness.emit_result(dict(rc=rc, spawn=float(os.environ.get("PROFILE_SPAWN", START)), spans=spans,
+                             counts={k.rsplit("/", 1)[1]: v for k, v in counts.items() if "cache" in k}))
+    exit_now(rc)
+
+
+def first_result(run: dict, stage_name: str) -> float | None:
+    ends = [end for _, end, _, kind, name in run["spans"] if kind == STAGE and name == stage_name]
+    return min(ends) - run["spawn"] if ends else None
+
+
+def print_timeline(title: str, run: dict, min_seconds: float) -> None:
+    print(f"\n### {title}: {run['wall']:.2f} s whole command; persistent-cache events {run['counts']}")
+    rows, small = [], collections.defaultdict(lambda: [0, 0.0])
+    for start, end, thread, kind, name in sorted(run["spans"]):
+        thread = "main" if thread == "MainThread" else thread.removeprefix("wan_tpu-")
+        if end - start >= min_seconds or kind == STAGE:
+            rows.append((f"{start - run['spawn']:7.2f}", f"{end - run['spawn']:7.2f}", f"{end - start:6.2f}", thread,
+                         kind, name))
+        else:
+            small[(thread, kind)][0] += 1
+            small[(thread, kind)][1] += end - start
+    print(harness.table(("start s", "end s", "seconds", "thread", "what", "name"), rows))
+    totals = collections.defaultdict(lambda: [0, 0.0])
+    for start, end, _, kind, _ in run["spans"]:
+        totals[kind][0] += 1
+        totals[kind][1] += end - start
+    print("\nper kind (all spans; threads overlap, so these add up to more than the wall time):")
+    print(harness.table(("what", "count", "seconds"), ((k, n, f"{sec:.2f}") for k, (n, sec) in
+                                                          sorted(totals.items(), key=lambda kv: -kv[1][1]))))
+    if small:
+        print(f"\nshorter than {min_seconds} s, summed: " + "; ".join(
+            f"{thread} {kind} {n}× {sec:.2f} s" for (thread, kind), (n, sec) in sorted(small.items())))
+
+
+def cold_start(args) -> None:
+    import statistics
+    import tempfile
+
+    harness.print_env()
+    with tempfile.TemporaryDirectory(prefix="profile-cold-") as tmp:
+        write_inputs(tmp, args.what, args.device)
+        argv = command(args, tmp, os.path.join(tmp, "out.mp4"))
+        print("command: " + " ".join(argv[5:]), flush=True)
+        cold, warm_cache = [], os.path.join(tmp, "cache-0")
+        for i in range(args.runs):
+            cold.append(run_timed(argv, {"WAN_TPU_CACHE_DIR": os.path.join(tmp, f"cache-{i}")}))
+            print(f"cold run {i + 1}: {cold[-1]['wall']:.2f} s", flush=True)
+        warm = []
+        for i in range(args.runs):
+            warm.append(run_timed(argv, {"WAN_TPU_CACHE_DIR": warm_cache}))
+            print(f"warm run {i + 1}: {warm[-1]['wall']:.2f} s", flush=True)
+        split = None
+        if args.autotune_split:
+            split = run_timed(argv, {"WAN_TPU_CACHE_DIR": os.path.join(tmp, "cache-noautotune"),
+                                     "XLA_FLAGS": f"{os.environ.get('XLA_FLAGS', '')} --xla_gpu_autotune_level=0"})
+    first = FAMILIES[args.what]["first"]
+    rows = []
+    for label, runs in (("cold", cold), ("warm", warm)):
+        for key, what in (("wall", "whole command"), ("first_output", "first output line")):
+            values = [r[key] for r in runs]
+            rows.append((label, what, " ".join(f"{v:.2f}" for v in values), f"{statistics.median(values):.2f}"))
+        results = [first_result(r, first) for r in runs]
+        if None not in results:
+            rows.append((label, f"first result (end of {first!r})", " ".join(f"{v:.2f}" for v in results),
+                         f"{statistics.median(results):.2f}"))
+    print()
+    print(harness.table(("cache", "seconds to", "each run", "median"), rows))
+    remat = [line for run in cold + warm for line in run["remat"]]
+    print(f"\nXLA rematerialisation warnings: {len(remat)}" + (f"; the first: {remat[0].strip()[:300]}" if remat else ""))
+    if split is not None:
+        xla = lambda run: sum(end - start for start, end, _, kind, _ in run["spans"] if kind == "XLA compile")
+        print(f"\nautotuning: XLA compile {xla(cold[0]):.2f} s cold, {xla(split):.2f} s with "
+              f"--xla_gpu_autotune_level=0 (whole command {split['wall']:.2f} s): {xla(cold[0]) - xla(split):.2f} s")
+    median = lambda runs: sorted(runs, key=lambda r: r["wall"])[len(runs) // 2]
+    print_timeline("cold (median run)", median(cold), args.min_seconds)
+    print_timeline("warm (median run)", median(warm), args.min_seconds)
+
+
 def main(argv=None) -> None:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["--child"]:
+        child(argv[1], argv[3:])
+        return
+    rest = argv[argv.index("--") + 1:] if "--" in argv else []
+    argv = argv[:argv.index("--")] if "--" in argv else argv
     p = argparse.ArgumentParser(prog="python benchmarks/profile_compile.py", description=__doc__.split("\n\n")[0])
-    p.add_argument("what", choices=("vae", "t5", "startup"))
-    p.add_argument("--cache", default=None, help="persistent compilation cache folder (default: none)")
+    p.add_argument("what", choices=("vae", "t5", "startup", *FAMILIES))
+    p.add_argument("--cache", default=None, help="vae, t5: persistent compilation cache folder (default: none)")
     p.add_argument("--ahead", action="store_true", help="vae: compile_decode in a thread before the first call")
-    p.add_argument("--small", action="store_true", help="tiny sizes (a CPU check of the script itself)")
+    p.add_argument("--small", action="store_true", help="vae, t5: tiny sizes (a CPU check of the script itself)")
+    p.add_argument("--runs", type=int, default=3, help="families: cold runs and warm runs, each (median)")
+    p.add_argument("--device", action="store_true", help="families: real sizes (see the docstring)")
+    p.add_argument("--model", default=None, help="--device: the converted folder (UnifoLM, Matrix-Game) or Wan folder")
+    p.add_argument("--workdir", default="outputs/bench_e2e", help="--device wan: where the random 1.3B checkpoint is")
+    p.add_argument("--min-seconds", type=float, default=0.1, help="timeline: shorter spans are summed per kind")
+    p.add_argument("--autotune-split", action="store_true", help="GPU: one more cold run without autotuning")
     args = p.parse_args(argv)
+    args.rest = rest
+    if args.what in FAMILIES:
+        cold_start(args)
+        return
     harness.print_env()  # JAX's backend not started here: `startup` times that
     {"vae": vae, "t5": t5, "startup": startup}[args.what](args)
     print(f"{'process wall so far':28} {time.perf_counter() - START:8.2f} s")

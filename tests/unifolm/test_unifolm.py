@@ -1,4 +1,4 @@
-"""The UnifoLM pipeline, CLI and server (`wan_tpu/unifolm/pipeline.py`, `unifolm_cli.py`, `unifolm_server.py`) on the
+"""The UnifoLM pipeline, CLI and server protocol (`wan_tpu/unifolm/pipeline.py`, `cli.py`, `server.py`) on the
 `unifolm-tiny` preset (random weights, 128×128 frames), 2 DDIM steps.
 
 No numerical reference here (the models have their own golden tests): these check the modes' data
@@ -6,6 +6,7 @@ flow (the authors' queues and masks), the files the CLI writes, min-max (un)norm
 bad inputs are one-line user errors (exit status 2) that leave no file behind.
 """
 
+import dataclasses
 import json
 import os
 import re
@@ -21,7 +22,6 @@ from wan_tpu.errors import WanInputError
 from wan_tpu.runtime.video import read_video
 from wan_tpu.unifolm.cli import main
 from wan_tpu.unifolm.pipeline import MinMaxTable, UnifolmPipeline
-from wan_tpu.unifolm.server import make_server
 
 DOF = 7
 STEPS = ["--steps", "2"]
@@ -101,7 +101,7 @@ def test_modes_and_queues(pipe):
 @pytest.mark.slow  # compiles the stage programs twice (about 90 s on 2 cores)
 def test_prepare_compiles_the_stage_programs_ahead_and_changes_no_bit(monkeypatch):
     """`prepare("decision")` loads the components and loads or compiles the prepare, sampling and decode
-    programs in its threads, none on the caller's; `decide` then gives bit-identical
+    programs in its threads (one per program, side by side), none on the caller's; `decide` then gives bit-identical
     outputs to a run without it. Each run with the cache off, JAX's caches cleared and the in-process
     program memo emptied first, so that it compiles its own programs. Reference: the run without
     `prepare`; tolerance: none."""
@@ -130,7 +130,9 @@ def test_prepare_compiles_the_stage_programs_ahead_and_changes_no_bit(monkeypatc
         seen[label] = compiles[start:]
     stages = {"jit(_prepare_program)", "jit(_sample_loop)", "jit(_decode_program)"}
     assert stages <= {f for thread, f in seen["plain"] if thread == "MainThread"}
-    assert stages <= {f for thread, f in seen["prepare"] if thread == "wan_tpu-compile-stages"}
+    ahead = {(thread, f) for thread, f in seen["prepare"] if thread.startswith("wan_tpu-compile-") and f in stages}
+    assert stages <= {f for _, f in ahead}
+    assert len({thread for thread, _ in ahead}) == len(stages)  # side by side, a thread each
     main = {f for thread, f in seen["prepare"] if thread == "MainThread"}
     assert not main & stages, main  # the encoders' small programs compile on use, as without `prepare`
     for field in ("video_raw", "actions_raw", "actions"):
@@ -222,26 +224,23 @@ def test_cli_wrong_image_size_exits_2(tmp_path, capsys):
 
 @pytest.mark.slow
 def test_server_speaks_the_authors_protocol(pipe):
-    """Good requests answer 200 with 16 actions; every bad one 400 (413 when too large) with a one-line
-    `desc` and no traceback; the server answers the next good request after each."""
-    import urllib.error
+    """`/predict_action` of the serving app (`wan_tpu.serve`, what `--serve` starts): good requests answer 200
+    with 16 actions; every bad one 400 (413 when too large) with a one-line `desc` and no traceback; the
+    server answers the next good request after each."""
+    from starlette.testclient import TestClient
 
+    from wan_tpu.serve.app import ServerState, build_app
     from wan_tpu.unifolm import server as server_module
 
     images, states = observation(n=2, size=160)
-    server = make_server(pipe, 0, num_steps=2)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    try:
-        url = f"http://127.0.0.1:{server.server_address[1]}/predict_action"
+    state = ServerState(family="unifolm", model_name="unifolm-tiny", pipe=pipe, predict_options={"num_steps": 2},
+                        max_body=server_module.MAX_BODY)
+    with TestClient(build_app(state)) as client:
 
         def post(body: bytes, headers=None):
-            request = urllib.request.Request(url, body, {"Content-Type": "application/json", **(headers or {})})
-            try:
-                with urllib.request.urlopen(request, timeout=600) as response:
-                    return response.status, json.loads(response.read())
-            except urllib.error.HTTPError as e:
-                return e.code, json.loads(e.read())
+            response = client.post("/predict_action", content=body, headers={"Content-Type": "application/json",
+                                                                                **(headers or {})})
+            return response.status_code, response.json()
 
         good = {"observation.images.top": images.transpose(0, 3, 1, 2).tolist(), "observation.state": (states / 10).tolist(),
                 "action": np.zeros((16, DOF)).tolist(), "language_instruction": "pick up the cup"}
@@ -260,12 +259,9 @@ def test_server_speaks_the_authors_protocol(pipe):
             assert message.lower() in reply["desc"].lower() and "\n" not in reply["desc"], (message, reply)
             assert "Traceback" not in reply["desc"]
         status, reply = post(b"{}", {"Content-Length": str(server_module.MAX_BODY + 1)})
-        assert status == 413 and "\n" not in reply["desc"]
+        assert status == 413 and reply["result"] == "error" and "\n" not in reply["desc"]
         status, ok = post(json.dumps(good).encode())
         assert status == 200 and ok["result"] == "ok"
-    finally:
-        server.shutdown()
-        server.server_close()
 
 
 @pytest.mark.slow
@@ -284,16 +280,46 @@ def test_a_second_process_loads_the_stage_programs_whole(tmp_path):
     """Two fresh processes, one cache folder: the first compiles and stores the prepare, sampling and
     decode programs (`wan_tpu.runtime.executable_cache`, keyed by `UnifolmPipeline.program_key`), the second
     loads all three without tracing them, and its actions are bit-identical (XLA:CPU once failed to
-    run such loaded programs; `executable_cache.store` compiles afresh what JAX's cache served)."""
+    run such loaded programs; `executable_cache.store` compiles afresh what JAX's cache served). The
+    preset's random weights are kept there too (`executable_cache.cached_arrays`), and its default is
+    `presets.TINY_STEPS` DDIM steps."""
+    from wan_tpu.unifolm.presets import TINY_STEPS
+
     np.savez(tmp_path / "obs.npz", **dict(zip(("images", "states"), observation(1))))
     env = dict(os.environ, WAN_TPU_CACHE_DIR=str(tmp_path / "cache"))
     loaded = []
     for run in ("first", "second"):
         done = subprocess.run([sys.executable, "-m", "wan_tpu.unifolm", "--model", "unifolm-tiny", "--mode", "decision",
-                               *STEPS, "--observation", str(tmp_path / "obs.npz"), "--output", str(tmp_path / f"{run}.mp4")],
+                               "--observation", str(tmp_path / "obs.npz"), "--output", str(tmp_path / f"{run}.mp4")],
                               env=env, capture_output=True, text=True, timeout=600)
         assert done.returncode == 0, done.stderr[-2000:]
         loaded.append(re.search(r"whole programs: (\d+) loaded, (\d+) stored", done.stdout).groups())
+        if run == "first":
+            assert list((tmp_path / "cache").glob("*/executables/arrays-random-UnifolmWMA-*.bin"))
     assert loaded == [("0", "3"), ("3", "0")], loaded
+    assert json.loads((tmp_path / "first.json").read_text())["steps"] == TINY_STEPS == 2
     first, second = np.load(tmp_path / "first.npz"), np.load(tmp_path / "second.npz")
     np.testing.assert_array_equal(first["actions"], second["actions"])
+
+
+def test_the_abstract_model_is_built_once_per_process(monkeypatch):
+    """The model's loader and `prepare`'s compile thread both ask for the abstract UNet at once: one builds
+    it (`executable_cache.cached_abstract`), the other waits, and each gets its own module with an equal
+    graphdef (the same static argument to `jax.jit`)."""
+    from flax import nnx
+
+    from wan_tpu.configs.unifolm import CONFIGS
+    from wan_tpu.runtime import executable_cache
+    from wan_tpu.unifolm.model import abstract_unifolm
+
+    builds, results = [], []
+    real = executable_cache._cached_abstract
+    monkeypatch.setattr(executable_cache, "_cached_abstract", lambda *a: builds.append(a[0]) or real(*a))
+    cfg = dataclasses.replace(CONFIGS["unifolm-tiny-base"], name="built-once")  # no other test asks for it
+    threads = [threading.Thread(target=lambda: results.append(abstract_unifolm(cfg))) for _ in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    first, second = results
+    assert builds == ["unifolm"] and first is not second and nnx.graphdef(first) == nnx.graphdef(second)

@@ -6,7 +6,7 @@ from __future__ import annotations
 TINY_SEED = 0
 
 
-def random_module(build, seed: int, draw=None, abstract=None):
+def random_module(build, seed: int, draw=None, abstract=None, key=None):
     """`build()` (an nnx module constructor) with seeded random weights drawn on the host.
 
     The module is only traced abstractly; each parameter is then drawn with numpy's PCG64 from
@@ -16,21 +16,39 @@ def random_module(build, seed: int, draw=None, abstract=None):
     `draw(names, shape, rng)` (optional) gives a parameter's value (a numpy array), or None for the
     usual one: for modules whose parameter names these rules do not fit (UMT5's torch-layout `weight`s).
     `abstract`: `build`'s module without weights, when the caller has it (read back from the executable
-    cache, `executable_cache.cached_abstract`); else `build` is traced here.
+    cache, `executable_cache.cached_abstract`); else `build` is traced here. `key`: what determines the
+    module (its config, dtype, settings; the presets give it): the drawn values are then kept in the
+    executable cache and read back by a later process (`executable_cache.cached_arrays`) instead of drawn.
     """
+    import jax
+    from flax import nnx
+
+    from wan_tpu.runtime.executable_cache import cached_arrays, span
+
+    abstract = nnx.eval_shape(build) if abstract is None else abstract
+    name = type(abstract).__name__
+    with span("random weights", name):
+        graphdef, state = nnx.split(abstract)
+        flat = nnx.to_flat_state(state)
+        make = lambda: _draw_all(abstract, flat, seed, draw)  # noqa: E731
+        values = make() if key is None else cached_arrays(f"random-{name}", (key, seed), make)
+        # One transfer call for all: per parameter, the call's own overhead was most of a preset's load.
+        for (_, var), value in zip(flat, jax.device_put(values)):
+            var.set_value(value)
+        return nnx.merge(graphdef, nnx.from_flat_state(flat))
+
+
+def _draw_all(abstract, flat, seed: int, draw) -> list:
+    """Every parameter's value (host numpy arrays in the parameter's dtype), in `flat`'s order."""
     import math
 
-    import jax
     import numpy as np
-    from flax import nnx
 
     from wan_tpu.layers.conv import out_first_kernels, spatial_first_shape, spatial_to_out_first
 
-    abstract = nnx.eval_shape(build) if abstract is None else abstract
     out_first = out_first_kernels(abstract)  # drawn spatial-first then moved: the same values either way
-    graphdef, state = nnx.split(abstract)
     rng = np.random.default_rng(seed)
-    flat = nnx.to_flat_state(state)
+    values = []
     for path, var in flat:
         names = [str(p) for p in path]
         shape, dtype = var.get_value().shape, var.get_value().dtype
@@ -53,5 +71,5 @@ def random_module(build, seed: int, draw=None, abstract=None):
             value = spatial_to_out_first(np.asarray(value))
         # Cast on the host (round to nearest even, as XLA does): loaders in parallel threads then compile no
         # conversion programs, which they would race to compile and to read from the compilation cache.
-        var.set_value(jax.device_put(np.asarray(value, np.float32).astype(dtype)))
-    return nnx.merge(graphdef, nnx.from_flat_state(flat))
+        values.append(np.asarray(value, np.float32).astype(dtype))
+    return values

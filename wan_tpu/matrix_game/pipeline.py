@@ -296,6 +296,18 @@ class MatrixGamePipeline:
     def chunk_frames(self, chunk: int) -> int:
         return actions.chunk_frames(chunk, self.frames_per_chunk)
 
+    def action_row(self, words=(), mouse=None) -> tuple[np.ndarray, np.ndarray | None]:
+        """One frame's action from words of the interactive grammar held at once (`actions.parse_line`: "w",
+        "a", "j", "mouse left", ...) plus `mouse` ([vertical, horizontal], e.g. a pointer's motion, added to the
+        words' camera motion) → (keyboard (keys,), mouse (2,) or None), checked as `step` checks its actions."""
+        keyboard, moved = actions.parse_line(" ".join(words), self.action_space)
+        if mouse is not None and moved is None:
+            raise WanInputError("this variant has no mouse input; pass mouse=None")
+        if mouse is not None:
+            moved = moved + np.asarray(mouse, np.float32).reshape(2)
+        keyboard, moved = actions.check_actions(keyboard[None], None if moved is None else moved[None], self.action_space)
+        return keyboard[0], None if moved is None else moved[0]
+
     # ---- data preparation ---------------------------------------------------------------------
 
     def preprocess_image(self, image) -> np.ndarray:
@@ -525,8 +537,11 @@ def replicate(component, mesh):
     if mesh is not None:
         from jax.sharding import NamedSharding, PartitionSpec
 
+        from wan_tpu.parallel.sharding import reshard
+
         module = getattr(component, "model", component)
-        nnx.update(module, jax.device_put(nnx.state(module), NamedSharding(mesh, PartitionSpec())))
+        replicated = NamedSharding(mesh, PartitionSpec())
+        nnx.update(module, jax.tree.map(lambda x: reshard(x, replicated), nnx.state(module)))
     return component
 
 
@@ -539,6 +554,7 @@ def _tiny(dtype, vae_dtype, attention, compile_cache: bool | None = None, mesh=N
     from wan_tpu.encoders.clip import CLIPVisionConfig, CLIPVisionTransformer, random_clip
     from wan_tpu.loading.random_init import TINY_SEED, random_module
     from wan_tpu.matrix_game.model import MatrixGameTransformer
+    from wan_tpu.runtime import executable_cache
     from wan_tpu.vae.model import WanVAE
 
     variant = get_variant(PRESET)
@@ -551,10 +567,18 @@ def _tiny(dtype, vae_dtype, attention, compile_cache: bool | None = None, mesh=N
         "image_encoder": lambda: CLIPVisionTransformer(clip, dtype, attention),
     }
 
+    # Abstract modules and random weights kept in the executable cache: a warm start neither traces the
+    # constructors nor draws the weights again.
+    keys = {"transformer": ("matrix-game-transformer", variant.transformer, jnp.dtype(dtype).name, attention),
+            "vae": ("wan-vae", TINY_VAE, jnp.dtype(vae_dtype).name)}
+    abstracts = {name: functools.partial(executable_cache.cached_abstract, f"{PRESET}-{name}", keys[name], builds[name])
+                 for name in keys}
+    abstracts["image_encoder"] = functools.partial(nnx.eval_shape, builds["image_encoder"])
+
     def transformer():
         from wan_tpu.matrix_game.loading import shard_matrix_game
 
-        model = random_module(builds["transformer"], TINY_SEED)
+        model = random_module(None, TINY_SEED, abstract=abstracts["transformer"](), key=keys["transformer"])
         return model if mesh is None else shard_matrix_game(model, mesh)
 
     def image_encoder():
@@ -562,9 +586,9 @@ def _tiny(dtype, vae_dtype, attention, compile_cache: bool | None = None, mesh=N
 
         return replicate(CLIPImageEncoder(random_clip(builds["image_encoder"], TINY_SEED + 2)), mesh)
 
-    loaders = {"transformer": transformer, "vae": lambda: replicate(random_module(builds["vae"], TINY_SEED + 1), mesh),
-               "image_encoder": image_encoder}
-    abstracts = {name: functools.partial(nnx.eval_shape, build) for name, build in builds.items()}
+    loaders = {"transformer": transformer, "image_encoder": image_encoder,
+               "vae": lambda: replicate(random_module(None, TINY_SEED + 1, abstract=abstracts["vae"](), key=keys["vae"]),
+                                        mesh)}
     return MatrixGamePipeline(variant, loaders, name=PRESET, dtype=dtype, vae_dtype=vae_dtype, abstracts=abstracts,
                               configs=lambda: {"transformer": variant.transformer, "vae": TINY_VAE, "image_encoder": clip},
                               attention=attention, compile_cache=compile_cache, mesh=mesh)

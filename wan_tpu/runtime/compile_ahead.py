@@ -128,8 +128,10 @@ class Warmup:
             if self.cancelled.is_set():
                 future.set_exception(Cancelled())
                 return
+            from wan_tpu.runtime.executable_cache import span
+
             try:
-                with self.selected() if select else contextlib.nullcontext():
+                with self.selected() if select else contextlib.nullcontext(), span(kind, name):
                     result = fn(*args)
                 future.set_result(result)
             except BaseException as e:  # noqa: BLE001 - handed to whoever waits on it
@@ -150,8 +152,13 @@ class Warmup:
     def take_load(self, name: str):
         """The loaded component `name` (waiting for it; its error, if loading failed), or None if it is not
         being loaded. Taken once: the pipeline holds it from then on."""
+        from wan_tpu.runtime.executable_cache import span
+
         with self._lock:
             future = self.loads.pop(name, None)
+        if future is not None:
+            with span("wait", name):
+                future.exception()
         if future is None or isinstance(future.exception(), Cancelled):
             return None  # the caller loads it itself
         return future.result()
@@ -167,11 +174,14 @@ class Warmup:
 
     def wait_compiled(self, name: str) -> None:
         """Wait for the compile `name` if one was started; a failure becomes a warning (the call compiles)."""
+        from wan_tpu.runtime.executable_cache import span
+
         future = self.compiles.pop(name, None)
         if future is None:
             return
         try:
-            future.result()
+            with span("wait", name):
+                future.result()
         except Cancelled:
             pass
         except Exception as e:  # noqa: BLE001 - compiling ahead is an optimisation only

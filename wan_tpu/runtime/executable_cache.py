@@ -47,6 +47,7 @@ import importlib
 import os
 import pickle
 import threading
+import time
 import warnings
 
 import jax
@@ -54,6 +55,20 @@ import jax
 from wan_tpu.runtime import compile_cache
 
 FOLDER = "executables"
+# Time spans (`jax.monitoring.record_event_time_span`, `fun_name` = what) of the work around compiling that JAX
+# does not report itself: loads and stores here, `Warmup`'s background tasks and the waits for them, seeded
+# random weights. `benchmarks/profile_compile.py` draws its cold-start timeline from them and JAX's own spans.
+TIMELINE = "/wan_tpu/timeline/"
+
+
+@contextlib.contextmanager
+def span(kind: str, name: str):
+    """Record the time the body takes as a `TIMELINE + kind` span named `name` (nothing listens by default)."""
+    start = time.time()
+    try:
+        yield
+    finally:
+        jax.monitoring.record_event_time_span(TIMELINE + kind, start, time.time(), fun_name=name)
 
 
 def load(name: str, key) -> jax.stages.Compiled | None:
@@ -61,12 +76,20 @@ def load(name: str, key) -> jax.stages.Compiled | None:
     path = _path(name, key)
     if path is None or not os.path.isfile(path):
         return None
+    with span("executable load", name):
+        return _load(name, path)
+
+
+def _load(name: str, path: str, entry: tuple | None = None) -> jax.stages.Compiled | None:
+    """The entry at `path` (read already: `entry`) deserialised, or None (then deleted, with a warning)."""
     try:
         from jax.experimental.serialize_executable import deserialize_and_load
 
         _load_kernel_runtimes()
-        with open(path, "rb") as f:
-            payload, in_tree, out_tree, device_ids = pickle.load(f)
+        if entry is None:
+            with open(path, "rb") as f:
+                entry = pickle.load(f)
+        payload, in_tree, out_tree, device_ids, _ = entry
         by_id = {d.id: d for d in jax.devices()}
         compiled = deserialize_and_load(payload, in_tree, out_tree, execution_devices=[by_id[i] for i in device_ids])
     except Exception as e:  # noqa: BLE001 - an unreadable entry is a miss, repaired by the next store
@@ -87,6 +110,11 @@ def exists(name: str, key) -> bool:
 def store(name: str, key, lowered: jax.stages.Lowered, compiler_options: dict | None = None) -> jax.stages.Compiled:
     """Compile `lowered` (with XLA's `compiler_options`, which the key must name) and write it under (`name`,
     `key`) when the cache is on; → the compiled program."""
+    with span("compile and store", name):
+        return _store(name, key, lowered, compiler_options)
+
+
+def _store(name: str, key, lowered: jax.stages.Lowered, compiler_options: dict | None) -> jax.stages.Compiled:
     hits = compile_cache.thread_hits()
     compiled = lowered.compile(compiler_options)
     path = _path(name, key)
@@ -108,7 +136,9 @@ def store(name: str, key, lowered: jax.stages.Lowered, compiler_options: dict | 
 
         # The devices it runs on, in its assignment's order: loading would otherwise spread it over all.
         device_ids = [d.id for d in compiled.runtime_executable().local_devices()]
-        data = pickle.dumps((*serialize(compiled), device_ids), protocol=pickle.HIGHEST_PROTOCOL)
+        # Its outputs' shapes too: `ahead` hands them on while the program deserialises in the background.
+        data = pickle.dumps((*serialize(compiled), device_ids, _shapes(compiled.out_info)),
+                            protocol=pickle.HIGHEST_PROTOCOL)
     except (ValueError, NotImplementedError, TypeError, pickle.PicklingError):
         return compiled  # this backend or program cannot be serialised: kept in memory only
     if _write(name, path, data):
@@ -131,24 +161,57 @@ def _write(name: str, path: str, data: bytes) -> bool:
     return True
 
 
+_ABSTRACTS_LOCK = threading.Lock()
+_ABSTRACTS: dict = {}  # (name, key text) → [a lock, (graphdef, pickled state) once built]
+
+
 def cached_abstract(name: str, key, build):
     """`nnx.eval_shape(build)`, the module without weights (its structure and each parameter's shape,
     dtype and metadata), read back from this cache when a process with the same code and `key` (what
     `build` depends on: config, dtype, settings) built it before. Building one traces every layer's
     constructor: 1.6 s for UnifoLM's UNet on a 2-core CPU, 0.2 s to read back. Without a key or with
-    the cache off: built."""
+    the cache off: built. Once per process and key: a second caller meanwhile (a loader's thread and
+    `prepare`'s compile thread both need UnifoLM's) waits for the first instead of building it again
+    beside it, and gets its own copy."""
+    from flax import nnx
+
+    from wan_tpu.layers.conv import default_out_first
+
+    # The convolutions' kernel layout of a module built now (the backend's, or a loader's `kernel_layout`).
+    key = None if key is None else (key, "out-first" if default_out_first() else "spatial-first")
+    text = None if key is None else repr(key)
+    if text is None or " at 0x" in text:
+        return _cached_abstract(name, key, build)
+    with _ABSTRACTS_LOCK:
+        entry = _ABSTRACTS.setdefault((name, text), [threading.Lock(), None])
+    with entry[0]:
+        if entry[1] is None:
+            module = _cached_abstract(name, key, build)
+            graphdef, state = nnx.split(module)
+            try:
+                entry[1] = graphdef, pickle.dumps(state, protocol=pickle.HIGHEST_PROTOCOL)
+            except (pickle.PicklingError, TypeError, AttributeError):
+                pass
+            return module
+    # The first one's graphdef itself: equal graphdefs (the same hook objects in them) are the same static
+    # argument to `jax.jit`, so a program compiled for one module serves the other.
+    return nnx.merge(entry[1][0], pickle.loads(entry[1][1]))
+
+
+def _cached_abstract(name: str, key, build):
     from flax import nnx
 
     path = _path(f"abstract-{name}", key)
     if path is not None and os.path.isfile(path):
         try:
-            with open(path, "rb") as f:
+            with span("abstract load", name), open(path, "rb") as f:
                 return nnx.merge(*pickle.load(f))
         except Exception as e:  # noqa: BLE001 - an unreadable entry is a miss, repaired below
             _remove(path)
             warnings.warn(f"executable cache: dropped an unreadable entry for {name} ({type(e).__name__}); it is "
                           "built again", stacklevel=2)
-    module = nnx.eval_shape(build)
+    with span("abstract build", name):
+        module = nnx.eval_shape(build)
     if path is not None:
         try:
             data = pickle.dumps(nnx.split(module), protocol=pickle.HIGHEST_PROTOCOL)
@@ -156,6 +219,26 @@ def cached_abstract(name: str, key, build):
             return module  # something in it does not pickle: built every time
         _write(name, path, data)
     return module
+
+
+def cached_arrays(name: str, key, make) -> list:
+    """`make()` (host numpy arrays, e.g. a preset's seeded random weights), read back from this cache when a
+    process with the same code and `key` (what `make` depends on) made them before: the tiny UnifoLM
+    preset's 42 M random parameters take seconds to draw on a 2-core CPU and a tenth of that to read.
+    Without a key or with the cache off: made."""
+    path = _path(f"arrays-{name}", key)
+    if path is not None and os.path.isfile(path):
+        try:
+            with span("arrays load", name), open(path, "rb") as f:
+                return pickle.load(f)
+        except Exception as e:  # noqa: BLE001 - an unreadable entry is a miss, repaired below
+            _remove(path)
+            warnings.warn(f"executable cache: dropped an unreadable entry for {name} ({type(e).__name__}); it is "
+                          "made again", stacklevel=2)
+    arrays = make()
+    if path is not None:
+        _write(name, path, pickle.dumps(arrays, protocol=pickle.HIGHEST_PROTOCOL))
+    return arrays
 
 
 class Programs:
@@ -208,13 +291,79 @@ def ahead():
     around it carries on to the next program. A later call with arguments of the same shapes and dtypes
     (and the same cache choice) runs that very program: how `UnifolmPipeline.prepare` compiles its stage
     programs ahead. Dynamic arguments may be `jax.ShapeDtypeStruct`s (a module's abstract state) or
-    tracers: run under `jax.eval_shape`, the code around the calls computes nothing either."""
-    before = getattr(_AHEAD, "on", False)
-    _AHEAD.on = True
+    tracers: run under `jax.eval_shape`, the code around the calls computes nothing either.
+
+    Each program is traced and lowered in this thread, then compiled (or, when stored, deserialised) in a
+    thread of its own (`wan_tpu-compile-NAME`), its output shapes known from the lowering (or the stored
+    entry): the programs compile side by side, not one after the other (UnifoLM's sampling, its largest,
+    beside the prepare and decode programs). Leaving the block waits for them all and raises the first
+    failure."""
+    before = getattr(_AHEAD, "on", False), getattr(_AHEAD, "pending", None)
+    pending = []
+    _AHEAD.on, _AHEAD.pending = True, pending
     try:
         yield
     finally:
-        _AHEAD.on = before
+        _AHEAD.on, _AHEAD.pending = before
+        for thread in pending:  # also after an error: no thread outlives the block
+            thread.join()
+    failed = [thread.error for thread in pending if thread.error is not None]
+    if failed:
+        raise failed[0]
+
+
+class _Background(threading.Thread):
+    """A program loaded or compiled for `ahead` (output `shapes`), kept in `_CALLED` when done; its failure in
+    `error`."""
+
+    def __init__(self, name: str, memo: tuple, work, shapes):
+        super().__init__(name=f"wan_tpu-compile-{name}")
+        self.memo, self.work, self.shapes, self.error = memo, work, shapes, None
+
+    def run(self):
+        try:
+            compiled = self.work()
+        except BaseException as e:  # noqa: BLE001 - raised by `ahead` in the thread that waits for it
+            self.error = e
+            return
+        with _CALLED_LOCK:
+            _CALLED[self.memo] = compiled
+
+
+def _ahead_in_background(name, full, memo, jitted, args, kwargs, static_argnums, static_argnames, compiler_options):
+    """`cached_call`'s miss within `ahead`: the program's output shapes now, its load or compile in a thread
+    (once: the same program met again meanwhile, e.g. UnifoLM's sampling for both halves of `interact`,
+    gets the shapes of the one under way)."""
+    under_way = {thread.memo: thread.shapes for thread in _AHEAD.pending}
+    if memo in under_way:
+        return under_way[memo]
+    path = _path(name, full)
+    entry = None
+    if path is not None and os.path.isfile(path):
+        try:
+            with open(path, "rb") as f:
+                entry = pickle.load(f)
+        except Exception:  # noqa: BLE001 - unreadable: `_load` below drops it and the program is compiled
+            entry = None
+    if entry is not None and len(entry) == 5 and entry[4] is not None:
+        abstract_args = _abstract((args, kwargs), static_argnums, static_argnames)
+
+        def work():
+            with span("executable load", name):
+                compiled = _load(name, path, entry)
+            if compiled is not None:
+                return compiled
+            return store(name, full, jitted.lower(*abstract_args[0], **abstract_args[1]), compiler_options)
+
+        shapes = entry[4]
+    else:
+        lowered = _lower(jitted, args, kwargs, static_argnums, static_argnames)
+        shapes = _shapes(lowered.out_info)
+        work = functools.partial(store, name, full, lowered, compiler_options)
+    thread = _Background(name, memo, work, shapes)
+    _AHEAD.pending.append(thread)
+    thread.start()
+    return shapes
 
 
 def cached_call(name: str, key, jitted, args: tuple, kwargs: dict | None = None, *, static_argnums: tuple = (),
@@ -253,6 +402,9 @@ def cached_call(name: str, key, jitted, args: tuple, kwargs: dict | None = None,
     memo = (name, full, compile_cache.cache_dir())
     with _CALLED_LOCK:
         compiled = _CALLED.get(memo)
+    if compiled is None and getattr(_AHEAD, "pending", None) is not None:
+        return _zeros(_ahead_in_background(name, full, memo, jitted, args, kwargs, static_argnums, static_argnames,
+                                           compiler_options))
     if compiled is None:
         compiled = load(name, full) or store(name, full, _lower(jitted, args, kwargs, static_argnums, static_argnames),
                                              compiler_options)
@@ -273,14 +425,28 @@ def cached_call(name: str, key, jitted, args: tuple, kwargs: dict | None = None,
 def _lower(jitted, args, kwargs, static_argnums, static_argnames):
     """`jitted.lower(*args, **kwargs)`, tracers among the dynamic arguments (`ahead` under `jax.eval_shape`)
     given as their shapes and dtypes."""
+    args, kwargs = _abstract((args, kwargs), static_argnums, static_argnames)
+    return jitted.lower(*args, **kwargs)
+
+
+def _abstract(call, static_argnums, static_argnames):
+    """(args, kwargs) with every tracer among the dynamic arguments replaced by its shape and dtype."""
 
     def abstract(tree):
         return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, weak_type=x.weak_type)
                             if isinstance(x, jax.core.Tracer) else x, tree)
 
-    args = tuple(a if i in static_argnums else abstract(a) for i, a in enumerate(args))
-    kwargs = {k: v if k in static_argnames else abstract(v) for k, v in kwargs.items()}
-    return jitted.lower(*args, **kwargs)
+    args, kwargs = call
+    return (tuple(a if i in static_argnums else abstract(a) for i, a in enumerate(args)),
+            {k: v if k in static_argnames else abstract(v) for k, v in kwargs.items()})
+
+
+def _shapes(tree):
+    """Shapes and dtypes (and weak types) only, as they pickle: a program's `out_info` also pins shardings."""
+    try:
+        return jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, weak_type=s.weak_type), tree)
+    except (AttributeError, TypeError):
+        return None
 
 
 def _zeros(shapes):

@@ -43,13 +43,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--observation", help=".npz/.json with images (n, H, W, 3) uint8 and states (n, dof)")
     p.add_argument("--actions", help=".npz/.json with actions (16, dof): the chunk the world model plays (world)")
     p.add_argument("--stats", help="LeRobot stats.safetensors (min-max table; default: the checkpoint's)")
-    p.add_argument("--steps", type=int, default=None, help="DDIM steps (default: 50; 16 for generate, as the authors)")
+    p.add_argument("--steps", type=int, default=None, help="DDIM steps (default: 50; 16 for generate, as the authors; the tiny presets: 2)")
     p.add_argument("--eta", type=float, default=1.0, help="DDIM eta (authors: 1.0; 0 is deterministic)")
     p.add_argument("--fs", type=int, default=None, help="frame-stride condition fps // stride (Z1 sets 7, G1 5; default: the config's 10)")
     p.add_argument("--iterations", type=int, default=1, help="interaction iterations (interact)")
     p.add_argument("--encoder-dtype", choices=("float32", "bfloat16"), default="float32",
                    help="the CLIP towers' dtype (bfloat16 halves their memory; the tiny presets' stay float32)")
-    p.add_argument("--serve", type=int, metavar="PORT", help="serve POST /predict_action on 127.0.0.1:PORT instead of one run")
+    p.add_argument("--serve", type=int, metavar="PORT", help="serve POST /predict_action on 127.0.0.1:PORT instead of one "
+                   "run (the process becomes wan-serve with the same flags)")
     return p
 
 
@@ -162,7 +163,7 @@ def run(args) -> None:
                                                stats=args.stats, encoder_dtype=dtype_of(args.encoder_dtype),
                                                compile_cache=not args.no_compile_cache)
     pipe.timer = timer
-    steps = args.steps or (16 if args.mode == "generate" else 50)
+    steps = args.steps or pipe.default_steps[args.mode]
     common = dict(num_steps=steps, eta=args.eta, seed=args.seed, fs=args.fs)
     vectors = {}
     # Every component read and every stage program loaded or compiled in background threads at once; the
@@ -211,9 +212,15 @@ def command(args) -> None:
     if args.mode is not None:
         raise WanInputError("--serve answers the authors' /predict_action requests (decision-making); drop --mode, or drop --serve "
                             "for one run")
-    from wan_tpu.unifolm.server import serve
+    import sys
 
-    serve(args)
+    from wan_tpu.unifolm.server import serve_argv
+
+    # The server is the `wan-serve` command (an entry point above the families): this process becomes it,
+    # with the same model, flags and port.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.execv(sys.executable, [sys.executable, "-m", "wan_tpu.serve", *serve_argv(args)])
 
 
 def main(argv=None) -> int:

@@ -55,6 +55,9 @@ PRESETS = tuple(presets.PRESETS)  # "unifolm-tiny", "unifolm-tiny-base"
 FPS = 8  # the authors save every video at 8 fps
 STATS_FILE = "stats.safetensors"
 MODES = ("decision", "world", "interact", "generate")  # what `prepare(mode)` compiles for: decide, predict, both, generate
+# DDIM steps of each mode unless given: the authors' (their scripts: 50 for the world model's modes, 16 for
+# the base model's generation); the tiny presets' are fewer (`presets.TINY_STEPS`).
+DEFAULT_STEPS = {"decision": 50, "world": 50, "interact": 50, "generate": 16}
 
 
 @dataclass(frozen=True)
@@ -125,14 +128,16 @@ class UnifolmPipeline:
     `config` / `vae_config`: the model's and the VAE's; `loaders`: component name ("model", "vae",
     "image_encoder", "text_encoder") → a function loading it; `abstracts`: "model" / "vae" → a function
     building it without weights (`nnx.eval_shape`), what `prepare` compiles the stage programs for
-    (default: `abstract_builds`, the modules the folder's and the presets' loaders fill)."""
+    (default: `abstract_builds`, the modules the folder's and the presets' loaders fill); `default_steps`:
+    mode → DDIM steps when a call gives none (default: `DEFAULT_STEPS`, the authors')."""
 
     COMPONENTS = ("model", "vae", "image_encoder", "text_encoder")
 
     def __init__(self, config, vae_config, loaders: dict, *, stats: MinMaxTable | None = None, name: str = "unifolm",
                  dtype=jnp.float32, mesh=None, attention: str | None = None, compile_cache: bool | None = None,
-                 abstracts: dict | None = None):
+                 abstracts: dict | None = None, default_steps: dict | None = None):
         self.config = config
+        self.default_steps = {**DEFAULT_STEPS, **(default_steps or {})}
         self.vae_config = vae_config
         self.stats = stats
         self.name = name
@@ -249,14 +254,15 @@ class UnifolmPipeline:
         """Start loading every component at once and, meanwhile, loading from the executable cache or
         compiling the stage programs a `mode` run needs ("decision": `decide`, "world": `predict`,
         "interact": both, "generate"; default: "decision", or "generate" for a base model) with
-        `num_steps` DDIM steps (default: the mode's, 50 or 16) and `eta` (only whether it is 0 matters),
+        `num_steps` DDIM steps (default: the mode's, `default_steps`) and `eta` (only whether it is 0 matters),
         in background threads; returns at once (a `wan_tpu.runtime.compile_ahead.Warmup`; as a context
         manager, leaving it waits for the threads, cancelling what has not started).
 
         The stage programs (prepare, sampling, decode) are compiled for the model's and VAE's abstract
         modules (from their configs: no wait for their weights) and the encoders' outputs' shapes, once
         those are loaded, each program's outputs giving the next one's inputs: the calls' own code traced
-        (`jax.eval_shape`) with `executable_cache.ahead`, so nothing runs on the devices in these threads
+        (`jax.eval_shape`) with `executable_cache.ahead` (which compiles them side by side, a thread each, once
+        each is lowered), so nothing runs on the devices in these threads
         (the encoders' small programs compile on first use, as without `prepare`). The calls wait for them,
         then run the very programs compiled here: the results are bit-identical with and without
         `prepare`. A compile that fails is a warning and the call compiles on use. With a mesh only the
@@ -271,7 +277,7 @@ class UnifolmPipeline:
                                 "predict (command line: --mode decision or world)")
         if mode != "generate":
             self._require_heads(mode)
-        num_steps = (16 if mode == "generate" else 50) if num_steps is None else num_steps
+        num_steps = self.default_steps[mode] if num_steps is None else num_steps
         _check_steps(self.config, num_steps)
         warmup = self._warmup = Warmup(compile_cache=self.compile_cache)
         for name in self.COMPONENTS:
@@ -383,12 +389,10 @@ class UnifolmPipeline:
     def _encode_conditions(self, model, vae, image_encoder, text, images, states, actions, fs, key, noise,
                            keep_action_tokens):
         last = images[:, :, -1]
-        if noise is None:
-            h, w = self.config.latent_size
-            noise = jax.random.normal(key, (last.shape[0], self.vae_config.latent_channels, h, w))
         fs = jnp.asarray(self.config.unet.default_fs if fs is None else fs, jnp.int32)
-        return _prepare_split(model, vae, text, image_encoder.encode(last), last, noise, images, states, actions, fs,
-                              keep_action_tokens=keep_action_tokens, key=self.program_key)
+        # Without `noise`, `key` draws it inside the program (`_prepare`).
+        return _prepare_split(model, vae, text, image_encoder.encode(last), last, key if noise is None else noise,
+                              images, states, actions, fs, keep_action_tokens=keep_action_tokens, key=self.program_key)
 
     @in_pipeline_choice
     def sample(self, cond, num_steps: int = 50, eta: float = 1.0, key=None, noise=None):
@@ -454,11 +458,13 @@ class UnifolmPipeline:
                                 "use generate (command line: --mode generate)")
 
     @in_pipeline_choice
-    def decide(self, instruction: str, images, states, *, num_steps: int = 50, eta: float = 1.0, seed=0, fs=None,
-               keep_action_tokens: bool = True) -> UnifolmOutput:
+    def decide(self, instruction: str, images, states, *, num_steps: int | None = None, eta: float = 1.0, seed=0,
+               fs=None, keep_action_tokens: bool = True) -> UnifolmOutput:
         """Decision-making: instruction + observations → 16 frames and a 16-step action chunk.
-        `keep_action_tokens=False` drops the (zeroed) action tokens, as the authors' real-robot server."""
+        `keep_action_tokens=False` drops the (zeroed) action tokens, as the authors' real-robot server.
+        `num_steps`: DDIM steps (default: `default_steps["decision"]`; likewise for the other modes)."""
         self._require_heads("decide")
+        num_steps = self.default_steps["decision"] if num_steps is None else num_steps
         n = self.config.unet.n_obs_steps
         imgs = self.check_images(images, n)
         st, state_dof = self.check_vectors(states, "state", n, pad_rows=True)
@@ -468,9 +474,11 @@ class UnifolmPipeline:
                              actions_raw=np.asarray(act[0]))
 
     @in_pipeline_choice
-    def predict(self, images, states, actions, *, num_steps: int = 50, eta: float = 1.0, seed=0, fs=None) -> UnifolmOutput:
+    def predict(self, images, states, actions, *, num_steps: int | None = None, eta: float = 1.0, seed=0,
+                fs=None) -> UnifolmOutput:
         """World model: observations + a 16-step action chunk → 16 frames and the next 16 states."""
         self._require_heads("predict")
+        num_steps = self.default_steps["world"] if num_steps is None else num_steps
         n = self.config.unet.n_obs_steps
         imgs = self.check_images(images, n)
         st, state_dof = self.check_vectors(states, "state", n, pad_rows=True)
@@ -480,12 +488,13 @@ class UnifolmPipeline:
                              states_raw=np.asarray(st_out[0]))
 
     @in_pipeline_choice
-    def interact(self, instruction: str, image, state, iterations: int = 1, *, num_steps: int = 50, eta: float = 1.0,
-                 seed=0, fs=None, progress=None) -> Episode:
+    def interact(self, instruction: str, image, state, iterations: int = 1, *, num_steps: int | None = None,
+                 eta: float = 1.0, seed=0, fs=None, progress=None) -> Episode:
         """The authors' interaction loop (`world_model_interaction.py`): each iteration decides an action
         chunk, masks it to the robot's DoF, then lets the world model play it; the world model's frames
         and states become the next observations."""
         self._require_heads("interact")
+        num_steps = self.default_steps["interact"] if num_steps is None else num_steps
         if iterations < 1:
             raise WanInputError(f"iterations must be ≥ 1, got {iterations}")
         cfg = self.config
@@ -515,8 +524,10 @@ class UnifolmPipeline:
         return episode
 
     @in_pipeline_choice
-    def generate(self, prompt: str, image, *, num_steps: int = 16, eta: float = 1.0, seed=0, fs=None) -> UnifolmOutput:
+    def generate(self, prompt: str, image, *, num_steps: int | None = None, eta: float = 1.0, seed=0,
+                 fs=None) -> UnifolmOutput:
         """Base model: text + first frame → 16 frames (`base_model_inference.py`)."""
+        num_steps = self.default_steps["generate"] if num_steps is None else num_steps
         if self.has_heads:
             raise WanInputError(f"{self.name} has action/state heads; generate needs a base checkpoint; run decide / "
                                 "predict (command line: --mode decision or world)")
@@ -528,8 +539,12 @@ class UnifolmPipeline:
 def _prepare(model, vae, text_emb, clip_tokens, last_frame, noise, images, states, actions, fs, keep_action_tokens):
     """One compiled function for the step-invariant work: the VAE latent of the last observed frame
     (scale_factor · posterior sample) and `model.prepare` (projectors, Resampler, action tokens,
-    per-frame context, observation encoders)."""
-    cond_latent = vae.config.scaling_factor * vae.encode(last_frame).sample(noise)
+    per-frame context, observation encoders). `noise`: the posterior's, or a key it is drawn from here
+    (drawn op by op before the program, it compiled a program of its own)."""
+    posterior = vae.encode(last_frame)
+    if jax.dtypes.issubdtype(noise.dtype, jax.dtypes.prng_key):
+        noise = jax.random.normal(noise, posterior.mean.shape)
+    cond_latent = vae.config.scaling_factor * posterior.sample(noise)
     return model.prepare(text_emb, clip_tokens, cond_latent, images, states, actions, fs=fs,
                          keep_action_tokens=keep_action_tokens)
 

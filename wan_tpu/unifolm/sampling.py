@@ -145,10 +145,27 @@ def ddim_step(unet, cond: Conditions, x, action, state, inp: dict, guidance_scal
     return x, action, state
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "clip"))
-def _sample_loop(graphdef, state, cond, uncond, tables, x, action, st, step_noise, guidance_scale,
-                 guidance_rescale, clip):
+def _initial_noise(shapes: tuple, key, noise: dict, num_steps: int, stochastic: bool):
+    """(x_T, action_T, state_T, per-step noise): `noise`'s where injected, else drawn from `key` (split in 4,
+    one per draw, in this order); without `stochastic` (eta 0) the per-step noise is a broadcast zero."""
+    shape, act_shape, st_shape = shapes
+    keys = jax.random.split(key, 4) if key is not None else [None] * 4
+    draw = lambda name, k, s: noise[name] if name in noise else jax.random.normal(k, s)  # noqa: E731
+    x = draw("x_T", keys[0], shape)
+    action = draw("action_T", keys[1], act_shape)
+    st = draw("state_T", keys[2], st_shape)
+    if not stochastic:
+        return x, action, st, jnp.zeros((num_steps, 1, 1, 1, 1, 1), jnp.float32)
+    return x, action, st, draw("steps", keys[3], (num_steps,) + shape)
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "clip", "shapes", "stochastic"))
+def _sample_loop(graphdef, state, cond, uncond, tables, key, noise, guidance_scale, guidance_rescale, clip, shapes,
+                 stochastic):
     unet = nnx.merge(graphdef, state)
+    # The starting and per-step noise is drawn here, in the program: drawn op by op before it, each draw of
+    # another shape compiled a program of its own (0.5–5 s each on a busy 2-core CPU).
+    x, action, st, step_noise = _initial_noise(shapes, key, noise, tables["t"].shape[0], stochastic)
 
     def step(carry, inp):
         return ddim_step(unet, cond, *carry, inp, guidance_scale, guidance_rescale, clip, uncond), None
@@ -173,29 +190,22 @@ def sample(model, cond: Conditions, *, num_steps: int = 50, eta: float = 1.0, ke
     act_shape = (b, cfg.head.horizon if cfg.head else t, cfg.agent_action_dim)
     st_shape = (b, act_shape[1], cfg.agent_state_dim)
     noise = dict(noise or {})
-    if key is None and not {"x_T", "action_T", "state_T"} <= set(noise):
-        raise WanInputError("pass key=jax.random.key(seed) or inject noise={'x_T', 'action_T', 'state_T'}")
-    keys = jax.random.split(key, 4) if key is not None else [None] * 4
-    draw = lambda name, k, s: jnp.asarray(noise[name], jnp.float32) if name in noise else jax.random.normal(k, s)
-    x = draw("x_T", keys[0], shape)
-    action = draw("action_T", keys[1], act_shape)
-    st = draw("state_T", keys[2], st_shape)
-    for name, arr, want in (("x_T", x, shape), ("action_T", action, act_shape), ("state_T", st, st_shape)):
-        if arr.shape != want:
-            raise WanInputError(f"noise[{name!r}] has shape {arr.shape}; expected {want}")
+    stochastic = eta != 0
+    if key is None and not {"x_T", "action_T", "state_T"} | ({"steps"} if stochastic else set()) <= set(noise):
+        raise WanInputError("pass key=jax.random.key(seed) or inject noise={'x_T', 'action_T', 'state_T'}"
+                            + (" and 'steps' (eta > 0)" if stochastic else ""))
+    wants = {"x_T": shape, "action_T": act_shape, "state_T": st_shape, "steps": (num_steps,) + shape}
+    injected = {}
+    for name, want in wants.items():
+        if name in noise and (stochastic or name != "steps"):
+            injected[name] = jnp.asarray(noise[name], jnp.float32)
+            if injected[name].shape != want:
+                raise WanInputError(f"noise[{name!r}] has shape {injected[name].shape}; expected {want}")
     tables = {k: jnp.asarray(v) for k, v in schedule_tables(cfg, num_steps, eta, timestep_spacing).items()}
-    if eta == 0:
-        step_noise = jnp.zeros((num_steps, 1, 1, 1, 1, 1), jnp.float32)
-    elif "steps" in noise:
-        step_noise = jnp.asarray(noise["steps"], jnp.float32)
-        if step_noise.shape != (num_steps,) + shape:
-            raise WanInputError(f"noise['steps'] has shape {step_noise.shape}; expected {(num_steps,) + shape}")
-    else:
-        step_noise = jax.random.normal(keys[3], (num_steps,) + shape)
     guided = uncond is not None and guidance_scale != 1.0
     graphdef, state = nnx.split(model.diffusion_model)
-    args = (graphdef, state, cond, uncond if guided else None, tables, x, action, st, step_noise,
-            jnp.float32(guidance_scale), jnp.float32(guidance_rescale), cfg.head_clip_sample)
-    key = None if program_key is None else (*program_key, cfg.head_clip_sample)
-    return executable_cache.cached_call("unifolm-sample", key, _sample_loop, args, static_argnums=(0, 11),
+    args = (graphdef, state, cond, uncond if guided else None, tables, key, injected, jnp.float32(guidance_scale),
+            jnp.float32(guidance_rescale), cfg.head_clip_sample, (shape, act_shape, st_shape), stochastic)
+    key = None if program_key is None else (*program_key, cfg.head_clip_sample, stochastic)
+    return executable_cache.cached_call("unifolm-sample", key, _sample_loop, args, static_argnums=(0, 9, 10, 11),
                                         key_names_statics=True)
