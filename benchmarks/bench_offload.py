@@ -17,11 +17,15 @@ denoise step's DiT forward (batch 2, 512 text tokens; 480p 81 frames by default)
 - stream bound s: the bytes a step streams (the non-resident blocks, plus the last one fetched twice) over
   the host → device bandwidth measured in the same process (a 1 GiB pinned copy): no streamed step can be
   faster, and a step near it is bandwidth-bound rather than compute-bound;
-- peak GiB: `memory_stats()["peak_bytes_in_use"]` of the process (n/a where the backend reports none).
+- peak GiB: `memory_stats()["peak_bytes_in_use"]` of the process (n/a where the backend reports none);
+- compiled GiB: the step's device memory as XLA's buffer assignment counts it (`memory_analysis()`: temporaries
+  and outputs, plus the device-resident arguments); the plan drops resident blocks until it fits the budget
+  (`plan_offload(measure=)`), and each row prints the program's largest arrays.
 
 Stage rows (text encode with UMT5-XXL, denoise, VAE decode), each in its own capped process: the peak of each
 stage alone, as a run with offload sees it (the encoders leave the device before the DiT comes, the DiT
-before the decode; the decode picks strips or tiles from the free memory).
+before the decode; the decode picks strips or tiles from the free memory), and what the plan chose for it
+(UMT5 blocks streamed where the encoder alone does not fit: `OffloadPlan.text_resident`).
 TPU: run it on the chip itself (v5e-1: 16 GiB HBM); the caps only apply to GPUs.
 """
 
@@ -116,8 +120,68 @@ def peak_bytes() -> int | None:
     return (jax.devices()[0].memory_stats() or {}).get("peak_bytes_in_use")
 
 
+def umt5_xxl_config(tiny: bool):
+    from wan_tpu.encoders.umt5 import UMT5Config
+    from wan_tpu.wan.presets import tiny_umt5_config
+
+    if tiny:  # more blocks than the preset's, so that some stream
+        return dataclasses.replace(tiny_umt5_config(32), num_layers=4)
+    return UMT5Config(vocab_size=256384, d_model=4096, d_kv=64, d_ff=10240, num_layers=24, num_heads=64)
+
+
+def abstract_dit(cfg, quantize: str | None, resident: int | None, attention):
+    """(graphdef, abstract state) of the DiT a row runs: shapes, dtypes and memory kinds only (the streamed
+    stack in host memory, `resident` blocks on the device), for a compile before any weight exists."""
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from wan_tpu.parallel import offload
+    from wan_tpu.wan.quantize import quantize_transformer
+    from wan_tpu.wan.transformer import WanTransformer, set_attention
+
+    def build():
+        model = WanTransformer(cfg, dtype=jnp.bfloat16, rngs=nnx.Rngs(0))
+        return quantize_transformer(model, quantize) if quantize else model
+
+    model = nnx.eval_shape(build)
+    set_attention(model, attention, None)
+    if resident is not None and resident < cfg.num_layers:
+        device = jax.devices()[0]
+        host = jax.sharding.SingleDeviceSharding(device, memory_kind=offload.host_memory_kind(device))
+        block_graph, block_state = nnx.split(model.blocks)
+        prefix = jax.tree.map(lambda a: jax.ShapeDtypeStruct((resident, *a.shape[1:]), a.dtype), block_state)
+        nnx.update(model.blocks, jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=host),
+                                              block_state))
+        model.resident_blocks = nnx.data(nnx.merge(block_graph, prefix) if resident else None)
+    return nnx.split(model)
+
+
+def largest_buffers(compiled, count: int = 5) -> list[str]:
+    """The `count` largest arrays an optimized program makes outside fusions (name, shape, GiB): where a
+    compiled step's temporaries go."""
+    import math
+    import re
+
+    sizes = {"f64": 8, "s64": 8, "u64": 8, "f32": 4, "s32": 4, "u32": 4, "bf16": 2, "f16": 2, "s16": 2, "u16": 2,
+             "s8": 1, "u8": 1, "f8e4m3fn": 1, "f8e5m2": 1, "pred": 1}
+    found, computation = [], None
+    for line in compiled.as_text().splitlines():
+        head = re.match(r"^(?:ENTRY )?%(\S+) ", line)
+        if head and line.rstrip().endswith("{"):
+            computation = head.group(1)
+            continue
+        m = re.match(r"\s+(?:ROOT )?%(\S+) = (\w+)\[([\d,]*)\]\S* (\S+?)\(", line)
+        if m and computation and "fused" not in computation and m.group(4) not in ("parameter", "get-tuple-element"):
+            n = math.prod(int(d) for d in m.group(3).split(",") if d) * sizes.get(m.group(2), 4)
+            found.append((n, f"{m.group(1)} {m.group(2)}[{m.group(3)}] {m.group(4)}"))
+    return [f"{n / GiB:.2f} GiB {what}" for n, what in sorted(found, reverse=True)[:count]]
+
+
 def run_denoise(args) -> dict:
-    """One row: the DiT forward of a CFG step, resident or streamed as the plan for the budget says."""
+    """One row: the DiT forward of a CFG step, resident or streamed as the plan for the budget says. The
+    plan is checked against the compiled program (`plan_offload(measure=)`): XLA's own count of the step's
+    temporaries, before any weight is drawn; the program it settles on is the one timed."""
     import jax
     import jax.numpy as jnp
     from flax import nnx
@@ -127,26 +191,46 @@ def run_denoise(args) -> dict:
     from wan_tpu.wan import memory
     from wan_tpu.wan.pipeline import WanPipeline
     from wan_tpu.wan.quantize import quantize_transformer
-    from wan_tpu.wan.transformer import WanTransformer, set_attention
+    from wan_tpu.wan.transformer import WanTransformer, forward, set_attention
 
     variant = VARIANTS[CONFIGS[args.config]]
-    if args.config == "tiny":  # more blocks than the preset's 2, so that some stream
+    tiny = args.config == "tiny"
+    if tiny:  # more blocks than the preset's 2, so that some stream
         variant = dataclasses.replace(variant, transformer=dataclasses.replace(variant.transformer, num_layers=6))
     cfg = variant.transformer
-    pipe = WanPipeline(variant, TINY_VAE if args.config == "tiny" else VAE_PRESETS["wan2.1"], {}, name=args.config,
-                       dtype=jnp.bfloat16)
+    pipe = WanPipeline(variant, TINY_VAE if tiny else VAE_PRESETS["wan2.1"], {}, name=args.config,
+                       dtype=jnp.bfloat16, text_encoder_config=umt5_xxl_config(tiny))
     pipe.quantization = None if args.quantize == "bf16" else args.quantize
     s = pipe.settings(height=args.height, width=args.width, num_frames=args.frames)
-    resident, said = None, ""
+    latent = pipe.latent_shape(s.height, s.width, s.num_frames)
+    inputs = (jax.ShapeDtypeStruct((2, *latent[1:]), jnp.bfloat16), jax.ShapeDtypeStruct((2,), jnp.float32),
+              jax.ShapeDtypeStruct((2, 512, cfg.text_dim), jnp.bfloat16))
+    programs = {}
+
+    def compiled(resident):
+        if resident not in programs:
+            graphdef, state = abstract_dit(cfg, pipe.quantization, resident, args.attention)
+            program = jax.jit(forward, static_argnums=0).trace(graphdef, state, *inputs).lower().compile()
+            programs[resident] = (program, memory.compiled_device_bytes(program, (state, *inputs)))
+            print(f"{args.config} {args.quantize}, {'all' if resident is None else resident} blocks resident: the "
+                  f"compiled step needs {programs[resident][1] / GiB:.2f} GiB of device memory; its largest arrays: "
+                  f"{'; '.join(largest_buffers(program))}", flush=True)
+        return programs[resident]
+
+    resident, said, text_resident = None, "", None
     if args.budget is not None:
         free = None
-        if args.budget == 0:  # --tiny: a "device" halfway between the fully streamed and the resident need
+        if args.budget == 0:  # --tiny: a "device" halfway between the fully streamed and the resident need,
+            # by the estimate and by the compiled programs (the CPU's own temporaries differ from a GPU's)
             need = [memory.stage_bytes(pipe, s, ("denoise",), args.attention, resident=r)["denoise"][0] for r in (0, None)]
-            free = sum(need) // 2
-        plan = memory.plan_offload(pipe, s, "auto", args.attention, device_free=free)
+            free = max(sum(need) // 2, compiled(0)[1] + (compiled(None)[1] - compiled(0)[1]) // 3)
+        measure = None if args.resident is not None else (lambda r: compiled(r)[1])
+        plan = memory.plan_offload(pipe, s, "auto", args.attention, device_free=free, measure=measure)
         resident = plan.resident if args.resident is None else args.resident
+        text_resident = plan.text_resident
         said = plan.describe()
     streamed = resident is not None and resident < cfg.num_layers
+    program, device_bytes = compiled(resident if streamed else None)
     abstract = nnx.eval_shape(lambda: WanTransformer(cfg, dtype=jnp.bfloat16, rngs=nnx.Rngs(0)))
     dit = random_weights(abstract, "blocks" if streamed else None)
     if pipe.quantization:
@@ -154,19 +238,39 @@ def run_denoise(args) -> dict:
     if streamed:
         dit.offload_blocks(resident)
     set_attention(dit, args.attention, None)
-    latent = pipe.latent_shape(s.height, s.width, s.num_frames)
     keys = jax.random.split(jax.random.key(1), 2)
-    x = jax.random.normal(keys[0], (2, *latent[1:]), jnp.bfloat16)
+    x = jax.random.normal(keys[0], inputs[0].shape, jnp.bfloat16)
     t = jnp.array([900.0, 900.0])
-    context = jax.random.normal(keys[1], (2, 512, cfg.text_dim), jnp.bfloat16)
-    timing = harness.measure(lambda: dit(x, t, context), jax.block_until_ready, iters=args.iters)
+    context = jax.random.normal(keys[1], inputs[2].shape, jnp.bfloat16)
+    call = dit_call(program, dit, (x, t, context))
+    timing = harness.measure(call, jax.block_until_ready, iters=args.iters)
     _, block = memory.dit_bytes(cfg, "bfloat16", pipe.quantization)
     streamed_bytes = (cfg.num_layers - resident + 1) * block if streamed else 0
     gbps = host_to_device_gbps(min(GiB, max(block, 2**20))) if streamed else None
     return {"config": args.config, "quantize": args.quantize, "budget": args.budget,
             "resident": cfg.num_layers if resident is None else resident, "layers": cfg.num_layers,
             "step": timing.median, "first": timing.first, "streamed_bytes": streamed_bytes, "gbps": gbps,
-            "peak": peak_bytes(), "devices": harness.device_kind(jax.devices()), "plan": said}
+            "peak": peak_bytes(), "compiled": device_bytes, "devices": harness.device_kind(jax.devices()),
+            "plan": said, "text_resident": text_resident}
+
+
+def dit_call(program, dit, inputs):
+    """The compiled program on the drawn weights; jit's own compile where the weights' placements differ
+    from the abstract ones it was compiled for."""
+    import jax
+    from flax import nnx
+
+    from wan_tpu.wan.transformer import forward
+
+    _, state = nnx.split(dit)
+    try:
+        program(state, *inputs)
+    except (TypeError, ValueError) as why:
+        print(f"(the planned program refused the drawn weights: {str(why).splitlines()[0][:160]}; jit compiles "
+              "its own)", flush=True)
+        graphdef, _ = nnx.split(dit)
+        return lambda: jax.jit(forward, static_argnums=0)(graphdef, state, *inputs)
+    return lambda: program(state, *inputs)
 
 
 def run_stage(args) -> dict:
@@ -179,13 +283,26 @@ def run_stage(args) -> dict:
     from wan_tpu.wan.pipeline import WanPipeline
 
     tiny = args.config == "tiny"
+    plan = ""
     if args.stage == "text":
-        from wan_tpu.encoders.umt5 import UMT5Config, UMT5Encoder
-        from wan_tpu.wan.presets import tiny_umt5_config
+        from wan_tpu.encoders.umt5 import UMT5Encoder
+        from wan_tpu.runtime.memory import available_bytes
+        from wan_tpu.wan import memory
 
-        cfg = tiny_umt5_config(32) if tiny else UMT5Config(vocab_size=256384, d_model=4096, d_kv=64, d_ff=10240,
-                                                            num_layers=24, num_heads=64)
-        encoder = random_weights(nnx.eval_shape(lambda: UMT5Encoder(cfg, jnp.bfloat16)), None)
+        cfg = umt5_xxl_config(tiny)
+        free = None
+        if args.budget == 0:  # --tiny: halfway between the fully streamed and the resident need
+            free = sum(memory.text_device_bytes(cfg, "bfloat16", r) for r in (0, None)) // 2
+        elif args.budget is not None:  # what the capped device reports free, as the pipeline's plan reads it
+            free = available_bytes()[0] if jax.devices()[0].platform != "cpu" else args.budget * GiB
+        # The plan `plan_offload` makes for the text stage (`OffloadPlan.text_resident`).
+        resident = memory.plan_text_resident(cfg, "bfloat16", free)
+        streamed = resident is not None and resident < cfg.num_layers
+        plan = "every UMT5 block on the device"
+        encoder = random_weights(nnx.eval_shape(lambda: UMT5Encoder(cfg, jnp.bfloat16)), "blocks" if streamed else None)
+        if streamed:
+            encoder.offload_blocks(resident)
+            plan = f"blocks:{resident} ({resident} of {cfg.num_layers} UMT5 blocks on the device, the rest streamed)"
         embeds = jax.random.normal(jax.random.key(0), (2, 512, cfg.d_model), jnp.bfloat16)
         timing = harness.measure(lambda: encoder(embeds, jnp.ones((2, 512), jnp.int32)), jax.block_until_ready,
                                  iters=1)
@@ -198,7 +315,7 @@ def run_stage(args) -> dict:
         pipe = WanPipeline(VARIANTS[CONFIGS[args.config]], config, {}, name="vae", dtype=jnp.bfloat16)
         z = jax.random.normal(jax.random.key(0), pipe.latent_shape(args.height, args.width, args.frames))
         timing = harness.measure(lambda: vae.decode(z), jax.block_until_ready, iters=1)
-    return {"stage": args.stage, "budget": args.budget, "seconds": timing.median, "peak": peak_bytes()}
+    return {"stage": args.stage, "budget": args.budget, "seconds": timing.median, "peak": peak_bytes(), "plan": plan}
 
 
 # ---- the table -----------------------------------------------------------------------------------------
@@ -276,10 +393,11 @@ def main(argv=None) -> None:
         table.append([r["config"], r["quantize"], budget_name(r["budget"]),
                       f"{r['resident']}/{r['layers']}", f"{r['step']:.3f}",
                       "" if base is None else f"{r['step'] / base:.2f}",
-                      "" if bound is None else f"{bound:.3f} ({r['gbps']:.1f} GB/s)", gib(r["peak"])])
+                      "" if bound is None else f"{bound:.3f} ({r['gbps']:.1f} GB/s)", gib(r["peak"]),
+                      gib(r["compiled"])])
     table += [[c, q, budget_name(b), why] for c, q, b, why in failed]
     print(harness.table(["config", "weights", "device memory", "resident blocks", "step s", "× resident",
-                         "stream bound s", "peak GiB"], table))
+                         "stream bound s", "peak GiB", "compiled GiB"], table))
     for r in rows:
         if r["plan"]:
             print(f"{r['config']} {r['quantize']} at {budget_name(r['budget'])}: {r['plan']}")
@@ -292,12 +410,14 @@ def main(argv=None) -> None:
             result, why = child(["--config", "tiny" if args.tiny else "14b", "--stage", stage, *common], budget,
                                 deadline, args.time_limit)
             stage_rows.append([stage, budget_name(budget), why] if result is None else
-                              [stage, budget_name(budget), f"{result['seconds']:.2f}", gib(result["peak"])])
-    denoise = [[f"denoise ({r['config']} {r['quantize']})", budget_name(r["budget"]), f"{r['step']:.2f}", gib(r["peak"])]
+                              [stage, budget_name(budget), f"{result['seconds']:.2f}", gib(result["peak"]),
+                               result["plan"]])
+    denoise = [[f"denoise ({r['config']} {r['quantize']})", budget_name(r["budget"]), f"{r['step']:.2f}", gib(r["peak"]),
+                f"blocks:{r['resident']} of {r['layers']}"]
                for r in rows
-               if r["budget"] is not None and r["config"] != "1.3b"]
+               if r["budget"] is not None]
     print("\nEach stage alone (its own process and cap): UMT5-XXL text encode, the streamed DiT step, VAE decode")
-    print(harness.table(["stage", "device memory", "s", "peak GiB"], stage_rows + denoise))
+    print(harness.table(["stage", "device memory", "s", "peak GiB", "plan"], stage_rows + denoise))
 
 
 if __name__ == "__main__":

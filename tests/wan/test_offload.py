@@ -8,6 +8,11 @@
   to "device" on a dynamic slice of a `pinned_host` argument). Also bf16, int8 and fp8 (emulated on CPU), a step cache's
   block ranges, FSDP shards on a mesh of the simulated CPU devices, and the loader reading a
   diffusers-saved checkpoint's blocks straight into host memory.
+- The UMT5 encoder's blocks stream the same way (bit-identical embeddings; the pipeline streams its text
+  encoder as the plan says), and the plan streams them where the encoder alone does not fit (UMT5-XXL
+  beside the 1.3B DiT at 8 GiB).
+- The compiled step decides where the estimate is short (`plan_offload(measure=)`: resident blocks drop
+  until XLA's own count fits; `compiled_device_bytes` leaves the host stack out).
 - The estimate: for an injected device size below the weights it streams the fewest blocks that fit
   (14B 480p 81 frames CFG), and refuses in one line when even a fully streamed DiT or the host RAM is
   too small.
@@ -276,3 +281,93 @@ def test_pipeline_streams_and_releases_each_stage(capsys):
     auto.check_fits(auto.settings())
     assert auto.offload_plan.resident is None  # CPU: device memory is host RAM, nothing to stream to
     assert dataclasses.replace(auto.offload_plan, resident=1).streamed
+
+
+def test_umt5_streamed_blocks_are_bit_identical():
+    """The text encoder's stacked blocks stream as the DiT's do: the same embeddings, bit for bit."""
+    from wan_tpu.encoders.umt5 import UMT5Encoder
+    from wan_tpu.wan.presets import tiny_umt5_config
+
+    cfg = dataclasses.replace(tiny_umt5_config(32), num_layers=3)
+    model = random_module(lambda: UMT5Encoder(cfg, jnp.bfloat16), 0)
+    embed = jax.random.normal(jax.random.key(0), (2, 16, 32), jnp.bfloat16)
+    mask = jnp.ones((2, 16), jnp.int32).at[1, 9:].set(0)
+    ref = np.asarray(model(embed, mask), np.float32)
+    for resident in (0, 2):
+        model.offload_blocks(resident)
+        assert model.offloaded and model.resident_block_count == resident and _kinds(model.blocks) == {"pinned_host"}
+        np.testing.assert_array_equal(np.asarray(model(embed, mask), np.float32), ref)
+    model.restore_blocks()
+    assert not model.offloaded and _kinds(model.blocks) == {"device"}
+
+
+def test_text_stage_streams_where_the_encoder_alone_does_not_fit():
+    """1.3B at 8 GiB: the DiT fits, UMT5-XXL (9 GiB of blocks in bf16) does not; the plan streams its blocks."""
+    from wan_tpu.encoders.umt5 import UMT5Config
+
+    xxl = UMT5Config(vocab_size=256384, d_model=4096, d_kv=64, d_ff=10240, num_layers=24, num_heads=64)
+    pipe, s = _pipe("wan2.1-t2v-1.3b")
+    pipe.text_encoder_config = xxl
+    plan = memory.plan_offload(pipe, s, "auto", "splash_exp2", device_free=8 * GiB, host_free=64 * GiB)
+    r = plan.text_resident
+    assert not plan.streamed and plan.text_streamed and plan.release and 0 < r < 24
+    assert memory.text_device_bytes(xxl, "bfloat16", r) <= 8 * GiB < memory.text_device_bytes(xxl, "bfloat16", r + 1)
+    assert memory.text_device_bytes(xxl, "bfloat16", None) > 8 * GiB
+    line = plan.describe()
+    assert "\n" not in line and f"text encoder: blocks:{r} ({r} of 24 UMT5 blocks" in line
+    pipe.offload_plan = plan
+    need, what = memory.stage_bytes(pipe, s, ("text",), "splash_exp2")["text encode"]
+    assert need <= 8 * GiB and f"{r} of 24 blocks resident" in what
+    # Weights alone: 24 blocks of 4·4096² + 3·4096·10240 bf16 values; the embedding stays on the host.
+    assert memory.umt5_bytes(xxl, "bfloat16")[1] == (4 * 4096 * 4096 + 3 * 4096 * 10240 + 4096 * 2 + 32 * 64) * 2
+    roomy = memory.plan_offload(pipe, s, "auto", "splash_exp2", device_free=40 * GiB, host_free=64 * GiB)
+    assert roomy.text_resident is None and not roomy.text_streamed
+
+
+def test_pipeline_streams_its_text_encoder_as_planned():
+    pipe = WanPipeline.from_pretrained("tiny", offload="none")
+    ref = np.asarray(pipe.encode_prompt("a cat")["prompt_embeds"], np.float32)
+    pipe.release("text_encoder")
+    pipe.offload_plan = memory.OffloadPlan(None, 2, True, text_resident=0, text_layers=pipe.text_encoder_config.num_layers)
+    assert pipe.text_encoder.model.offloaded and pipe.text_encoder.model.resident_block_count == 0
+    np.testing.assert_array_equal(np.asarray(pipe.encode_prompt("a cat")["prompt_embeds"], np.float32), ref)
+
+
+def test_the_compiled_step_decides_where_the_estimate_is_short():
+    """`measure=`: XLA's own count of the compiled step overrides the formula; on a GPU the int8 stack's
+    transposed copy is counted per resident block."""
+    pipe, s = _pipe(quantization="int8")
+    free = 16 * GiB
+    formula = memory.plan_offload(pipe, s, "auto", "splash_exp2", device_free=free, host_free=64 * GiB)
+    block = memory.dit_bytes(VARIANTS["wan2.1-t2v-14b"].transformer, "bfloat16", "int8")[1]
+    seen = []
+
+    def measure(resident):  # temporaries 1 GiB per resident block beyond the estimate
+        seen.append(resident)
+        return memory.stage_bytes(pipe, s, ("denoise",), "splash_exp2", resident=resident)["denoise"][0] \
+            + (40 if resident is None else resident) * GiB
+
+    plan = memory.plan_offload(pipe, s, "auto", "splash_exp2", device_free=free, host_free=64 * GiB, measure=measure)
+    assert seen[0] == formula.resident and plan.resident < formula.resident and plan.measured <= free
+    assert plan.measured == measure(plan.resident) and "the compiled step needs" in plan.describe()
+    with pytest.raises(WanInputError, match="the compiled denoise step needs") as err:
+        memory.plan_offload(pipe, s, "auto", "splash_exp2", device_free=free, host_free=64 * GiB,
+                            measure=lambda r: 2 * free)
+    assert "\n" not in str(err.value)
+    gpu = memory.Layout(platform="gpu")
+    assert memory.int8_layout_copy_bytes(pipe, 11, gpu) == 11 * block
+    assert memory.int8_layout_copy_bytes(pipe, 11, memory.Layout(platform="tpu")) == 0
+
+
+def test_compiled_device_bytes_counts_device_arguments_and_temporaries():
+    """The streamed forward's device memory from its compiled program: the host stack does not count."""
+    model = _model().offload_blocks(1)
+    graphdef, state = nnx.split(model)
+    args = (state, *_inputs())
+    program = jax.jit(forward, static_argnums=0).trace(graphdef, *args).lower().compile()
+    analysis = program.memory_analysis()
+    device = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(args) if not offload.on_host(x))
+    host = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(args) if offload.on_host(x))
+    assert host > 0 and analysis.temp_size_in_bytes > 0
+    assert memory.compiled_device_bytes(program, args) == (analysis.temp_size_in_bytes + analysis.output_size_in_bytes
+                                                           - analysis.alias_size_in_bytes + device)

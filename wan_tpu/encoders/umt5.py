@@ -42,6 +42,7 @@ from flax import nnx
 from wan_tpu.errors import WanInputError
 from wan_tpu.layers.attention import reference_attention
 from wan_tpu.layers.norms import t5_layer_norm
+from wan_tpu.parallel import offload
 
 # transformers' activation names (`ACT2FN`) that UMT5 checkpoints use, as jax functions. "gelu_new" is
 # written out as transformers writes it (tanh approximation), op for op.
@@ -230,6 +231,8 @@ class UMT5Encoder(nnx.Module):
         self.dtype = dtype
         self.blocks = UMT5Block(cfg, dtype, (cfg.num_layers,))
         self.final_layer_norm = Weight((cfg.d_model,), dtype)
+        # The first blocks' device copies while `blocks` lives in host memory (`offload_blocks`).
+        self.resident_blocks = nnx.data(None)
 
     def __call__(self, inputs_embeds, attention_mask):
         """(B, S, d_model) embedded tokens and (B, S) mask (1: a token, 0: padding) → (B, S, d_model) in
@@ -250,10 +253,39 @@ class UMT5Encoder(nnx.Module):
 
         def body(x, layer_state):
             with jax.named_scope("umt5_block"):
-                return nnx.merge(block_graph, layer_state)(x, buckets, key_mask), None
+                return nnx.merge(block_graph, layer_state)(x, buckets, key_mask)
 
-        x = jax.lax.scan(body, x, block_state)[0]
+        if offload.is_streamed(block_state):
+            resident = None if self.resident_blocks is None else nnx.split(self.resident_blocks)[1]
+            x = offload.scan_layers(body, x, resident, block_state)
+        else:
+            x = offload.scan_layers(body, x, block_state)
         return t5_layer_norm(x, self.final_layer_norm.weight, cfg.layer_norm_epsilon)
+
+    def offload_blocks(self, resident: int = 0) -> UMT5Encoder:
+        """Keep the first `resident` blocks on the device and the whole stack in host memory, each streamed
+        block copied to the device one block ahead of its use (`wan_tpu.parallel.offload`): UMT5-XXL's
+        9.3 GB of blocks on an 8 GB device. In place; bit-identical outputs; `restore_blocks` undoes it."""
+        self.resident_blocks = nnx.data(None)  # the old resident copies go before the new ones come
+        self.resident_blocks = nnx.data(offload.offload_stack(self.blocks, resident))
+        return self
+
+    def restore_blocks(self) -> None:
+        """Undo `offload_blocks`: the whole stack back on the device."""
+        offload.restore_stack(self.blocks)
+        self.resident_blocks = nnx.data(None)
+
+    @property
+    def offloaded(self) -> bool:
+        """Whether the block stack lives in host memory (`offload_blocks`)."""
+        return offload.is_streamed(nnx.state(self.blocks))
+
+    @property
+    def resident_block_count(self) -> int:
+        """Blocks whose weights stay on the device: all of them unless offloaded."""
+        if not self.offloaded:
+            return self.config.num_layers
+        return 0 if self.resident_blocks is None else jax.tree.leaves(nnx.state(self.resident_blocks))[0].shape[0]
 
 
 @functools.partial(jax.jit, static_argnums=0)

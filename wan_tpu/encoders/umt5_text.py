@@ -77,6 +77,15 @@ class UMT5TextEncoder:
         tokenizer = UMT5Tokenizer.from_folder(tokenizer_dir, MAX_SEQUENCE_LENGTH)
         return cls(*load_umt5(text_encoder, dtype=dtype, mesh=mesh), tokenizer)
 
+    def offload_blocks(self, resident: int = 0) -> UMT5TextEncoder:
+        """Stream the encoder's blocks from host memory, `resident` of them kept on the device
+        (`UMT5Encoder.offload_blocks`); in place, bit-identical embeddings."""
+        from flax import nnx
+
+        self.model.offload_blocks(resident)
+        self.graphdef, self.state = nnx.split(self.model)
+        return self
+
     def tokenize(self, prompts: list[str]) -> tuple[np.ndarray, np.ndarray]:
         """Token ids and attention mask, (B, max_sequence_length) int32, padded and truncated."""
         if isinstance(prompts, str) or not prompts:

@@ -4,7 +4,7 @@
     x = scan_layers(body, x, resident_state, host_state)    # inside jit: layers 0..9 resident, the rest streamed
 
 A stack of layers (every parameter with a leading layer axis, run with `jax.lax.scan`: the Wan DiT's
-blocks) moves into the host memory of its devices (`pinned_host` where the backend has it: a GPU copies
+blocks, the UMT5 encoder's) moves into the host memory of its devices (`pinned_host` where the backend has it: a GPU copies
 from page-locked memory by DMA at the bus's rate; `unpinned_host` otherwise), keeping its sharding, so
 that with a mesh each device's FSDP shard sits in its own host's memory and streams to that device alone.
 The first `resident` layers are also kept on the device, where they run as before.

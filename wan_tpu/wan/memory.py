@@ -9,7 +9,8 @@ ran (on a GPU/TPU). Each stage's peak, in bytes per device, is estimated from th
 counts (the safetensors headers, `wan_tpu.runtime.validate.check_checkpoint`) and the activation shapes:
 
 - text encode: the UMT5 weights in the run dtype (read from the memory-mapped files straight onto the
-  devices: no second host copy).
+  devices: no second host copy); where the encoder alone does not fit (UMT5-XXL's 9 GiB of bf16 blocks on
+  an 8 GiB device) its blocks stream as the DiT's do (`text_device_bytes`, `plan_text_resident`).
 - image encode (I2V/TI2V): CLIP + VAE weights + 1.15× the 2-strip VAE decode working set (the
   encode/decode peak ratio measured in docs/PERFORMANCE.md: 2.51/2.21 GiB at 480p, 5.34/4.79 at 720p;
   the estimate gives 2.56 and 5.54 GiB).
@@ -23,7 +24,9 @@ counts (the safetensors headers, `wan_tpu.runtime.validate.check_checkpoint`) an
   attention (the CPU default; GPU float32) add `2.5 · batch · heads · S² · 4` bytes, the float32
   logits and softmax of one layer: measured 2.73 GB of resident-set growth for the 1.07 GB of
   logits of the tiny DiT at 832×480×21 (S = 8,190). Every other kernel is a flash kernel and keeps
-  attention O(S) (`wan_tpu.layers.attention.MATERIALISES_LOGITS` names the ones that do not).
+  attention O(S) (`wan_tpu.layers.attention.MATERIALISES_LOGITS` names the ones that do not). An int8
+  DiT on a GPU adds its resident blocks' transposed copy (`int8_layout_copy_bytes`): the 14B int8 step
+  with 11 blocks resident asked an H200 for one 11.96 GiB block of temporaries at 480p, 81 frames.
 - decode: VAE weights + the VAE's own decode estimate (`WanVAE.decode_bytes`), which matches the
   peaks in docs/PERFORMANCE.md (bf16, default 2 strips): 2.26 vs 2.21 GiB at 480p, 4.85 vs 4.79 GiB at
   720p; for the fewest strips that fit, else the tiled decode (one tile + twice the video: 2.43 vs
@@ -129,6 +132,70 @@ def dit_bytes(cfg, dtype_name: str = "bfloat16", quantization: str | None = None
     return fixed, stack // cfg.num_layers
 
 
+@functools.lru_cache(maxsize=8)
+def umt5_bytes(config, dtype_name: str = "bfloat16") -> tuple[int, int]:
+    """(bytes of the UMT5 parameters a device holds outside the block stack, bytes of one block): the token
+    embedding is looked up on the host (`UMT5Embedding`) and never counted."""
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from wan_tpu.encoders.umt5 import UMT5Encoder
+
+    abstract = stacking.eval_shape(lambda: UMT5Encoder(config, jnp.dtype(dtype_name)))
+    fixed = stack = 0
+    for key, var in nnx.to_flat_state(nnx.state(abstract)):
+        x = var.get_value()
+        if str(key[0]) == "blocks":
+            stack += x.size * x.dtype.itemsize
+        else:
+            fixed += x.size * x.dtype.itemsize
+    return fixed, stack // config.num_layers
+
+
+def text_step_bytes(config, batch: int = 2, length: int = 512, resident: int | None = None) -> int:
+    """One encode's temporaries beside the weights: a block's float32 attention logits and softmax (the
+    reference attention, 2.5 × B·H·S², as for the DiT), its feed-forward's float32 temporaries
+    (B·S·(2·d_ff + 4·d_model)), and H·S² float32 per resident layer: the relative-position bias gathered
+    for a whole stack at once. That last term is an allowance: XLA's buffer assignment on CPU (float32)
+    gives 0.81 GiB of temporaries for UMT5-XXL at B=2, S=512 (this formula without it: 0.45 GiB, plus
+    the one layer's weights a slice copies: 1.17), while the bf16 encode on an H200 asked for 1.88 GiB;
+    with it the formula gives 1.95 GiB there."""
+    layers = config.num_layers if resident is None else min(resident, config.num_layers)
+    return int(2.5 * batch * config.num_heads * length * length * 4
+               + batch * length * (2 * config.d_ff + 4 * config.d_model) * 4
+               + layers * config.num_heads * length * length * 4)
+
+
+def text_device_bytes(config, dtype_name: str, resident: int | None, batch: int = 2) -> int:
+    """The text stage's peak per device with `resident` UMT5 blocks kept (None: all), the rest streamed
+    (two blocks in flight): weights, one block's slice copy, `text_step_bytes`."""
+    fixed, block = umt5_bytes(config, dtype_name)
+    layers = config.num_layers if resident is None else min(resident, config.num_layers) + 2
+    return fixed + block * (layers + 1) + text_step_bytes(config, batch, resident=resident)
+
+
+def plan_text_resident(config, dtype_name: str, device_free: int | None, batch: int = 2) -> int | None:
+    """UMT5 blocks to keep on the device for the text stage alone (None: all of them fit, or memory is
+    unknown); the most that fit, 0 when even a fully streamed encoder does not (the stage then fails as
+    it would have)."""
+    if config is None or device_free is None or text_device_bytes(config, dtype_name, None, batch) <= device_free:
+        return None
+    return next((n for n in range(config.num_layers - 1, -1, -1)
+                 if text_device_bytes(config, dtype_name, n, batch) <= device_free), 0)
+
+
+def int8_layout_copy_bytes(pipe, resident: int | None, layout: Layout) -> int:
+    """A GPU's int8 products want both operands with the contracting dimension minor (XLA's GPU layout
+    assignment, for cuBLAS's int8 GEMMs), so the stored (in, out) kernels are transposed; where that
+    layout reaches a scanned stack, the copy is of every resident layer at once. Counted per resident
+    block (at its stored size) so that the plan leaves room for it; 0 elsewhere."""
+    if pipe.quantization != "int8" or layout.platform != "gpu":
+        return 0
+    cfg = pipe.variant.transformer
+    count = cfg.num_layers if resident is None else min(resident, cfg.num_layers)
+    return count * dit_bytes(cfg, _dtype_name(pipe.dtype), "int8")[1] // layout.devices
+
+
 def _experts(pipe):
     variant = pipe.variant
     return [variant.transformer] + ([variant.transformer_2] if variant.transformer_2 is not None else [])
@@ -198,6 +265,11 @@ def stage_bytes(pipe, s, stages=("text", "image", "denoise", "decode"), attentio
     if "text" in stages:
         te = elements.get("text_encoder", 0) * size
         out["text encode"] = (te // n, "text encoder weights")
+        text_resident = getattr(getattr(pipe, "offload_plan", None), "text_resident", None)
+        config = getattr(pipe, "text_encoder_config", None)
+        if text_resident is not None and config is not None:
+            out["text encode"] = (text_device_bytes(config, _dtype_name(pipe.dtype), text_resident) // n,
+                                  f"text encoder, {text_resident} of {config.num_layers} blocks resident")
     if "image" in stages and image:
         model, vae_weights = _vae(pipe)
         clip = elements.get("image_encoder", 0) * 4
@@ -212,6 +284,7 @@ def stage_bytes(pipe, s, stages=("text", "image", "denoise", "decode"), attentio
         what = f"DiT activations over {tokens:,} tokens" + (f", {impl} attention's logits" if logits else "")
         if resident is not None and resident < cfg.num_layers:
             what += f", {resident} of {cfg.num_layers} blocks resident"
+        step += int8_layout_copy_bytes(pipe, resident, layout)
         out["denoise"] = (dit_weights + step + 8 * math.prod(latent) * 4, what)
     if "decode" in stages:
         model, vae_weights = _vae(pipe)
@@ -288,32 +361,65 @@ class OffloadPlan:
     release: bool = False
     device_free: int | None = None  # what the choice was made for (bytes per device)
     host_bytes: int | None = None  # host RAM the streamed stacks take
+    text_resident: int | None = None  # UMT5 blocks kept on the device for the text stage (None: all)
+    text_layers: int = 0
+    measured: int | None = None  # the compiled forward's device bytes at `resident` (`plan_offload(measure=)`)
 
     @property
     def streamed(self) -> bool:
         return self.resident is not None and self.resident < self.layers
 
+    @property
+    def text_streamed(self) -> bool:
+        return self.text_resident is not None and self.text_resident < self.text_layers
+
     def describe(self) -> str:
-        """One line saying what was chosen, with the sizes that decided it."""
+        """One line saying what was chosen for every stage, with the sizes that decided it."""
+        text = (f"; text encoder: blocks:{self.text_resident} ({self.text_resident} of {self.text_layers} UMT5 blocks "
+                "on the device, the rest streamed)" if self.text_streamed else "")
         if not self.streamed:
-            return "offload: none (every DiT block on the device)"
+            return "offload: none (every DiT block on the device)" + text
         line = (f"offload: blocks:{self.resident} ({self.resident} of {self.layers} DiT blocks on the device, "
                 f"{self.layers - self.resident} streamed from host memory")
         if self.host_bytes is not None:
             line += f" holding {self.host_bytes / GiB:.1f} GiB"
         if self.device_free is not None:
             line += f"; {self.device_free / GiB:.1f} GiB of device memory free"
-        return line + ")"
+        if self.measured is not None:
+            line += f"; the compiled step needs {self.measured / GiB:.1f} GiB"
+        return line + ")" + text
+
+
+def compiled_device_bytes(compiled, args) -> int:
+    """A compiled program's device memory per device: its temporaries and outputs (XLA's
+    `memory_analysis()`) plus the bytes of the arguments `args` (arrays or `ShapeDtypeStruct`s) that
+    live in device memory (a streamed stack's host arrays do not count)."""
+    from wan_tpu.parallel import offload
+
+    analysis = compiled.memory_analysis()
+    device_args = 0
+    for x in jax.tree.leaves(args):
+        if hasattr(x, "shape") and not offload.on_host(x):
+            sharding = getattr(x, "sharding", None)
+            shape = x.shape if sharding is None else sharding.shard_shape(x.shape)
+            device_args += math.prod(shape) * x.dtype.itemsize
+    return int(analysis.temp_size_in_bytes + analysis.output_size_in_bytes - analysis.alias_size_in_bytes
+               + device_args)
 
 
 def plan_offload(pipe, s, choice="auto", attention_impl_name: str | None = None, device_free: int | None = None,
-                 host_free: int | None = None) -> OffloadPlan:
+                 host_free: int | None = None, measure=None) -> OffloadPlan:
     """The offload of a run (`choice`: "auto", None for none, or N resident blocks; see
     `wan_tpu.wan.settings.parse_offload`). `auto` keeps every block on the device when the denoise stage
     fits, else the most blocks that fit; a `WanInputError` (one line) when even a fully streamed DiT does
     not fit the device, or the host RAM cannot hold the streamed blocks. `device_free`, `host_free`: the
     free bytes per device and of the host (default: as the backend and the OS report them; on CPU, where
-    the "device" is host RAM, streaming saves nothing and `auto` streams nothing)."""
+    the "device" is host RAM, streaming saves nothing and `auto` streams nothing). `measure(resident)`:
+    the device bytes of the compiled step at that count (None: every block resident;
+    `compiled_device_bytes`), where the caller can compile it; `auto` then streams when the compiled
+    resident step does not fit and drops resident blocks until the compiled program fits, whatever XLA's
+    temporaries turn out to be. The text stage's own plan rides along (`text_resident`): the UMT5
+    blocks kept when the whole encoder does not fit the device alone."""
     from wan_tpu.runtime.memory import host_available_bytes
 
     layers = pipe.variant.transformer.num_layers
@@ -330,6 +436,10 @@ def plan_offload(pipe, s, choice="auto", attention_impl_name: str | None = None,
                             f"pass a count from 0 to {layers}")
     if device_free is None:  # memory not reported: nothing to decide from
         return OffloadPlan(None, layers) if choice == "auto" else OffloadPlan(choice, layers, True)
+    text_config = getattr(pipe, "text_encoder_config", None)
+    # UMT5's weights are FSDP-sharded over the mesh like the DiT's: the estimate is per device over n.
+    text = {"text_resident": plan_text_resident(text_config, _dtype_name(pipe.dtype), device_free * layout.devices),
+            "text_layers": 0 if text_config is None else text_config.num_layers}
 
     def need(resident):
         return stage_bytes(pipe, s, ("denoise",), attention_impl_name, resident=resident)["denoise"][0]
@@ -338,8 +448,9 @@ def plan_offload(pipe, s, choice="auto", attention_impl_name: str | None = None,
         n * (4 if c == "image_encoder" else _itemsize(pipe, c)) for c, n in (pipe.weight_elements or {}).items()
         if c not in ("transformer", "transformer_2")) // layout.devices
     if choice == "auto":
-        if need(None) <= device_free:
-            return OffloadPlan(None, layers, release=everything > device_free)
+        if need(None) <= device_free and (measure is None or measure(None) <= device_free):
+            release = everything > device_free or text["text_resident"] is not None
+            return OffloadPlan(None, layers, release=release, **text)
         fitting = [n for n in range(layers - 1, -1, -1) if need(n) <= device_free]
         if not fitting:
             raise WanInputError(
@@ -348,8 +459,21 @@ def plan_offload(pipe, s, choice="auto", attention_impl_name: str | None = None,
                 f"{_advice(pipe, s, 'denoise', layout, device_free, attention_impl_name, resident=0)}"
             )
         choice = fitting[0]
+    measured = None
+    if measure is not None and choice < layers:
+        block = dit_bytes(pipe.variant.transformer, _dtype_name(pipe.dtype), pipe.quantization)[1]
+        while True:
+            measured = measure(choice)
+            if measured <= device_free or choice == 0:
+                break
+            choice = max(0, choice - max(1, math.ceil((measured - device_free) / block)))
+        if measured > device_free:
+            raise WanInputError(
+                f"the compiled denoise step needs {measured / GiB:.1f} GiB of {where} even with every DiT block "
+                f"streamed from host memory, but {device_free / GiB:.1f} GiB is free; "
+                f"{_advice(pipe, s, 'denoise', layout, device_free, attention_impl_name, resident=0)}")
     host_need = dit_host_bytes(pipe)
-    plan = OffloadPlan(choice, layers, True, device_free, host_need)
+    plan = OffloadPlan(choice, layers, True, device_free, host_need, measured=measured, **text)
     host = host_free if host_free is not None else host_available_bytes()
     if plan.streamed and host is not None and host_need > host:
         smaller = "" if pipe.quantization else "--quantize int8 or fp8 (half the bytes), "

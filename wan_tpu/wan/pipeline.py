@@ -242,7 +242,17 @@ class WanPipeline:
             interrupt.check("load")
         if name in DITS:
             self._place_dit(self._loaded[name])
+        elif name == "text_encoder":
+            self._place_text_encoder(self._loaded[name])
         return self._loaded[name]
+
+    def _place_text_encoder(self, encoder) -> None:
+        """Stream the UMT5 blocks from host memory where the plan says the encoder alone does not fit."""
+        resident = None if self.offload_plan is None else self.offload_plan.text_resident
+        model = getattr(encoder, "model", None)
+        if resident is not None and hasattr(model, "offload_blocks") and resident < model.config.num_layers:
+            if not model.offloaded or model.resident_block_count != resident:
+                encoder.offload_blocks(resident)
 
     def _load(self, name: str):
         """Component `name` read from its loader, with the LoRAs registered for it merged (and then, for
@@ -651,7 +661,7 @@ class WanPipeline:
             return
         if "denoise" in stages:
             plan = plan_offload(self, s, self.offload, self.attention_impl)
-            if self.offload == "auto" and plan.streamed and plan != self.offload_plan:
+            if self.offload == "auto" and (plan.streamed or plan.text_streamed) and plan != self.offload_plan:
                 print(plan.describe())  # once per choice, not once per video
             self.offload_plan = plan
         check_fits(self, s, stages, self.attention_impl, keep_dit=keep_dit, image=image)
