@@ -230,7 +230,11 @@ def run_denoise(args) -> dict:
         text_resident = plan.text_resident
         said = plan.describe()
     streamed = resident is not None and resident < cfg.num_layers
-    program, device_bytes = compiled(resident if streamed else None)
+    try:
+        program, device_bytes = compiled(resident if streamed else None)
+    except jax.errors.JaxRuntimeError as why:  # an abstract compile XLA refuses: jit on the drawn weights instead
+        print(f"(compiling from shapes failed: {str(why).splitlines()[0][:160]}; jit compiles on the weights)", flush=True)
+        program, device_bytes = None, None
     abstract = nnx.eval_shape(lambda: WanTransformer(cfg, dtype=jnp.bfloat16, rngs=nnx.Rngs(0)))
     dit = random_weights(abstract, "blocks" if streamed else None)
     if pipe.quantization:
@@ -264,6 +268,8 @@ def dit_call(program, dit, inputs):
 
     _, state = nnx.split(dit)
     try:
+        if program is None:
+            raise ValueError("no program compiled ahead")
         program(state, *inputs)
     except (TypeError, ValueError) as why:
         print(f"(the planned program refused the drawn weights: {str(why).splitlines()[0][:160]}; jit compiles "
