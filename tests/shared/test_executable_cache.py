@@ -189,7 +189,7 @@ def test_cached_call_serves_a_stored_program_and_its_options_are_part_of_the_key
     assert len(_entries(cache)) == 2
 
 
-def test_an_abstract_module_is_read_back_with_its_structure_and_shapes(cache):
+def test_an_abstract_module_is_read_back_with_its_structure_and_shapes(cache, monkeypatch):
     """`cached_abstract`: the second call builds nothing (read from disk) and gives the same graphdef and
     parameter shapes and dtypes; an unreadable entry is dropped with a warning and built again."""
     from flax import nnx
@@ -210,6 +210,7 @@ def test_an_abstract_module_is_read_back_with_its_structure_and_shapes(cache):
     (entry,) = _entries(cache)
     with open(os.path.join(cache, executable_cache.FOLDER, entry), "wb") as f:
         f.write(b"not a module")
+    monkeypatch.setattr(executable_cache, "_ABSTRACTS", {})  # as a new process: read from disk, not memory
     with pytest.warns(UserWarning, match="dropped an unreadable entry for seq"):
         rebuilt = executable_cache.cached_abstract("seq", ("seq", 3, 4), build)
     assert len(built) == 2 and shapes(rebuilt) == shapes(first)
