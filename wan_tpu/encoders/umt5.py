@@ -215,7 +215,7 @@ class UMT5Embedding:
         return np.asarray(self.table[np.asarray(input_ids)]).astype(self.dtype, copy=False)
 
 
-class UMT5Encoder(nnx.Module):
+class UMT5Encoder(offload.StreamedBlocks, nnx.Module):
     """`num_layers` stacked blocks and the final norm over embedded tokens (`UMT5Embedding`):
     transformers' `UMT5EncoderModel(inputs_embeds=...).last_hidden_state`.
 
@@ -261,31 +261,6 @@ class UMT5Encoder(nnx.Module):
         else:
             x = offload.scan_layers(body, x, block_state)
         return t5_layer_norm(x, self.final_layer_norm.weight, cfg.layer_norm_epsilon)
-
-    def offload_blocks(self, resident: int = 0) -> UMT5Encoder:
-        """Keep the first `resident` blocks on the device and the whole stack in host memory, each streamed
-        block copied to the device one block ahead of its use (`wan_tpu.parallel.offload`): UMT5-XXL's
-        9.3 GB of blocks on an 8 GB device. In place; bit-identical outputs; `restore_blocks` undoes it."""
-        self.resident_blocks = nnx.data(None)  # the old resident copies go before the new ones come
-        self.resident_blocks = nnx.data(offload.offload_stack(self.blocks, resident))
-        return self
-
-    def restore_blocks(self) -> None:
-        """Undo `offload_blocks`: the whole stack back on the device."""
-        offload.restore_stack(self.blocks)
-        self.resident_blocks = nnx.data(None)
-
-    @property
-    def offloaded(self) -> bool:
-        """Whether the block stack lives in host memory (`offload_blocks`)."""
-        return offload.is_streamed(nnx.state(self.blocks))
-
-    @property
-    def resident_block_count(self) -> int:
-        """Blocks whose weights stay on the device: all of them unless offloaded."""
-        if not self.offloaded:
-            return self.config.num_layers
-        return 0 if self.resident_blocks is None else jax.tree.leaves(nnx.state(self.resident_blocks))[0].shape[0]
 
 
 @functools.partial(jax.jit, static_argnums=0)

@@ -182,3 +182,34 @@ def scan_layers(body: Callable, carry, resident_state, host_state=None, start: i
 
 __all__ = ["HOST_KINDS", "host_memory_kind", "host_placement", "is_streamed", "offload_stack", "on_host", "restore_stack",
            "scan_layers", "to_device", "to_host"]
+
+
+class StreamedBlocks:
+    """`offload_blocks` / `restore_blocks` for a module whose layers are one stack `self.blocks` (with
+    `self.resident_blocks`, None until offloaded, and `self.config.num_layers`): the Wan DiT and UMT5 share it."""
+
+    def offload_blocks(self, resident: int = 0):
+        """Keep the first `resident` blocks on the device and the whole stack in host memory, each streamed
+        block copied to the device one block ahead of its use inside the compiled forward (`scan_layers`);
+        in place, and again with another count (the stack stays in host memory). Outputs are bit-identical
+        to the resident module's; `restore_blocks` undoes it."""
+        self.resident_blocks = nnx.data(None)  # the old resident copies go before the new ones come
+        self.resident_blocks = nnx.data(offload_stack(self.blocks, resident))
+        return self
+
+    def restore_blocks(self) -> None:
+        """Undo `offload_blocks`: the whole stack back on the device."""
+        restore_stack(self.blocks)
+        self.resident_blocks = nnx.data(None)
+
+    @property
+    def offloaded(self) -> bool:
+        """Whether the block stack lives in host memory (`offload_blocks`)."""
+        return is_streamed(nnx.state(self.blocks))
+
+    @property
+    def resident_block_count(self) -> int:
+        """Blocks whose weights stay on the device: all of them unless offloaded."""
+        if not self.offloaded:
+            return self.config.num_layers
+        return 0 if self.resident_blocks is None else jax.tree.leaves(nnx.state(self.resident_blocks))[0].shape[0]

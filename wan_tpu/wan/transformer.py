@@ -101,7 +101,7 @@ class WanConditionEmbedder(nnx.Module):
         )
 
 
-class WanTransformer(nnx.Module):
+class WanTransformer(offload.StreamedBlocks, nnx.Module):
     def __init__(self, config: WanTransformerConfig, *, dtype=jnp.float32, rngs: nnx.Rngs, attention_impl=None):
         cfg = config
         self.config = cfg
@@ -186,33 +186,6 @@ class WanTransformer(nnx.Module):
             return offload.scan_layers(body, x, block_state, None, start, stop)
         resident = None if self.resident_blocks is None else nnx.split(self.resident_blocks)[1]
         return offload.scan_layers(body, x, resident, block_state, start, stop)
-
-    def offload_blocks(self, resident: int = 0) -> WanTransformer:
-        """Keep the first `resident` blocks on the device and the whole stack in host memory, streamed a
-        block ahead of its use inside the compiled forward (`wan_tpu.parallel.offload`); in place, and again
-        with another count (the stack stays in host memory). Outputs are bit-identical to the resident
-        DiT's. LoRAs merge first (on the device); quantising an offloaded DiT goes linear by linear through
-        the device (`wan_tpu.wan.quantize`); `restore_blocks` undoes it."""
-        self.resident_blocks = nnx.data(None)  # the old resident copies go before the new ones come
-        self.resident_blocks = nnx.data(offload.offload_stack(self.blocks, resident))
-        return self
-
-    def restore_blocks(self) -> None:
-        """Undo `offload_blocks`: the whole stack back on the device."""
-        offload.restore_stack(self.blocks)
-        self.resident_blocks = nnx.data(None)
-
-    @property
-    def offloaded(self) -> bool:
-        """Whether the block stack lives in host memory (`offload_blocks`)."""
-        return offload.is_streamed(nnx.state(self.blocks))
-
-    @property
-    def resident_block_count(self) -> int:
-        """Blocks whose weights stay on the device: all of them unless offloaded."""
-        if not self.offloaded:
-            return self.config.num_layers
-        return 0 if self.resident_blocks is None else jax.tree.leaves(nnx.state(self.resident_blocks))[0].shape[0]
 
     def head(self, inputs: DiTInputs, x):
         """Output norm and modulation, projection, unpatchify: noise prediction (B, C_out, F, H, W)."""
