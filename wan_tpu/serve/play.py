@@ -66,10 +66,10 @@ from starlette.routing import Mount, Route, WebSocketRoute
 from starlette.staticfiles import StaticFiles
 
 from wan_tpu.errors import WanInputError
+from wan_tpu.serve import videos
 
 STATIC = os.path.join(os.path.dirname(os.path.abspath(__file__)), "static")
 MAX_IMAGE_BYTES = 8 * 2**20
-MAX_IMAGE_PIXELS = 4096 * 4096
 FPS_RANGE = (1, 120)
 FORMATS = {"jpeg": ("JPEG", {"quality": 90}), "png": ("PNG", {"compress_level": 1})}
 MESSAGES = ("start", "action", "pause", "resume", "reset", "record")
@@ -130,8 +130,6 @@ def example_png(name: str, width: int = 320, height: int = 176) -> bytes:
 
 def decode_image(value: str):
     """A start image from a `start` message: a built-in example's name or a base64 data URL → PIL RGB."""
-    from PIL import Image, UnidentifiedImageError
-
     if not isinstance(value, str) or not value:
         raise WanInputError("start needs an image: a built-in example's name or a data:image/...;base64 URL")
     if value in EXAMPLES:
@@ -146,14 +144,7 @@ def decode_image(value: str):
             raise WanInputError("the image's data URL is not valid base64; upload a PNG or JPEG file") from None
     else:
         raise WanInputError(f"unknown example {value[:40]!r}; pick one of {', '.join(EXAMPLES)} or upload an image")
-    try:
-        with Image.open(io.BytesIO(data)) as image:
-            if image.width * image.height > MAX_IMAGE_PIXELS:
-                raise WanInputError(f"the image is {image.width}x{image.height}; upload one of at most "
-                                    f"{MAX_IMAGE_PIXELS} pixels")
-            return image.convert("RGB")
-    except (UnidentifiedImageError, OSError, ValueError, Image.DecompressionBombError) as e:
-        raise WanInputError(f"the image cannot be read ({one_line(e)[:120]}); upload a PNG or JPEG file") from None
+    return videos.decode_image(data, "the image", "upload a PNG or JPEG file")
 
 
 # ---- messages -----------------------------------------------------------------------------------------

@@ -29,19 +29,18 @@ def frames_for_seconds(seconds: float, fps: int, temporal: int = 4) -> int:
     return max(1, round(seconds * fps / temporal)) * temporal + 1
 
 
-def decode_image(data: bytes):
-    """An uploaded image as a PIL RGB image, or a one-line `WanInputError`."""
+def decode_image(data: bytes, what: str = "input_reference", fix: str = "pass a PNG or JPEG file"):
+    """An uploaded image (`what`: how the message names it) as a PIL RGB image, or a one-line
+    `WanInputError` ending in `fix`. The API's `input_reference` and the live page's start image."""
     from PIL import Image, UnidentifiedImageError
 
     try:
         with Image.open(io.BytesIO(data)) as img:
             if img.width * img.height > MAX_IMAGE_PIXELS:
-                raise WanInputError(f"input_reference is {img.width}x{img.height}; pass an image of at most "
-                                    f"{MAX_IMAGE_PIXELS} pixels")
+                raise WanInputError(f"{what} is {img.width}x{img.height}, over {MAX_IMAGE_PIXELS} pixels; {fix}")
             return img.convert("RGB")
     except (UnidentifiedImageError, OSError, ValueError, Image.DecompressionBombError) as e:
-        raise WanInputError(f"input_reference cannot be read as an image ({' '.join(str(e).split())[:120]}); "
-                            "pass a PNG or JPEG file") from None
+        raise WanInputError(f"{what} cannot be read as an image ({' '.join(str(e).split())[:120]}); {fix}") from None
 
 
 def image_from_reference(value) -> bytes | None:
