@@ -2,6 +2,8 @@
 
     # device (one H100/H200; the authors' checkout carried as third_party/Matrix-Game):
     python benchmarks/bench_matrix_game.py --ref third_party/Matrix-Game --workdir /tmp/mg_bench
+    # device, without the authors' code: a converted folder with random weights (benchmarks/random_folders.py), ours only
+    python benchmarks/bench_matrix_game.py --random --workdir /tmp/mg_bench --parts prepare,first-frame,ours
     # CPU smoke test (ours only, the matrix-game-tiny preset):
     python benchmarks/bench_matrix_game.py --config tiny --workdir /tmp/mg_tiny --latent-frames 9
 
@@ -9,7 +11,9 @@ Parts (`--parts`, default all; each in its own fresh process, results merged int
 so a later call can run the rest while the machine still holds WORKDIR):
 - `prepare`: random weights made with the authors' classes (`CausalWanModel` from their universal
   config.json, `VideoVAE_`, the XLM-RoBERTa CLIP's visual tower) in the download's layout (DiT
-  safetensors with their names, `Wan2.1_VAE.pth`, the CLIP `.pth`), bf16, then our converter.
+  safetensors with their names, `Wan2.1_VAE.pth`, the CLIP `.pth`), bf16, then our converter. With
+  `--random`: `random_folders.py matrix-game WORKDIR/converted` instead (the same files, names, shapes and
+  dtypes, written by our code alone; about the time of writing 5 GB), so no `--ref` is needed.
 - `theirs`: `CausalInferencePipeline.inference(profile=True)` of their code on those weights, as their
   `inference.py` sets it up (DiT bf16, decoder fp16 with `torch.compile(mode="max-autotune-no-cudagraphs")`,
   their tiled VAE encode of the image + 4·(N-1) gray frames, CLIP `encode_video`, `Bench_actions_universal`).
@@ -100,7 +104,14 @@ def import_reference(ref: str):
 
 
 def prepare(args) -> dict:
-    """Random weights in the download's layout, made with their classes, then our converter."""
+    """Random weights in the download's layout, made with their classes, then our converter; with `--random`,
+    the converted folder written directly by `random_folders.py` (no authors' code)."""
+    if args.random:
+        import random_folders
+
+        start = time.perf_counter()
+        random_folders.write("matrix-game", os.path.join(args.workdir, "converted"), overwrite=True, seed=SEED, log=log)
+        return {"prepare": {"random_folder_s": time.perf_counter() - start}}
     import torch
     from safetensors.torch import save_file
 
@@ -608,6 +619,8 @@ def main(argv=None):
     argv = list(sys.argv[1:] if argv is None else argv)
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--ref", default=None, help="checkout of SkyworkAI/Matrix-Game (for prepare and theirs)")
+    p.add_argument("--random", action="store_true",
+                   help="prepare: write WORKDIR/converted with random_folders.py (no --ref; `theirs` then has no weights)")
     p.add_argument("--workdir", required=True)
     p.add_argument("--config", choices=sorted(CONFIGS), default="universal")
     p.add_argument("--latent-frames", type=int, default=None, help="a multiple of 3 (default 150; tiny 9)")
@@ -639,7 +652,9 @@ def main(argv=None):
     for part in args.parts.split(","):
         if part == "prepare" and args.config == "tiny":
             continue  # the preset needs no weights
-        if part in ("prepare", "theirs") and args.ref is None:
+        if part == "prepare" and args.random:
+            pass
+        elif part in ("prepare", "theirs") and args.ref is None:
             log(f"skipping {part}: pass --ref (the authors' checkout)")
             continue
         if part == "theirs" and not harness.has_cuda():

@@ -6,6 +6,9 @@
     # torch.compile compiles for minutes: its comparison in a second call (same converted weights)
     XLA_PYTHON_CLIENT_PREALLOCATE=false python benchmarks/bench_unifolm.py --ref third_party/unifolm-world-model-action \
         --workdir /tmp/unifolm-bench --variants theirs-bf16-compile,ours-bf16 --steps 16
+    # device, without the authors' code: ours on a converted folder of random weights (benchmarks/random_folders.py)
+    XLA_PYTHON_CLIENT_PREALLOCATE=false python benchmarks/bench_unifolm.py --random --size real --workdir /tmp/unifolm-bench \
+        --variants ours-bf16,ours-bf16-fresh,ours-fp32 --steps 50,16
     # CPU smoke test (reduced configs, 2 steps, no torch.compile)
     python benchmarks/bench_unifolm.py --ref third_party/unifolm-world-model-action --size tiny --steps 2 \
         --variants theirs-fp32,theirs-bf16,ours-fp32,ours-bf16
@@ -21,7 +24,9 @@ run of this script), as a user's second run: its first sampling loads the compil
 memory holds no compile-time autotuning (JAX's peak is cumulative over a process). `--size real` builds their model from
 their `configs/inference/world_model_interaction.yaml` (OpenCLIP ViT-H-14 created without downloading:
 random weights), converts its state dict with `wan_tpu.unifolm.convert` and loads ours from that
-folder, so both run the same weights. `--size tiny` uses the reduced configs of the golden tests
+folder, so both run the same weights; with `--random` (ours-* variants only, no `--ref`), the folder is
+written by `random_folders.py unifolm` instead, by our code alone (the same files, names, shapes and
+dtypes). `--size tiny` uses the reduced configs of the golden tests
 (their CLIP towers replaced by random embeddings, ours the `unifolm-tiny` preset: timings only).
 
 Measured per variant (batch 1, 2 observed frames, 16 frames, eta 1, uniform_trailing): model load;
@@ -236,8 +241,9 @@ def measure(runner, steps_list, repeats: int) -> dict:
 
 def fresh_process_row(args, folder) -> dict:
     """`ours-bf16` in a new process of this script, its compile cache the one this process filled."""
-    cmd = [sys.executable, os.path.abspath(__file__), "--ref", args.ref, "--size", args.size, "--steps", args.steps,
+    cmd = [sys.executable, os.path.abspath(__file__), "--size", args.size, "--steps", args.steps,
            "--variants", "ours-bf16", "--repeats", str(args.repeats), "--encoder-dtype", args.encoder_dtype, "--json"]
+    cmd += ["--ref", args.ref] if args.ref else ["--random"]
     cmd += ["--workdir", folder] if folder else []
     result = harness.run_fresh(cmd, start_var=T0)
     rows = result.results()
@@ -248,7 +254,9 @@ def fresh_process_row(args, folder) -> dict:
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--ref", required=True, help="the authors' checkout (e.g. third_party/unifolm-world-model-action)")
+    ap.add_argument("--ref", default=None, help="the authors' checkout (e.g. third_party/unifolm-world-model-action)")
+    ap.add_argument("--random", action="store_true",
+                    help="ours-* only, no --ref: --size real's folder written by random_folders.py (random weights)")
     ap.add_argument("--size", choices=("real", "tiny"), default="real")
     ap.add_argument("--steps", default="50,16", help="comma-separated DDIM step counts (first: the interaction's)")
     ap.add_argument("--variants", default=",".join(VARIANTS))
@@ -272,6 +280,10 @@ def main(argv=None):
     unknown = sorted(set(variants) - set(VARIANTS) - {"theirs-bf16"})
     if unknown:
         ap.error(f"unknown variants {unknown}; choose from {VARIANTS} (theirs-bf16: autocast without compile)")
+    if args.random and any(v.startswith("theirs") for v in variants):
+        ap.error("--random runs ours-* variants only (their code needs their weights); leave theirs-* out")
+    if not args.random and args.ref is None:
+        ap.error("pass --ref (the authors' checkout), or --random for ours-* on random weights")
 
     if not args.json:  # the fresh process of ours-bf16-fresh: its parent printed it
         harness.print_env()
@@ -286,7 +298,7 @@ def main(argv=None):
     reuse = folder is not None and os.path.isfile(os.path.join(folder, "config.json"))
     model = None
     # Their model: for their variants, and to convert its weights for ours (unless converted already).
-    if any(v.startswith("theirs") for v in variants) or (args.size == "real" and not reuse):
+    if any(v.startswith("theirs") for v in variants) or (args.size == "real" and not reuse and not args.random):
         cwd = os.getcwd()
         os.chdir(args.ref)  # their obs encoder reads configs/train/meta.json from the working directory
         try:
@@ -299,7 +311,16 @@ def main(argv=None):
     if reuse:
         notes.append(f"ours loaded the converted folder {folder} of an earlier run (the same weights as that run's)")
 
-    if args.size == "real" and not reuse:
+    if args.size == "real" and not reuse and args.random:
+        import random_folders
+
+        folder = args.workdir or tempfile.mkdtemp(prefix="unifolm-bench-")
+        if os.path.isdir(folder) and os.listdir(folder):
+            raise SystemExit(f"--workdir {folder} holds files but no config.json; pass a new or empty folder")
+        # an empty folder (the temp one) is replaced
+        written = harness.timed(lambda: random_folders.write("unifolm", folder, overwrite=True))[1]
+        notes.append(f"ours loaded a folder of random weights written by random_folders.py ({written:.0f} s to write)")
+    elif args.size == "real" and not reuse:
         from wan_tpu.configs.unifolm import CONFIGS, config_to_json
         from wan_tpu.unifolm.convert import (
             save_safetensors_shards,

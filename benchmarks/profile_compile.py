@@ -20,6 +20,8 @@ Cold start of a whole command, one per family (`unifolm`, `matrix-game`, `wan`):
     python benchmarks/profile_compile.py unifolm -- --mode interact --iterations 3
     python benchmarks/profile_compile.py matrix-game                # CPU: matrix-game-tiny, 33 frames
     python benchmarks/profile_compile.py wan                        # CPU: the tiny preset
+    python benchmarks/random_folders.py unifolm /tmp/unifolm-bench                        # real-size folders of
+    python benchmarks/random_folders.py matrix-game /tmp/mg_bench/converted               # random weights, then:
     python benchmarks/profile_compile.py unifolm --device --model /tmp/unifolm-bench      # real size (see --device)
     python benchmarks/profile_compile.py matrix-game --device --model /tmp/mg_bench/converted
     python benchmarks/profile_compile.py wan --device --workdir /tmp/be2e                 # Wan 2.1 1.3B, 480p
@@ -36,8 +38,9 @@ abstract modules, random weights, `prepare`'s background loads and compiles, and
 waits for them), with the command's stages; spans shorter than `--min-seconds` are summed per kind.
 `--autotune-split` (GPUs) adds a cold run with `--xla_gpu_autotune_level=0`: the difference of XLA's
 compile seconds is the autotuning. `--device`: real sizes; `--model` is a converted folder with random
-weights (UnifoLM: `bench_unifolm.py --size real --workdir DIR` writes one; Matrix-Game-2 universal:
-`bench_matrix_game.py --workdir DIR` writes `DIR/converted`); Wan writes its random 1.3B checkpoint
+weights (`random_folders.py unifolm DIR` / `random_folders.py matrix-game DIR` write one with our code
+alone; so do `bench_unifolm.py --size real --random --workdir DIR` and `bench_matrix_game.py --random
+--parts prepare --workdir DIR`, the latter into `DIR/converted`); Wan writes its random 1.3B checkpoint
 under `--workdir` (`bench_e2e.py`'s). Arguments after `--` go to the command itself.
 """
 

@@ -136,8 +136,10 @@ def main(argv=None) -> int:
     ugraph, ustate = nnx.split(model.diffusion_model)
     tables = {k: jax.ShapeDtypeStruct(v.shape, v.dtype) for k, v in schedule_tables(cfg, args.steps, 1.0).items()}
     shape = (1, cfg.unet.out_channels, t, h, w)
-    loop = _sample_loop.lower(ugraph, ustate, cond, None, tables, f32(*shape), f32(1, t, cfg.agent_action_dim),
-                              f32(1, t, cfg.agent_state_dim), f32(args.steps, *shape), f32(), f32(), cfg.head_clip_sample)
+    horizon = cfg.head.horizon if cfg.head else t
+    shapes = (shape, (1, horizon, cfg.agent_action_dim), (1, horizon, cfg.agent_state_dim))
+    loop = _sample_loop.lower(ugraph, ustate, cond, None, tables, jax.random.key(0), {}, f32(), f32(),
+                              cfg.head_clip_sample, shapes, True)
     report(f"DDIM loop ({args.steps} steps)", loop.compile(), "sample_loop", args.top)
 
     dec = _decode_program.lower(vgraph, vstate, f32(*shape))

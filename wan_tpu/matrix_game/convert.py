@@ -59,24 +59,33 @@ def load_pickled_tensors(path: str) -> dict:
 
 
 def convert_vae(src: str, dst: str) -> None:
-    from safetensors.torch import save_file
-
     from wan_tpu.vae.loading import original_wan21_vae_config, original_wan21_vae_name
 
     state = load_pickled_tensors(src)
     config = original_wan21_vae_config(state)
+    write_vae(dst, config, {original_wan21_vae_name(k, config["num_res_blocks"]): v for k, v in state.items()})
+
+
+def write_vae(dst: str, config: dict, tensors: dict) -> None:
+    """`vae/`: a diffusers `AutoencoderKLWan` folder of `config` and torch `tensors` under diffusers' names."""
+    from safetensors.torch import save_file
+
     os.makedirs(dst)
-    tensors = {original_wan21_vae_name(k, config["num_res_blocks"]): v.contiguous() for k, v in state.items()}
-    save_file(tensors, os.path.join(dst, "diffusion_pytorch_model.safetensors"), metadata={"format": "pt"})
+    save_file({k: v.contiguous() for k, v in tensors.items()}, os.path.join(dst, "diffusion_pytorch_model.safetensors"),
+              metadata={"format": "pt"})
     _write_json(os.path.join(dst, "config.json"), config)
 
 
 def convert_clip(src: str, dst: str, num_heads: int | None = None) -> None:
-    from safetensors.torch import save_file
-
     from wan_tpu.encoders.clip_image import clip_vision_from_original
 
-    config, tensors = clip_vision_from_original(load_pickled_tensors(src), num_heads=num_heads)
+    write_image_encoder(dst, *clip_vision_from_original(load_pickled_tensors(src), num_heads=num_heads))
+
+
+def write_image_encoder(dst: str, config: dict, tensors: dict) -> None:
+    """`image_encoder/`: a transformers `CLIPVisionModel` folder of `config` and torch `tensors` under its names."""
+    from safetensors.torch import save_file
+
     os.makedirs(dst)
     save_file({k: v.contiguous() for k, v in tensors.items()}, os.path.join(dst, "model.safetensors"),
               metadata={"format": "pt"})
@@ -125,9 +134,7 @@ def convert(src: str, dst: str, overwrite: bool = False, clip_heads: int | None 
         if not in_place:
             for variant, file in variants.items():
                 log(f"DiT {variant}: {file} {link_or_copy(os.path.join(src, file), os.path.join(work, file))}")
-        index = {"format": "wan_tpu-matrix-game", "version": FORMAT_VERSION, "vae": "vae",
-                 "image_encoder": "image_encoder", "variants": variants}
-        _write_json(os.path.join(work, INDEX_FILE), index)
+        index = write_index(work, variants)
         os.makedirs(dst, exist_ok=True)
         for part in parts:
             target = os.path.join(dst, part)
@@ -138,6 +145,14 @@ def convert(src: str, dst: str, overwrite: bool = False, clip_heads: int | None 
             os.replace(os.path.join(work, part), target)
     finally:
         shutil.rmtree(work, ignore_errors=True)
+    return index
+
+
+def write_index(dst: str, variants: dict) -> dict:
+    """`matrix_game.json` in `dst`: the variants (name → DiT file under `dst`), the VAE and CLIP folders."""
+    index = {"format": "wan_tpu-matrix-game", "version": FORMAT_VERSION, "vae": "vae",
+             "image_encoder": "image_encoder", "variants": variants}
+    _write_json(os.path.join(dst, INDEX_FILE), index)
     return index
 
 

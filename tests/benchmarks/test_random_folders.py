@@ -1,0 +1,73 @@
+"""`benchmarks/random_folders.py`: the tiny random folders load through the pipelines users run (every
+component, through the real loaders, which check every tensor's name and shape), the tensors land where the
+loaders put them, and the files keep the release's dtypes. Generating from them compiles for half a minute:
+`python benchmarks/random_folders.py matrix-game-tiny DIR --check` (and `unifolm-tiny`) does that."""
+
+import importlib.util
+import json
+import os
+import sys
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from safetensors import safe_open
+
+from wan_tpu.errors import WanInputError
+
+SCRIPTS = os.path.join(os.path.dirname(__file__), os.pardir, os.pardir, "benchmarks")
+
+
+def _load(name):
+    sys.path.insert(0, SCRIPTS)
+    try:
+        spec = importlib.util.spec_from_file_location(name, os.path.join(SCRIPTS, f"{name}.py"))
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module
+        spec.loader.exec_module(module)
+        return module
+    finally:
+        sys.path.remove(SCRIPTS)
+
+
+random_folders = _load("random_folders")
+
+
+def _stored(path, name):
+    """One tensor of a safetensors file as float32 numpy, and its dtype as stored (torch's name)."""
+    with safe_open(path, "pt") as f:
+        value = f.get_tensor(name)
+    return value.float().numpy(), str(value.dtype)
+
+
+def test_matrix_game_tiny_folder_loads(tmp_path):
+    from wan_tpu.matrix_game.pipeline import MatrixGamePipeline
+
+    folder = tmp_path / "mg"
+    random_folders.write("matrix-game-tiny", str(folder), log=lambda _: None)
+    index = json.loads((folder / "matrix_game.json").read_text())
+    pipe = MatrixGamePipeline.from_pretrained(str(folder), dtype=jnp.float32, vae_dtype=jnp.float32, compile_cache=False)
+    # the authors' `head.head` is our `proj_out`, stored (out, in) in bfloat16 as released
+    stored, dtype = _stored(str(folder / index["variants"]["matrix-game-tiny"]), "model.head.head.weight")
+    assert dtype == "torch.bfloat16" and stored.std() > 0
+    np.testing.assert_array_equal(np.asarray(pipe.transformer.proj_out.kernel[...]), stored.T)
+    assert _stored(str(folder / "image_encoder" / "model.safetensors"), "vision_model.pre_layrnorm.bias")[1] == "torch.float16"
+    assert pipe.vae is not None and pipe.image_encoder is not None  # both loaded: every tensor checked
+    with pytest.raises(WanInputError, match="already exists; pass --overwrite"):
+        random_folders.write("matrix-game-tiny", str(folder), log=lambda _: None)
+    assert not os.path.exists(f"{folder}.partial")
+
+
+def test_unifolm_tiny_folder_loads(tmp_path):
+    from wan_tpu.layers.conv import torch_to_kernel
+    from wan_tpu.unifolm.pipeline import UnifolmPipeline
+
+    folder = tmp_path / "uf"
+    random_folders.write("unifolm-tiny", str(folder), log=lambda _: None)
+    pipe = UnifolmPipeline.from_pretrained(str(folder), compile_cache=False)
+    for name in ("vae", "image_encoder", "text_encoder"):  # every tensor checked by its loader
+        assert pipe.component(name) is not None
+    conv = pipe.model.diffusion_model.out_conv
+    stored, dtype = _stored(str(folder / "unet.safetensors"), "out.2.weight")  # (out, in, kh, kw) as the authors'
+    assert dtype == "torch.float32" and stored.std() > 0
+    np.testing.assert_array_equal(np.asarray(conv.kernel[...]), torch_to_kernel(stored, conv.out_first))
