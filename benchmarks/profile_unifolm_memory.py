@@ -20,7 +20,9 @@ import sys
 import tempfile
 
 DUMP = tempfile.mkdtemp(prefix="unifolm-mem-")
-_DUMP_FLAGS = f" --xla_dump_to={DUMP} --xla_dump_hlo_module_re=.*(sample_loop|prepare_program|decode_program).*"
+_DUMP_FLAGS = f" --xla_dump_to={DUMP}"
+if "--xla_dump_hlo_module_re" not in os.environ.get("XLA_FLAGS", ""):  # a caller's own choice (e.g. every module) wins
+    _DUMP_FLAGS += " --xla_dump_hlo_module_re=.*(sample_loop|prepare_program|decode_program).*"
 os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + _DUMP_FLAGS).strip()
 
 import jax  # noqa: E402
