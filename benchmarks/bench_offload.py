@@ -27,6 +27,22 @@ stage alone, as a run with offload sees it (the encoders leave the device before
 before the decode; the decode picks strips or tiles from the free memory), and what the plan chose for it
 (UMT5 blocks streamed where the encoder alone does not fit: `OffloadPlan.text_resident`).
 TPU: run it on the chip itself (v5e-1: 16 GiB HBM); the caps only apply to GPUs.
+
+Whole commands (`--commands`): `python -m wan_tpu.generate` from spawn to exit, on a random checkpoint in the
+diffusers layout written once under `--workdir` (`bench_e2e.ensure_checkpoint`: UMT5-XXL, the Wan 2.1 VAE),
+capped (`XLA_PYTHON_CLIENT_MEM_FRACTION`, `--offload auto`: the plan streams what does not fit, loading the
+streamed blocks straight into host memory) beside the same command uncapped and resident (`--offload none`),
+in one call, each with an empty compile cache. Per command: wall time, the command's own timing table (seconds
+per stage) and each stage's peak device memory (the table's peak rows, `wan_tpu.runtime.profiling.StageTimer`),
+and the plan it printed. The 14B row runs `--command-steps` steps (default 8, printed with the table: meant to
+keep its two commands and the 41 GB checkpoint's write within a 10-minute call), the 1.3B row the model's 50.
+Each config's checkpoint is written once under `--workdir` (1.3B: about 15 GB with UMT5-XXL; 14B: 41 GB):
+
+    python benchmarks/bench_offload.py --commands --command-rows 1.3b:8 --workdir outputs/bench_offload
+    python benchmarks/bench_offload.py --commands --command-rows 14b:24 --workdir outputs/bench_offload
+    python benchmarks/bench_offload.py --tiny --commands --workdir outputs/bench_offload     # CPU smoke run
+
+(CPU has no cap: the tiny "capped" command streams with `--offload blocks:1` instead.)
 """
 
 from __future__ import annotations
@@ -49,6 +65,11 @@ CONFIGS = {"14b": "wan2.1-t2v-14b", "1.3b": "wan2.1-t2v-1.3b", "tiny": "tiny"}
 # (config, budget GiB or None for uncapped): the rows of the device run.
 DEFAULT_ROWS = [("14b", None), ("14b", 24), ("14b", 16), ("1.3b", None), ("1.3b", 8)]
 TINY_ROWS = [("tiny", None), ("tiny", 0)]  # 0: a budget the plan is given, not a cap (CPU has none)
+# Whole commands (`--commands`): (config, cap GiB), each run beside its uncapped resident command.
+COMMAND_ROWS = [("1.3b", 8), ("14b", 24)]
+TINY_COMMAND_ROWS = [("tiny", 0)]  # 0: no cap (CPU), the blocks streamed by `--offload blocks:1`
+COMMAND_STEPS = {"1.3b": 50, "14b": 8, "tiny": 2}
+PROMPT = "a cat walks on the grass, realistic"
 
 
 def gpu_total_bytes() -> int | None:
@@ -60,11 +81,17 @@ def gpu_total_bytes() -> int | None:
     return int(out[0]) * 2**20 if out else None
 
 
-def cap_memory(budget_gib: float | None) -> None:
-    """Cap this process's usable GPU memory at `budget_gib` (before JAX starts)."""
+def cap_env(budget_gib: float | None) -> dict[str, str]:
+    """The environment that caps a new process's usable GPU memory at `budget_gib` (none: uncapped, or no GPU)."""
     total = gpu_total_bytes()
     if budget_gib and total:
-        os.environ["XLA_PYTHON_CLIENT_MEM_FRACTION"] = f"{budget_gib * GiB / total:.4f}"
+        return {"XLA_PYTHON_CLIENT_MEM_FRACTION": f"{budget_gib * GiB / total:.4f}"}
+    return {}
+
+
+def cap_memory(budget_gib: float | None) -> None:
+    """Cap this process's usable GPU memory at `budget_gib` (before JAX starts)."""
+    os.environ.update(cap_env(budget_gib))
 
 
 # ---- one row, in its own process ---------------------------------------------------------------------
@@ -134,6 +161,7 @@ def abstract_dit(cfg, quantize: str | None, resident: int | None, attention):
     stack in host memory, `resident` blocks on the device), for a compile before any weight exists."""
     import jax
     import jax.numpy as jnp
+    import numpy as np
     from flax import nnx
 
     from wan_tpu.parallel import offload
@@ -148,11 +176,19 @@ def abstract_dit(cfg, quantize: str | None, resident: int | None, attention):
     set_attention(model, attention, None)
     if resident is not None and resident < cfg.num_layers:
         device = jax.devices()[0]
-        host = jax.sharding.SingleDeviceSharding(device, memory_kind=offload.host_memory_kind(device))
+        # NamedShardings: an abstract argument's memory kind reaches the traced program only through one (jax
+        # drops a SingleDeviceSharding's from the aval, and the host stack would trace as resident weights read
+        # in place: the program XLA's GPU compile refuses with E1200, host memory reaching device compute).
+        chip = jax.sharding.Mesh(np.array([device]), ("chip",))
+        host = jax.sharding.NamedSharding(chip, jax.sharding.PartitionSpec(), memory_kind=offload.host_memory_kind(device))
+        on_device = jax.sharding.NamedSharding(chip, jax.sharding.PartitionSpec(), memory_kind="device")
+        placed = lambda a, where: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=where)  # noqa: E731
+        graphdef, state = nnx.split(model)
+        nnx.update(model, jax.tree.map(lambda a: placed(a, on_device), state))
         block_graph, block_state = nnx.split(model.blocks)
-        prefix = jax.tree.map(lambda a: jax.ShapeDtypeStruct((resident, *a.shape[1:]), a.dtype), block_state)
-        nnx.update(model.blocks, jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=host),
-                                              block_state))
+        prefix = jax.tree.map(lambda a: placed(jax.ShapeDtypeStruct((resident, *a.shape[1:]), a.dtype), on_device),
+                              block_state)
+        nnx.update(model.blocks, jax.tree.map(lambda a: placed(a, host), block_state))
         model.resident_blocks = nnx.data(nnx.merge(block_graph, prefix) if resident else None)
     return nnx.split(model)
 
@@ -324,6 +360,92 @@ def run_stage(args) -> dict:
     return {"stage": args.stage, "budget": args.budget, "seconds": timing.median, "peak": peak_bytes(), "plan": plan}
 
 
+# ---- whole commands -------------------------------------------------------------------------------------
+
+
+def parse_timing_table(text: str) -> tuple[dict[str, float], dict[str, str]]:
+    """The generate command's timing table (`StageTimer.table`) → (stage → seconds, stage → peak GiB as printed,
+    "≥" marking a sampled one)."""
+    import re
+
+    from wan_tpu.runtime.profiling import PEAK_HEADER
+
+    head, _, peaks = text.partition(PEAK_HEADER)
+    seconds = {k: float(v) for k, v in re.findall(r"^(\S.*?)\s{2,}([\d.]+) s\s*$", head, flags=re.M)}
+    peak = dict(re.findall(r"^  (\S.*?)\s{2,}(≥?[\d.]+)\s*$", peaks, flags=re.M))
+    return seconds, peak
+
+
+def run_command(ckpt: str, args, config: str, budget: float | None, steps: int, deadline) -> dict:
+    """One `python -m wan_tpu.generate` from spawn to exit: resident (`budget` None), capped at `budget` GiB
+    with `--offload auto`, or (0: CPU) streaming one block less than all with `--offload blocks:1`."""
+    import tempfile
+
+    out = os.path.join(os.path.abspath(args.workdir), f"offload_{config}_{'resident' if budget is None else budget}.mp4")
+    offload = "none" if budget is None else "blocks:1" if budget == 0 else "auto"
+    argv = [sys.executable, "-m", "wan_tpu.generate", "--model", ckpt, "--prompt", PROMPT, "--seed", "0",
+            "--size", f"{args.width}*{args.height}", "--frames", str(args.frames), "--steps", str(steps),
+            "--offload", offload, "--output", out, "--overwrite", "--quiet"]
+    argv += [] if args.attention is None else ["--attention", args.attention]
+    timeout = None if deadline is None else deadline - time.perf_counter()
+    if timeout is not None and timeout <= 0:
+        return {"budget": budget, "why": f"not run (--time-limit {args.time_limit:g} s reached)"}
+    with tempfile.TemporaryDirectory(prefix="bench_offload_cache_") as cache:
+        try:
+            proc = harness.run_fresh(argv, env={**cap_env(budget), "WAN_TPU_CACHE_DIR": cache}, timeout=timeout)
+        except subprocess.TimeoutExpired:
+            return {"budget": budget, "why": f"stopped at --time-limit {args.time_limit:g} s"}
+    if proc.rc:
+        print(proc.output[-3000:], file=sys.stderr)
+        return {"budget": budget, "why": f"failed (exit status {proc.rc}; its output is above)"}
+    seconds, peaks = parse_timing_table(proc.output)
+    if peaks:  # each exact stage peak raised the process's: their largest is the process's peak
+        peaks["total"] = max(peaks.values(), key=lambda v: float(v.lstrip("≥")))
+    plan = [line for line in proc.output.splitlines() if line.startswith("offload:")]
+    print(f"{config} {command_name(budget)}: {proc.wall:.1f} s" + (f"; {plan[-1]}" if plan else ""), flush=True)
+    return {"budget": budget, "wall": proc.wall, "seconds": seconds, "peaks": peaks, "plan": plan[-1] if plan else "",
+            "offload": offload}
+
+
+def command_name(budget) -> str:
+    return "resident" if budget is None else "streamed, no cap" if budget == 0 else f"{budget:g} GiB cap"
+
+
+def command_tables(args, rows, deadline) -> None:
+    """Per config: the capped command beside the resident one, stage by stage."""
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    import bench_e2e
+
+    for config, budget in rows:
+        steps = args.command_steps or COMMAND_STEPS[config]
+        ckpt = bench_e2e.ensure_checkpoint(args.workdir, config)
+        runs = [run_command(ckpt, args, config, b, steps, deadline) for b in (None, budget)]
+        print(f"\nWhole command, Wan 2.1 T2V {config} random weights: {args.width}×{args.height}, {args.frames} frames, "
+              f"{steps} steps, CFG; `python -m wan_tpu.generate` from spawn to exit, empty compile cache")
+        done = [r for r in runs if "why" not in r]
+        for r in runs:
+            if "why" in r:
+                print(f"{command_name(r['budget'])}: {r['why']}")
+        if not done:
+            continue
+        after = ("total", "s/step (median)")  # the table's rows past its stages
+        stages = list(dict.fromkeys(name for r in done for name in r["seconds"] if name not in after))
+        head, body = ["stage"], []
+        for r in done:
+            where = command_name(r["budget"])
+            head += [f"{where} s", f"{where} peak GiB"]
+        for name in [*stages, *after]:
+            body.append([name] + [cell for r in done for cell in
+                                  (f"{r['seconds'][name]:.2f}" if name in r["seconds"] else "",
+                                   r["peaks"].get(name, "n/a" if name in stages and not r["peaks"] else ""))])
+        body.append(["wall (spawn to exit)"] + [cell for r in done for cell in (f"{r['wall']:.2f}", "")])
+        if len(done) == 2:
+            body.append(["wall × resident", "", "", f"{done[1]['wall'] / done[0]['wall']:.2f}", ""])
+        print(harness.table(head, body))
+        for r in done:
+            print(f"{command_name(r['budget'])}: --offload {r['offload']}" + (f"; it printed: {r['plan']}" if r["plan"] else ""))
+
+
 # ---- the table -----------------------------------------------------------------------------------------
 
 
@@ -364,6 +486,15 @@ def main(argv=None) -> None:
     p.add_argument("--rows", default=None, help="CONFIG:GIB or CONFIG:none (uncapped), comma-separated (default: "
                    + ",".join(f"{c}:{'none' if b is None else b}" for c, b in DEFAULT_ROWS) + ")")
     p.add_argument("--time-limit", type=float, default=None, help="seconds for the whole table; rows past it are skipped")
+    p.add_argument("--commands", action="store_true", help="the whole generate command capped beside resident, "
+                   "instead of the step rows")
+    p.add_argument("--command-rows", default=None, help="CONFIG:GIB, comma-separated (default: "
+                   + ",".join(f"{c}:{b}" for c, b in COMMAND_ROWS) + ")")
+    p.add_argument("--command-steps", type=int, default=None,
+                   help="denoising steps of the whole commands (default: " + ", ".join(f"{c} {n}" for c, n in
+                                                                                      COMMAND_STEPS.items()) + ")")
+    p.add_argument("--workdir", default="outputs/bench_offload", help="where the commands' random checkpoints and "
+                   "videos go (reused when present)")
     # One row of the parent's table (run in a fresh process).
     p.add_argument("--config", default=None, help=argparse.SUPPRESS)
     p.add_argument("--budget", type=float, default=None, help=argparse.SUPPRESS)
@@ -380,11 +511,15 @@ def main(argv=None) -> None:
             json.dump(result, f)
         return
     harness.print_env()
+    deadline = None if args.time_limit is None else time.perf_counter() + args.time_limit
+    if args.commands:
+        rows = parse_rows(args.command_rows) if args.command_rows else TINY_COMMAND_ROWS if args.tiny else COMMAND_ROWS
+        command_tables(args, rows, deadline)
+        return
     common = ["--size", f"{args.width}*{args.height}", "--frames", str(args.frames), "--iters", str(args.iters)]
     common += [] if args.attention is None else ["--attention", args.attention]
     common += [] if args.resident is None else ["--resident", str(args.resident)]
     plan = parse_rows(args.rows) if args.rows else TINY_ROWS if args.tiny else DEFAULT_ROWS
-    deadline = None if args.time_limit is None else time.perf_counter() + args.time_limit
     rows, failed = [], []
     for config, budget in plan:
         for quant in args.quantize.split(","):

@@ -9,8 +9,9 @@
   block ranges, FSDP shards on a mesh of the simulated CPU devices, and the loader reading a
   diffusers-saved checkpoint's blocks straight into host memory.
 - The UMT5 encoder's blocks stream the same way (bit-identical embeddings; the pipeline streams its text
-  encoder as the plan says), and the plan streams them where the encoder alone does not fit (UMT5-XXL
-  beside the 1.3B DiT at 8 GiB).
+  encoder as the plan says, its loader reading the blocks straight into host memory: no block parameter is
+  ever put into device memory, alone or on a mesh), and the plan streams them where the encoder alone does
+  not fit (UMT5-XXL beside the 1.3B DiT at 8 GiB).
 - The compiled step decides where the estimate is short (`plan_offload(measure=)`: resident blocks drop
   until XLA's own count fits; `compiled_device_bytes` leaves the host stack out).
 - The estimate: for an injected device size below the weights it streams the fewest blocks that fit
@@ -156,7 +157,7 @@ def test_loader_reads_the_blocks_into_host_memory(tmp_path):
     assert streamed.offloaded and streamed.resident_block_count == 0 and _kinds(streamed.blocks) == {"pinned_host"}
     assert _kinds(streamed.patch_embedding) == {"device"}
     _assert_same(streamed, resident)  # the forward of such a DiT: test_streamed_blocks_are_bit_identical
-    # On a mesh each block parameter lands in host memory with its FSDP spec (placed, then moved).
+    # On a mesh each block parameter lands in host memory with its FSDP spec, each device's slice put there.
     from wan_tpu.parallel.sharding import param_spec
 
     mesh = make_mesh(dp=1, sp=2, tp=2, devices=jax.devices()[:4])
@@ -301,6 +302,64 @@ def test_umt5_streamed_blocks_are_bit_identical():
     assert not model.offloaded and _kinds(model.blocks) == {"device"}
 
 
+def _record_placements(monkeypatch) -> list[tuple[tuple, str]]:
+    """(shape, memory kind) of every array the loaders put from the host (`jax.device_put`,
+    `jax.make_array_from_callback`: what `load_params` and `place_param` call) or make on the device (the
+    layout programs)."""
+    from wan_tpu.loading import params
+
+    seen = []
+
+    def recording(fn):
+        def call(*args, **kwargs):
+            out = fn(*args, **kwargs)
+            seen.extend((leaf.shape, leaf.sharding.memory_kind) for leaf in jax.tree.leaves(out))
+            return out
+        return call
+
+    monkeypatch.setattr(jax, "device_put", recording(jax.device_put))
+    monkeypatch.setattr(jax, "make_array_from_callback", recording(jax.make_array_from_callback))
+    monkeypatch.setattr(params, "_layout_program", recording(params._layout_program))
+    return seen
+
+
+def test_umt5_loader_reads_the_blocks_into_host_memory(tmp_path, monkeypatch):
+    """A transformers-saved UMT5 (`save_pretrained`) loads with its block stack straight in host memory, alone
+    and FSDP-sharded on a mesh: no block parameter is ever put into device memory (an encoder larger than
+    the device loads), every other one is; weights and embeddings bit-identical to the resident load."""
+    import torch
+    from transformers import UMT5EncoderModel
+
+    from wan_tpu.encoders.umt5_loading import load_umt5
+    from wan_tpu.parallel.sharding import param_spec
+    from wan_tpu.wan.presets import hf_umt5_config, tiny_umt5_config
+
+    cfg = dataclasses.replace(tiny_umt5_config(32), num_layers=3)
+    torch.manual_seed(0)
+    UMT5EncoderModel(hf_umt5_config(cfg)).save_pretrained(tmp_path)
+    resident, _ = load_umt5(tmp_path, jnp.bfloat16)
+    blocks = {k: v.get_value().shape for k, v in nnx.to_flat_state(nnx.state(resident.blocks))}
+    mesh = make_mesh(dp=1, sp=2, tp=2, devices=jax.devices()[:4])
+    seen = _record_placements(monkeypatch)
+    streamed, _ = load_umt5(tmp_path, jnp.bfloat16, offload=True)
+    sharded, _ = load_umt5(tmp_path, jnp.bfloat16, mesh=mesh, offload=True)
+    monkeypatch.undo()
+    block_puts = [kind for shape, kind in seen if shape in set(blocks.values())]
+    assert sorted(block_puts) == sorted(2 * len(blocks) * [offload.host_memory_kind()]), seen
+    assert {kind for shape, kind in seen if shape not in set(blocks.values())} == {"device"}
+    assert streamed.offloaded and streamed.resident_block_count == 0 and _kinds(streamed.final_layer_norm) == {"device"}
+    _assert_same(streamed, resident)
+    for key, var in nnx.to_flat_state(nnx.state(sharded.blocks)):
+        value = var.get_value()
+        spec = param_spec(mesh, "umt5", ".".join(("blocks", *map(str, key))), value.shape)
+        assert value.sharding.memory_kind == "pinned_host" and value.sharding.spec == spec, key
+    _assert_same(sharded, resident)
+    embed = jax.random.normal(jax.random.key(0), (2, 16, 32), jnp.bfloat16)
+    mask = jnp.ones((2, 16), jnp.int32).at[1, 9:].set(0)
+    np.testing.assert_array_equal(np.asarray(streamed.offload_blocks(1)(embed, mask), np.float32),
+                                  np.asarray(resident(embed, mask), np.float32))
+
+
 def test_text_stage_streams_where_the_encoder_alone_does_not_fit():
     """1.3B at 8 GiB: the DiT fits, UMT5-XXL (9 GiB of blocks in bf16) does not; the plan streams its blocks."""
     from wan_tpu.encoders.umt5 import UMT5Config
@@ -328,9 +387,22 @@ def test_pipeline_streams_its_text_encoder_as_planned():
     pipe = WanPipeline.from_pretrained("tiny", offload="none")
     ref = np.asarray(pipe.encode_prompt("a cat")["prompt_embeds"], np.float32)
     pipe.release("text_encoder")
+    asked = []
+    random_weights = pipe._loaders["text_encoder"]
+
+    def loader(offload=False):  # a folder's loader reads the blocks into host memory when asked (`load_umt5`)
+        asked.append(offload)
+        return random_weights()
+
+    loader.offloads = True
+    pipe._loaders["text_encoder"] = loader
     pipe.offload_plan = memory.OffloadPlan(None, 2, True, text_resident=0, text_layers=pipe.text_encoder_config.num_layers)
     assert pipe.text_encoder.model.offloaded and pipe.text_encoder.model.resident_block_count == 0
     np.testing.assert_array_equal(np.asarray(pipe.encode_prompt("a cat")["prompt_embeds"], np.float32), ref)
+    pipe.release("text_encoder")
+    pipe.offload_plan = None
+    pipe.text_encoder
+    assert asked == [True, False]
 
 
 def test_the_compiled_step_decides_where_the_estimate_is_short():

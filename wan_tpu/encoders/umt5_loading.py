@@ -160,12 +160,14 @@ def _sources(tensors: TensorSource, folder: str, flat, cfg: UMT5Config) -> tuple
     return sources, embedding
 
 
-def load_umt5(path, dtype=jnp.bfloat16, mesh=None) -> tuple[UMT5Encoder, UMT5Embedding]:
+def load_umt5(path, dtype=jnp.bfloat16, mesh=None, offload: bool = False) -> tuple[UMT5Encoder, UMT5Embedding]:
     """Load a diffusers `text_encoder/` folder or a text encoder file (the module docstring) into a
     `UMT5Encoder` with weights in `dtype`, and its token embedding (on the host, memory-mapped).
 
     With a `mesh`, each parameter is placed sharded as it is read (`wan_tpu.parallel.sharding.place_param`,
-    rule table "umt5").
+    rule table "umt5"). `offload=True`: the block stack is read straight into host memory, every block
+    streamed (`UMT5Encoder.offload_blocks`), so an encoder larger than the device (UMT5-XXL's 11 GB in
+    bf16 beside an 8 GiB card) loads without its blocks ever occupying device memory.
     """
     path = os.fspath(path)
     config, tensors = open_umt5(path, dtype)
@@ -178,9 +180,9 @@ def load_umt5(path, dtype=jnp.bfloat16, mesh=None) -> tuple[UMT5Encoder, UMT5Emb
         from wan_tpu.parallel.sharding import place_param
 
         paths = [".".join(str(k) for k in key) for key, _ in flat]
-        place = lambda i, host: place_param(mesh, "umt5", paths[i], host)  # noqa: E731
+        place = lambda i, host, **where: place_param(mesh, "umt5", paths[i], host, **where)  # noqa: E731
     stored = [StoredParam(tensors, names, Layout(), np.dtype(var.get_value().dtype), str(key[0]) == "blocks")
               for names, (key, var) in zip(sources, flat)]
-    for (_, var), value in zip(flat, load_params(stored, place)):
+    for (_, var), value in zip(flat, load_params(stored, place, streamed=[offload and p.stacked for p in stored])):
         var.set_value(value)
     return nnx.merge(graphdef, nnx.from_flat_state(flat)), UMT5Embedding(tensors[embedding], dtype)

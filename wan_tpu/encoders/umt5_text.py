@@ -66,16 +66,18 @@ class UMT5TextEncoder:
         self.graphdef, self.state = nnx.split(model)
 
     @classmethod
-    def from_pretrained(cls, text_encoder, tokenizer_dir, dtype=jnp.bfloat16, mesh=None) -> UMT5TextEncoder:
+    def from_pretrained(cls, text_encoder, tokenizer_dir, dtype=jnp.bfloat16, mesh=None,
+                        offload: bool = False) -> UMT5TextEncoder:
         """diffusers' Wan layout: `text_encoder/` (weights, sharded by the `umt5` rules) and `tokenizer/`; or
         one text encoder file (Wan's `models_t5_umt5-xxl-enc-bf16.pth`, ComfyUI's `umt5_xxl_*.safetensors`:
-        the config from its shapes, `wan_tpu.encoders.umt5_loading`) and a tokenizer folder."""
+        the config from its shapes, `wan_tpu.encoders.umt5_loading`) and a tokenizer folder. `offload=True`:
+        the blocks are read straight into host memory and streamed from there (`load_umt5`)."""
         from wan_tpu.encoders.tokenizers import UMT5Tokenizer
         from wan_tpu.encoders.umt5_loading import load_umt5, umt5_config
 
         umt5_config(text_encoder)  # a missing config.json or a wrong file is named before the tokenizer is read
         tokenizer = UMT5Tokenizer.from_folder(tokenizer_dir, MAX_SEQUENCE_LENGTH)
-        return cls(*load_umt5(text_encoder, dtype=dtype, mesh=mesh), tokenizer)
+        return cls(*load_umt5(text_encoder, dtype=dtype, mesh=mesh, offload=offload), tokenizer)
 
     def offload_blocks(self, resident: int = 0) -> UMT5TextEncoder:
         """Stream the encoder's blocks from host memory, `resident` of them kept on the device

@@ -229,35 +229,53 @@ def _ordered(pool, fn, items, ahead: int):
         yield pending.popleft().result()
 
 
-def load_params(params: Sequence[StoredParam], place: Callable[[int, np.ndarray], jax.Array] | None = None,
-                threads: int = READ_THREADS) -> list[jax.Array]:
+def load_params(params: Sequence[StoredParam], place: Callable[..., jax.Array] | None = None,
+                threads: int = READ_THREADS, streamed: Sequence[bool] = ()) -> list[jax.Array]:
     """Every parameter on the device, in order: the default device, or where `place(i, host)` puts
-    `params[i]` given in our layout and dtype (e.g. sharded over a mesh)."""
+    `params[i]` given in our layout and dtype (e.g. sharded over a mesh).
+
+    `streamed[i]`: parameter `i` (a stack whose layers stream from host memory, `wan_tpu.parallel.offload`)
+    goes straight into its devices' host memory instead, converted on the host, never occupying device
+    memory: `place(i, host, memory_kind=...)` puts it with its mesh placement
+    (`wan_tpu.parallel.sharding.place_param`)."""
+    kind = None
+    if any(streamed):
+        from wan_tpu.parallel.offload import host_kind
+
+        kind = host_kind()
+    where = lambda i: {"memory_kind": kind} if i < len(streamed) and streamed[i] else {}  # noqa: E731
     with concurrent.futures.ThreadPoolExecutor(threads) as pool:
         if place is not None and jax.process_count() > 1:
-            return list(_ordered(pool, lambda i: _place_slices(place, i, params[i]), range(len(params)), threads))
+            return list(_ordered(pool, lambda i: _place_slices(place, i, params[i], where(i)), range(len(params)),
+                                 threads))
         if place is not None:
             hosts = _ordered(pool, StoredParam.read_host, params, threads)
-            return [place(i, host) for i, host in enumerate(hosts)]
+            return [place(i, host, **where(i)) for i, host in enumerate(hosts)]
         out = []
-        for p, on_device, arrays in _ordered(pool, _put, params, 2 * threads):
+        for p, on_device, arrays in _ordered(pool, lambda i: _put(params[i], where(i).get("memory_kind")),
+                                             range(len(params)), 2 * threads):
             out.append(_layout_program(tuple(arrays), p.layout, p.stacked, p.dtype) if on_device else arrays[0])
         return out
 
 
-def _place_slices(place, i: int, p: StoredParam) -> jax.Array:
+def _place_slices(place, i: int, p: StoredParam, where: dict) -> jax.Array:
     """`place(i, ...)` given the parameter's slices to read; a `place` that takes only arrays gets it whole."""
     try:
-        return place(i, ParamSlices(p))
+        return place(i, ParamSlices(p), **where)
     except TypeError:
-        return place(i, p.read_host())
+        return place(i, p.read_host(), **where)
 
 
-def _put(p: StoredParam):
+def _put(p: StoredParam, host_kind: str | None = None):
     """`p` host → device: (p, whether its layout and cast are still to do on the device, the arrays put).
 
     Large parameters go as stored, each layer straight from its memory map (no host copy); small ones
-    are converted on the host first, so that they compile no program of their own."""
+    are converted on the host first, so that they compile no program of their own. With `host_kind`
+    the parameter goes to that host memory of the default device, converted on the host (a layout
+    program would run on the device)."""
+    if host_kind is not None:
+        sharding = jax.sharding.SingleDeviceSharding(jax.devices()[0], memory_kind=host_kind)
+        return p, False, [jax.device_put(p.read_host(), sharding)]
     if p.as_stored and not p.stacked:
         return p, False, [jax.device_put(np.asarray(p.tensors[p.names[0]]))]
     if p.stored_bytes < DEVICE_LAYOUT_BYTES:

@@ -7,7 +7,9 @@ A stack of layers (every parameter with a leading layer axis, run with `jax.lax.
 blocks, the UMT5 encoder's) moves into the host memory of its devices (`pinned_host` where the backend has it: a GPU copies
 from page-locked memory by DMA at the bus's rate; `unpinned_host` otherwise), keeping its sharding, so
 that with a mesh each device's FSDP shard sits in its own host's memory and streams to that device alone.
-The first `resident` layers are also kept on the device, where they run as before.
+The first `resident` layers are also kept on the device, where they run as before. A loader reads such a
+stack straight into host memory (`wan_tpu.loading.params.load_params(streamed=)`): it never occupies
+device memory, so a model larger than the device loads too.
 
 Inside the compiled program the streamed layers run in a scan whose carry holds the next layer's
 device copy: step i starts the host → device copy of layer i+1 (a dynamic slice of the host stack moved
@@ -26,12 +28,11 @@ dynamic slices, and the copy itself is what an export for TPU or GPU shows (`ann
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
-from jax.sharding import SingleDeviceSharding
 
 from wan_tpu.errors import WanInputError
 
@@ -45,7 +46,10 @@ def host_memory_kind(device=None) -> str | None:
     return next((k for k in HOST_KINDS if k in kinds), None)
 
 
-def _host_kind(device) -> str:
+def host_kind(device=None) -> str:
+    """The host memory kind weights stream from to `device` (default: the first); a `WanInputError` where
+    the backend has none."""
+    device = device or jax.devices()[0]
     kind = host_memory_kind(device)
     if kind is None:
         raise WanInputError(f"{device.device_kind} has no host memory space to stream weights from; "
@@ -64,28 +68,12 @@ def to_host(x: jax.Array) -> jax.Array:
     """`x` with its sharding, in its devices' host memory."""
     if on_host(x):
         return x
-    return jax.device_put(x, x.sharding.with_memory_kind(_host_kind(next(iter(x.sharding.device_set)))))
+    return jax.device_put(x, x.sharding.with_memory_kind(host_kind(next(iter(x.sharding.device_set)))))
 
 
 def to_device(x: jax.Array) -> jax.Array:
     """`x` with its sharding, in device memory."""
     return jax.device_put(x, x.sharding.with_memory_kind("device")) if on_host(x) else x
-
-
-def host_placement(place: Callable | None, streamed: Sequence[bool]) -> Callable:
-    """A `wan_tpu.loading.params.load_params` placement that puts parameter `i` into host memory as it is
-    read when `streamed[i]` (an offloaded stack that never sits whole on the device), the others as
-    `place` puts them (None: on the default device). With a mesh (`place` given) a streamed parameter
-    passes through its devices, one parameter at a time, to keep the mesh's placement."""
-    def put(i, host):
-        if not streamed[i]:
-            return jax.device_put(host) if place is None else place(i, host)
-        if place is not None:
-            return to_host(place(i, host))
-        device = jax.devices()[0]
-        return jax.device_put(host, SingleDeviceSharding(device, memory_kind=_host_kind(device)))
-
-    return put
 
 
 def _prefix(stack: jax.Array, n: int) -> jax.Array:
@@ -119,9 +107,17 @@ def offload_stack(stack: nnx.Module, resident: int = 0) -> nnx.Module | None:
     return nnx.merge(nnx.graphdef(stack), nnx.from_flat_state(prefix)) if resident else None
 
 
-def restore_stack(stack: nnx.Module) -> None:
-    """Undo `offload_stack`: every parameter of `stack` back in device memory, in place."""
-    for _, var in nnx.to_flat_state(nnx.state(stack)):
+def park(module: nnx.Module) -> None:
+    """Every parameter of `module` into its devices' host memory, in place, one at a time (each device copy
+    goes as soon as its host copy exists): a component leaves the device between its uses without being
+    read from disk again. `unpark` brings it back; both are no-ops where the weights already are."""
+    for _, var in nnx.to_flat_state(nnx.state(module)):
+        var.set_value(to_host(var.get_value()))
+
+
+def unpark(module: nnx.Module) -> None:
+    """Undo `park` or `offload_stack`: every parameter of `module` back in device memory, in place."""
+    for _, var in nnx.to_flat_state(nnx.state(module)):
         var.set_value(to_device(var.get_value()))
 
 
@@ -180,8 +176,8 @@ def scan_layers(body: Callable, carry, resident_state, host_state=None, start: i
     return carry
 
 
-__all__ = ["HOST_KINDS", "host_memory_kind", "host_placement", "is_streamed", "offload_stack", "on_host", "restore_stack",
-           "scan_layers", "to_device", "to_host"]
+__all__ = ["HOST_KINDS", "host_kind", "host_memory_kind", "is_streamed", "offload_stack", "on_host", "park",
+           "scan_layers", "to_device", "to_host", "unpark"]
 
 
 class StreamedBlocks:
@@ -199,7 +195,7 @@ class StreamedBlocks:
 
     def restore_blocks(self) -> None:
         """Undo `offload_blocks`: the whole stack back on the device."""
-        restore_stack(self.blocks)
+        unpark(self.blocks)
         self.resident_blocks = nnx.data(None)
 
     @property

@@ -122,17 +122,21 @@ def _resolve(mesh, family, path, shape, num_heads=None):
     return rule, *fit_spec(spec, shape, mesh)
 
 
-def place_param(mesh, family: str, param_path: str, host_array, dtype=None, num_heads: int | None = None) -> jax.Array:
+def place_param(mesh, family: str, param_path: str, host_array, dtype=None, num_heads: int | None = None,
+                memory_kind: str | None = None) -> jax.Array:
     """Put one parameter on `mesh` as its rule says; each device reads only its own slice.
 
     `host_array` may be a read-only memory map, or anything that reads a slice when indexed
     (`wan_tpu.loading.params.ParamSlices`: on a mesh spanning several processes each process then reads
     only its own devices' slices, each once however many of its devices hold it); `dtype` (optional)
     converts each slice as it is read; `num_heads` (DiT, optional) lets a model whose heads `tp` does not
-    divide land in its final layout (`shard_transformer` re-places it otherwise).
+    divide land in its final layout (`shard_transformer` re-places it otherwise); `memory_kind`: the
+    devices' memory to place it in (None: their own; a host kind for a stack streamed from host memory,
+    `wan_tpu.parallel.offload`: each device's slice goes straight into its host's memory).
     """
     shape = tuple(host_array.shape)
-    return put(host_array, NamedSharding(mesh, param_spec(mesh, family, param_path, shape, num_heads)), dtype)
+    spec = param_spec(mesh, family, param_path, shape, num_heads)
+    return put(host_array, NamedSharding(mesh, spec, memory_kind=memory_kind), dtype)
 
 
 def put(host_array, sharding, dtype=None) -> jax.Array:

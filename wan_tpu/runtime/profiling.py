@@ -287,9 +287,50 @@ class _Elapsed:
         self._thread.join()
 
 
+def _memory_stats(device) -> dict:
+    return device.memory_stats() or {}
+
+
+class _StagePeak:
+    """The peak device memory of one stage, on the first local device, where the backend reports
+    `memory_stats()` (GPU, TPU; not CPU). XLA's `peak_bytes_in_use` is the process's peak so far and cannot
+    be reset: where it rose during the stage it is the stage's own peak, exactly; where the stage stayed
+    below an earlier stage's peak, the largest `bytes_in_use` seen by a thread sampling every
+    `interval` seconds is (a compiled program holds its temporaries for its whole run, so a program that
+    runs longer than that is seen at its peak)."""
+
+    def __init__(self, interval: float = 0.01):
+        self.device = jax.local_devices()[0]
+        stats = _memory_stats(self.device)
+        self.before = stats.get("peak_bytes_in_use")
+        self.seen = stats.get("bytes_in_use", 0)
+        self._stop = threading.Event()
+        self._thread = None
+        if self.before is not None:
+            self._thread = threading.Thread(target=self._sample, args=(interval,), name="wan_tpu-memory", daemon=True)
+            self._thread.start()
+
+    def _sample(self, interval: float) -> None:
+        while not self._stop.wait(interval):
+            self.seen = max(self.seen, _memory_stats(self.device).get("bytes_in_use", 0))
+
+    def close(self) -> tuple[int, bool] | None:
+        """(peak bytes, whether exact) or None where the backend reports no memory."""
+        if self._thread is None:
+            return None
+        self._stop.set()
+        self._thread.join()
+        stats = _memory_stats(self.device)
+        after = stats.get("peak_bytes_in_use", self.before)
+        if after > self.before:
+            return after, True
+        return max(self.seen, stats.get("bytes_in_use", 0)), False
+
+
 @dataclass
 class StageTimer:
-    """Wall-clock seconds per named stage, in the order the stages ran.
+    """Wall-clock seconds per named stage, in the order the stages ran, and each stage's peak device
+    memory where the backend reports it (`_StagePeak`; a stage run several times: its largest).
 
     With `since` (a `time.perf_counter()` value, e.g. `process_start()`), the time from `since` to the
     start of the first stage is the first row, `startup`: imports, argument checks, device set-up.
@@ -300,6 +341,7 @@ class StageTimer:
     # A command line's stages show `name: 12s` on stderr, refreshed every second, once they pass a second
     # (loading, compiling, sampling: a user sees the command working); off for --quiet and from Python.
     progress: bool = False
+    peaks: dict[str, tuple[int, bool]] = field(default_factory=dict)  # stage → (bytes, exact), first device
 
     @contextlib.contextmanager
     def stage(self, name: str):
@@ -307,6 +349,7 @@ class StageTimer:
         if self.since is not None and "startup" not in self.seconds:
             self.seconds["startup"] = start - self.since
         shown = _Elapsed(name) if self.progress else None
+        peak = _StagePeak()
         with scope(name):
             try:
                 yield
@@ -314,13 +357,26 @@ class StageTimer:
                 if shown is not None:
                     shown.close()
                 self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - start
+                measured = peak.close()
+                if measured is not None:
+                    self.peaks[name] = max(self.peaks.get(name, measured), measured)
 
     def table(self, extra: list[tuple[str, str]] = ()) -> str:
+        """One row per stage (seconds), the total, the `extra` rows; then, where measured, each stage's
+        peak device memory in GiB (`≥`: sampled, below an earlier stage's peak; `_StagePeak`)."""
         rows = [(name, f"{sec:9.2f} s") for name, sec in self.seconds.items()]
         rows.append(("total", f"{sum(self.seconds.values()):9.2f} s"))
         rows.extend(extra)
-        width = max(len(r[0]) for r in rows)
-        return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)
+        peaks = [(f"  {name}", f"{'' if exact else '≥'}{peak / 2**30:.2f}".rjust(9))
+                 for name, (peak, exact) in self.peaks.items()]
+        width = max(len(r[0]) for r in rows + peaks)
+        lines = [f"{k:<{width}}  {v}" for k, v in rows]
+        if peaks:
+            lines += [PEAK_HEADER] + [f"{k:<{width}}  {v}" for k, v in peaks]
+        return "\n".join(lines)
+
+
+PEAK_HEADER = "peak device memory, GiB (first device)"
 
 
 def mfu(flops_per_step: float, seconds_per_step: float, num_devices: int, device=None) -> tuple[str, str]:

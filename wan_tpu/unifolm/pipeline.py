@@ -32,6 +32,12 @@ from the model's and VAE's abstract modules (their configs alone) and the encode
 calls then wait for what they need only, and run the very programs compiled ahead: results are
 bit-identical with and without `prepare`. The pipeline's `compile_cache` choice applies to its own work
 only (`wan_tpu.runtime.compile_cache.selected`).
+
+Small devices: `offload="auto"` (the default; `set_offload`) parks the CLIP towers in host memory
+(`wan_tpu.parallel.offload.park`) once a call's conditions are encoded, and brings each back when it next
+encodes, where every component's weights and the sampling's working set (`sampling_bytes`) do not fit the
+device together (`encoders_leave_device`). By that estimate UnifoLM-WMA-0 in float32 (13.5 GiB of weights,
+3.6 of them the towers, + 3.9 GiB sampling) fits a 24 GB card whole, and a 16 GB one with its towers parked.
 """
 
 from __future__ import annotations
@@ -47,7 +53,8 @@ import numpy as np
 from flax import nnx
 
 from wan_tpu.errors import WanInputError
-from wan_tpu.runtime import executable_cache, interrupt
+from wan_tpu.parallel.offload import on_host, park, unpark
+from wan_tpu.runtime import distributed, executable_cache, interrupt
 from wan_tpu.runtime.compile_cache import in_pipeline_choice
 from wan_tpu.unifolm import presets
 
@@ -155,6 +162,7 @@ class UnifolmPipeline:
         self._abstracts = abstracts if abstracts is not None else abstract_builds(config, vae_config, dtype, attention)
         self._loaded: dict = {}
         self._warmup = None
+        self.offload = "auto"  # `set_offload`'s choice
         self._text_cache: dict[str, jax.Array] = {}
         self.timer = None  # a `wan_tpu.runtime.profiling.StageTimer` to time the stages of every sampling
         # What determines the stage programs short of tracing them (`wan_tpu.runtime.executable_cache` adds
@@ -167,7 +175,7 @@ class UnifolmPipeline:
     @classmethod
     def from_pretrained(cls, path_or_preset: str, *, mesh=None, dtype=jnp.float32, attention: str | None = None,
                         compile_cache: bool = True, stats: str | None = None,
-                        encoder_dtype=jnp.float32) -> UnifolmPipeline:
+                        encoder_dtype=jnp.float32, offload: str = "auto") -> UnifolmPipeline:
         """A converted checkpoint folder (`wan-convert-unifolm` (`wan_tpu/unifolm/convert.py`)) or a preset name
         (`unifolm-tiny`, `unifolm-tiny-base`: random weights, seconds on a CPU).
 
@@ -179,12 +187,13 @@ class UnifolmPipeline:
         compiling it for minutes), or not; applied around its own work only. UnifoLM's options: `stats`, a
         LeRobot stats.safetensors (default: the folder's, when present); `encoder_dtype`: the CLIP towers'
         (float32 by default, as the authors; bfloat16 halves their memory; the presets' random towers stay
-        float32). The configs are read now (a bad folder is a `WanInputError` at once); the components
-        load on first use, or in the background after `prepare`."""
+        float32). `offload`: "auto", "none" or "encoders" (`set_offload`). The configs are read now (a bad
+        folder is a `WanInputError` at once); the components load on first use, or in the background after
+        `prepare`."""
         table = None if stats is None else MinMaxTable.from_file(stats)
         if path_or_preset in PRESETS:
             return presets.PRESETS[path_or_preset](cls, dtype=dtype, mesh=mesh, attention=attention, stats=table,
-                                                   compile_cache=bool(compile_cache))
+                                                   compile_cache=bool(compile_cache)).set_offload(offload)
         path = os.fspath(path_or_preset)
         if not os.path.isdir(path):
             if os.path.isfile(path) and path.endswith((".ckpt", ".pt", ".pth", ".bin")):
@@ -227,7 +236,34 @@ class UnifolmPipeline:
             table = MinMaxTable.from_file(sub(STATS_FILE))
         loaders = {"model": model, "vae": vae, "image_encoder": image_encoder, "text_encoder": text_encoder}
         return cls(config, vae_config, loaders, stats=table, name=config.name, dtype=dtype, mesh=mesh,
-                   attention=attention, compile_cache=bool(compile_cache))
+                   attention=attention, compile_cache=bool(compile_cache)).set_offload(offload)
+
+    def set_offload(self, offload: str = "auto") -> UnifolmPipeline:
+        """What leaves the device between a call's stages: "auto" (the CLIP towers, where the components and
+        the sampling do not fit the device together: `encoders_leave_device`), "none", or "encoders" (the
+        towers always). Results are bit-identical whichever."""
+        if offload not in ("auto", "none", "encoders"):
+            raise WanInputError(f"offload {offload!r} is not one of auto, none, encoders; pass one of those")
+        self.offload = offload
+        return self
+
+    def encoders_leave_device(self, device_bytes: int | None = None) -> bool:
+        """Whether the CLIP towers go to host memory once a call's conditions are encoded (`set_offload`):
+        for "auto", whether the loaded components' weights (bytes per device) and `sampling_bytes` exceed
+        `device_bytes` (default: the first device's memory limit; unknown, as on CPU: nothing leaves)."""
+        if self.offload != "auto":
+            return self.offload == "encoders"
+        if device_bytes is None:
+            device_bytes = (jax.local_devices()[0].memory_stats() or {}).get("bytes_limit")
+        if device_bytes is None:
+            return False
+        weights = 0
+        for name in self.COMPONENTS:
+            module = self.component(name)
+            for x in jax.tree.leaves(nnx.state(getattr(module, "model", module))):
+                if not on_host(x):
+                    weights += int(np.prod(x.sharding.shard_shape(x.shape))) * x.dtype.itemsize
+        return weights + sampling_bytes(self.config, self.dtype) > device_bytes
 
     @property
     def has_heads(self) -> bool:
@@ -372,6 +408,7 @@ class UnifolmPipeline:
     @in_pipeline_choice
     def encode_text(self, prompt: str) -> jax.Array:
         if prompt not in self._text_cache:  # the loop re-uses its two prompts every iteration
+            unpark(self.text_encoder.model)  # where the last call parked it
             self._text_cache[prompt] = self.text_encoder.encode([prompt])
         return self._text_cache[prompt]
 
@@ -437,10 +474,16 @@ class UnifolmPipeline:
         with stage("encode conditions"):
             cond = jax.block_until_ready(self._encode_conditions(model, vae, image_encoder, encode_text(prompt), images,
                                                                  states, actions, fs, k_vae, None, keep_action_tokens))
+            if timed and self.encoders_leave_device():
+                park(image_encoder.model)
+                park(self.text_encoder.model)
         with stage("sample"):
             latents, act, st = jax.block_until_ready(self._sample(model, cond, num_steps, eta, k_sample))
         with stage("decode"):
-            video = jax.block_until_ready(_decode_split(vae, latents, self.program_key))[0]
+            video = jax.block_until_ready(_decode_split(vae, latents, self.program_key))
+            if not video.is_fully_addressable:  # spread over several processes: each takes the whole video
+                video = distributed.to_host(video)
+            video = video[0]
         return video, act, st
 
     def _run(self, prompt, images, states, actions, fs, num_steps, eta, seed, keep_action_tokens=True):
@@ -449,6 +492,7 @@ class UnifolmPipeline:
             parts = (self.model, self.vae, self.image_encoder, self.encode_text)
             self.text_encoder
             self._wait_compiled()
+            unpark(self.image_encoder.model)  # where the last call parked it
         return self._stages(parts, prompt, images, states, actions, fs, num_steps, eta, seed, keep_action_tokens)
 
     # ---- modes ----------------------------------------------------------------------------------
@@ -534,6 +578,18 @@ class UnifolmPipeline:
         imgs = self.check_images(image, 1)
         video, _, _ = self._run(prompt, imgs, None, None, fs, num_steps, eta, seed)
         return UnifolmOutput(to_uint8(video), np.asarray(video))
+
+
+# The sampling's working set beyond the weights, in values of the model dtype per latent element and
+# model channel (t · h · w · model_channels): the H100 bf16 decision run of docs/PERFORMANCE.md peaked at
+# 9.45 GB over 6.88 GiB of weights, 1.92 GiB for 16 × 40 × 64 latents × 320 channels.
+SAMPLING_VALUES = 79
+
+
+def sampling_bytes(config, dtype) -> int:
+    """Device bytes the sampling stage needs beside the weights (`SAMPLING_VALUES`)."""
+    t, (h, w) = config.unet.temporal_length, config.latent_size
+    return SAMPLING_VALUES * jnp.dtype(dtype).itemsize * t * h * w * config.unet.model_channels
 
 
 def _prepare(model, vae, text_emb, clip_tokens, last_frame, noise, images, states, actions, fs, keep_action_tokens):

@@ -76,7 +76,8 @@ def load_transformer(path: str, dtype=jnp.float32, mesh=None, quantize: str | No
     if mesh is not None:
         from wan_tpu.parallel.sharding import place_param
 
-        place = lambda i, host: place_param(mesh, "dit", paths[i], host, num_heads=cfg.num_attention_heads)  # noqa: E731
+        place = lambda i, host, **where: place_param(mesh, "dit", paths[i], host,  # noqa: E731
+                                                     num_heads=cfg.num_attention_heads, **where)
     stored = [s.stored(tensors, var.get_value().dtype) for s, (_, var) in zip(sources, flat)]
     paths = [s.path for s in sources]
     as_stored = _stored_8bit(sources, ckpt.low_precision, quantize) if quantize else {}
@@ -84,11 +85,7 @@ def load_transformer(path: str, dtype=jnp.float32, mesh=None, quantize: str | No
         stored[i] = kernel
         stored.append(scale)
         paths.append(sources[i].path + "_scale")
-    if offload:
-        from wan_tpu.parallel.offload import host_placement
-
-        place = host_placement(place, [p.startswith("blocks.") for p in paths])
-    values = load_params(stored, place)
+    values = load_params(stored, place, streamed=[offload and p.startswith("blocks.") for p in paths])
     for i, (_, var) in enumerate(flat):
         var.set_value(values[i])
     dit = nnx.merge(graphdef, nnx.from_flat_state(flat))
