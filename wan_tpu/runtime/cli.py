@@ -11,7 +11,7 @@ the stage commands).
   result → one line and status 1; Ctrl-C / SIGTERM → one line naming what was kept, 130 / 143
   (`wan_tpu.runtime.interrupt`); otherwise 0. A command line also claims its device memory and XLA
   defaults before the first device use; every command joins its multi-process job there
-  (`wan_tpu.runtime.distributed`: one writer; a stop on any process stops all).
+  (`wan_tpu.runtime.distributed`: one writer, the others print one line; a stop on any process stops all).
 - `exit_now`: leave without the interpreter's teardown once the work is written.
 """
 
@@ -161,7 +161,7 @@ def run_cli(run: Callable, parser: argparse.ArgumentParser, argv=None) -> int:
             distributed.initialize_from_args(args)  # before any device use
             # `startup` counts from the process start for a command line, from this call for a call from Python.
             args.started = process_start() if argv is None else called
-            with distributed.stop_all_on_error():
+            with distributed.stop_all_on_error(), distributed.writer_output(args):
                 run(args)
             # A signal during the last write or after it is not dropped: the files are complete, and the
             # closing line says which were kept.

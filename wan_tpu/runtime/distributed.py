@@ -12,7 +12,13 @@ process's devices (`wan_tpu.make_mesh` over `jax.devices()`, not `jax.local_devi
 Then:
 - each host reads only its devices' slices of the checkpoint (`wan_tpu.parallel.sharding.place_param`);
 - process 0 is the one writer (`is_writer`): mp4 and stage files; results spread over processes are
-  gathered first (`to_host`);
+  gathered first (`to_host`). The others print one line saying so and nothing else on stdout, and show
+  no progress (`writer_output`): the "wrote" lines and the timing tables are process 0's;
+- a job's result does not depend on how its devices are split over processes, bit for bit, a job of one
+  process included (`--num-processes 1`). A process outside any job may differ from it by float rounding,
+  on CPU alone: XLA's CPU all-reduce adds in device order there and in gloo's order in a job, and the
+  sharded programs (UMT5, the DiT's embedders and cross-attention K/V, the VAE) add partial products with
+  it; on GPUs both run NCCL's;
 - a signal or a failure on any process stops every process at its next safe point: the process it
   happened in publishes it in the job's key-value store, and a watcher thread in every other process
   raises the same signal there (a failure is passed on as SIGTERM), so each ends with its one
@@ -20,7 +26,9 @@ Then:
   within `STOP_GRACE_S` is waiting inside a collective whose peers have left: the watcher sends the
   signal a second time, which exits at once and removes the temporary files;
 - at the end (`finish`), the others wait until process 0 has ended (its files are written), then all
-  leave the job together, so that no process sees the coordinator vanish.
+  leave the job together, so that no process sees the coordinator vanish;
+- `publish` / `lookup` / `wait_for` / `forget`: values process 0 hands the others through the same store
+  (a server's jobs: `wan_tpu.serve.worker`).
 """
 
 from __future__ import annotations
@@ -41,13 +49,14 @@ DETECTED_ENV = ("WAN_TPU_COORDINATOR", "JAX_COORDINATOR_ADDRESS", "COORDINATOR_A
                 "TPU_PROCESS_ADDRESSES", "MEGASCALE_COORDINATOR_ADDRESS", "SLURM_NTASKS", "OMPI_COMM_WORLD_SIZE")
 STOP_GRACE_S = 10.0
 POLL_S = 0.05
+LEAVE_MARGIN_S = 0.5
 # Long enough for a slow peer's last write; short enough that a crashed peer does not hold the others for minutes.
 SHUTDOWN_TIMEOUT_S = 120
 HEARTBEAT_TIMEOUT_S = 60
 
 _STOP = "wan_tpu/stop/"
 _END = "wan_tpu/end/"
-_state = {"watcher": None, "stop_seen": None, "published": False, "finished": False}
+_state = {"watcher": None, "stop_seen": None, "published": False, "finished": False, "together": False}
 
 
 def _jax_started() -> bool:
@@ -135,7 +144,8 @@ def initialize(coordinator: str | None = None, num_processes: int | None = None,
 
     Arguments left out are read from `WAN_TPU_COORDINATOR`, `WAN_TPU_NUM_PROCESSES`, `WAN_TPU_PROCESS_ID`;
     with none of them, JAX's own detection decides (nothing happens on a single host). Every process of
-    the job calls it with the same coordinator and job size and its own id."""
+    the job calls it with the same coordinator and job size and its own id. A job of one process is a job
+    too: it computes what a job of several computes on the same devices (module docstring)."""
     coordinator, n, i = _parse(coordinator, num_processes, process_id)
     if coordinator is None and not any(os.environ.get(name) for name in DETECTED_ENV):
         return False
@@ -152,8 +162,6 @@ def initialize(coordinator: str | None = None, num_processes: int | None = None,
         jax.config.update("jax_cpu_collectives_implementation", "gloo")
     if coordinator is None:
         started = maybe_initialize_distributed()
-    elif n == 1:
-        return False
     else:
         try:
             jax.distributed.initialize(coordinator_address=coordinator, num_processes=n, process_id=i,
@@ -179,6 +187,61 @@ def _client():
     from jax._src import distributed as jax_distributed
 
     return jax_distributed.global_state.client
+
+
+@contextlib.contextmanager
+def writer_output(args=None):
+    """Around a command's work: on a process other than 0, one line saying that process 0 writes, then nothing
+    on stdout and no progress bars (`args.quiet` set); errors and the interrupt line still reach stderr."""
+    if is_writer():
+        yield
+        return
+    print(f"process {process_index()} of {process_count()}: process 0 writes the outputs", flush=True)
+    if args is not None and hasattr(args, "quiet"):
+        args.quiet = True
+    # The descriptor too: gloo's C++ prints its connections on stdout.
+    saved = os.dup(1)
+    with open(os.devnull, "w") as null, contextlib.redirect_stdout(null):
+        os.dup2(null.fileno(), 1)
+        try:
+            yield
+        finally:
+            os.dup2(saved, 1)
+            os.close(saved)
+
+
+_SHARED = "wan_tpu/shared/"
+
+
+def publish(key: str, value: bytes | str) -> None:
+    """Put `value` in the job's key-value store under `key`, for the other processes (`lookup`, `wait_for`);
+    a key holds one value until `forget`."""
+    _client().key_value_set_bytes(_SHARED + key, value.encode() if isinstance(value, str) else value)
+
+
+def lookup(key: str) -> bytes | None:
+    """The value published under `key`, None if there is none yet."""
+    try:
+        return _client().key_value_try_get_bytes(_SHARED + key)
+    except Exception as e:  # JaxRuntimeError; only its message tells a missing key from a lost coordinator
+        if "NOT_FOUND" in str(e):
+            return None
+        raise
+
+
+def wait_for(key: str, timeout_s: float) -> bytes | None:
+    """The value published under `key`, waiting up to `timeout_s` for it; None if none came."""
+    try:
+        return _client().blocking_key_value_get_bytes(_SHARED + key, max(1, int(timeout_s * 1000)))
+    except Exception as e:
+        if "DEADLINE_EXCEEDED" in str(e):
+            return None
+        raise
+
+
+def forget(prefix: str) -> None:
+    """Remove `prefix` and every key under it (`prefix` ending in "/") from the store."""
+    _client().key_value_delete(_SHARED + prefix)
 
 
 def _publish_stop(signum: int) -> None:
@@ -223,7 +286,7 @@ def _watch() -> None:
 
 
 def _start_watcher() -> None:
-    _state.update(stop_seen=None, published=False, finished=False)
+    _state.update(stop_seen=None, published=False, finished=False, together=False)
     watcher = threading.Thread(target=_watch, name="wan_tpu-job", daemon=True)
     _state["watcher"] = watcher
     watcher.start()
@@ -239,7 +302,7 @@ def stop_all_on_error():
     try:
         yield
     except BaseException as e:
-        if not _jax_started():
+        if not _jax_started() or _state["together"]:
             raise
         from wan_tpu.errors import NonFiniteError
         from wan_tpu.runtime import interrupt
@@ -254,7 +317,33 @@ def stop_all_on_error():
 
         traceback.print_exc()
         sys.stderr.flush()
+        _state["finished"] = True
+        _outlive_peers()
         os._exit(1)
+
+
+def stop_together() -> None:
+    """This command stops where every process of the job stops, knowing it (a server's end, `wan_tpu.serve`):
+    its stop is not passed on, and the job is left in order (`finish`), so that no process outlives the
+    coordinator (whose loss the others' JAX clients take for a crash, and abort)."""
+    _state["together"] = True
+
+
+def _outlive_peers() -> None:
+    """A stopped job's end: each process says it is leaving; process 0, whose process hosts the job's coordinator,
+    waits (up to `STOP_GRACE_S`) until every other one has, and `LEAVE_MARGIN_S` more for their exits: a JAX
+    client that loses the coordinator takes it for a crash and aborts its process (status 134, a stack dump)
+    instead of ending with its own line and status."""
+    with contextlib.suppress(Exception):
+        client = _client()
+        client.key_value_set(f"{_END}{process_index()}", "stopped", allow_overwrite=True)
+        if not is_writer() or process_count() == 1:
+            return
+        others = {f"{_END}{i}" for i in range(1, process_count())}
+        deadline = time.monotonic() + STOP_GRACE_S
+        while time.monotonic() < deadline and not others <= {key.rstrip("/") for key, _ in client.key_value_dir_get(_END)}:
+            time.sleep(POLL_S)
+        time.sleep(LEAVE_MARGIN_S)
 
 
 def _wait_peer_stop(wait_s: float = 1.0) -> int | None:
@@ -275,11 +364,13 @@ def finish() -> None:
     """End of a command in a job: the others wait for process 0 (the writer) to end, then all leave the job.
 
     A stopped job ends without leaving it in order (its processes exit as they stop; the exit ends
-    the connections): a peer that did not stop cleanly would hold the others in the leaving barrier."""
+    the connections): a peer that did not stop cleanly would hold the others in the leaving barrier.
+    Process 0 still leaves last (`_outlive_peers`)."""
     if not _jax_started() or _state["finished"]:
         return
     if _state["published"] or _state["stop_seen"] is not None:
         _state["finished"] = True
+        _outlive_peers()
         return
     import jax
 
@@ -295,9 +386,13 @@ def finish() -> None:
                 _state["finished"] = True
                 return
             try:
-                if any(key.rstrip("/") == f"{_END}0" for key, _ in client.key_value_dir_get(_END)):
-                    break
+                ended = dict((key.rstrip("/"), value) for key, value in client.key_value_dir_get(_END))
             except Exception:
+                break
+            if ended.get(f"{_END}0") == "stopped":  # process 0 stopped after this one's work: leave as it does
+                _state["finished"] = True
+                return
+            if f"{_END}0" in ended:
                 break
             time.sleep(POLL_S)
     _state["finished"] = True

@@ -12,6 +12,12 @@ models the live page of `wan_tpu.serve.play`. Bound to 127.0.0.1 unless `--host`
 address needs an API key. SIGTERM or Ctrl-C drains: no new requests, the running job finishes within
 `--grace` seconds or goes back to the queue at its next safe point; exit status 143 / 130. A second
 signal stops at once (the running job then runs again at the next start).
+
+Over several processes (Wan; `--coordinator HOST:PORT --num-processes N --process-id I`, as every command,
+`wan_tpu.runtime.distributed`): every process loads the model on the whole mesh; process 0 binds HTTP, owns
+the job store and takes the requests, and the others bind nothing and follow (`wan_tpu.serve.worker.follow`):
+each job runs on every process, process 0 writes its video, a delete or a drain stops it on all at the same
+step, and the server's end (a signal on any process) ends them all with its status.
 """
 
 from __future__ import annotations
@@ -38,7 +44,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = CliParser(prog="python -m wan_tpu.serve", description="serve a model over HTTP: the OpenAI Videos API (Wan), "
                   "/predict_action (UnifoLM-WMA), the live page (Matrix-Game-2)")
     add_common_args(p, model_default="tiny",
-                    model_help="checkpoint folder, Hugging Face model id (Wan) or preset (tiny, matrix-game-tiny, unifolm-tiny)",
+                    model_help="checkpoint folder, Hugging Face model id (Wan) or preset (tiny, tiny-ti2v, matrix-game-tiny, "
+                    "unifolm-tiny)",
                     dtype_default=None, dtype_help="the main model's dtype (default: the family's; Wan, Matrix-Game "
                     "bfloat16, UnifoLM float32)",
                     seed_default=None, seed_help="the seed of a request that gives none (Wan: 0; UnifoLM: 123)",
@@ -197,12 +204,25 @@ def load(args, family: str):
     return pipe, pipe.prepare
 
 
+def wan_videos(pipe, name: str, loras: dict | None = None, steps: int | None = None, seed: int | None = None):
+    """The Wan request checks and job runs of a loaded pipeline (`wan_tpu.serve.videos.WanVideos`), each LoRA
+    checked against the DiT now (on the devices: every process of a server's job does it), merged per job later."""
+    from wan_tpu.serve.videos import WanVideos
+
+    for path, scale in (loras or {}).values():
+        pipe.load_lora_weights(path, scale)
+        pipe.unload_lora_weights()
+    return WanVideos(pipe, name, loras, default_steps=steps, default_seed=0 if seed is None else seed)
+
+
 def make_state(family: str, pipe, name: str, *, output: str | None = None, loras: dict | None = None,
                steps: int | None = None, seed: int | None = None, eta: float = 1.0, fs: int | None = None,
                api_key: str | None = None, queue_size: int = 32, max_body: int = MAX_BODY, max_sessions: int = 1,
                log=log_line):
     """What the app serves for a loaded pipeline: for Wan, the job store in `output` (its interrupted jobs put
-    back in the queue), the request checks and the worker (not started); for UnifoLM the request options."""
+    back in the queue), the request checks and the worker (not started; in a job of several processes, telling
+    the others each job); for UnifoLM the request options."""
+    from wan_tpu.runtime import distributed
     from wan_tpu.serve.app import ServerState
     from wan_tpu.serve.metrics import Metrics
 
@@ -210,25 +230,24 @@ def make_state(family: str, pipe, name: str, *, output: str | None = None, loras
                         max_body=max_body, max_sessions=max_sessions, log=log)
     if family == "wan":
         from wan_tpu.serve.store import JobStore
-        from wan_tpu.serve.videos import WanVideos
-        from wan_tpu.serve.worker import Worker
 
-        for path, scale in (loras or {}).values():  # each file checked against the DiT now, merged per job later
-            pipe.load_lora_weights(path, scale)
-            pipe.unload_lora_weights()
+        state.videos = wan_videos(pipe, name, loras, steps, seed)
         state.store = JobStore(output)
         for job_id in state.store.recover():
             log(event="job_requeued", id=job_id, why="the server stopped while it ran")
-        state.videos = WanVideos(pipe, name, loras, default_steps=steps, default_seed=0 if seed is None else seed)
     elif family == "unifolm":
         state.predict_options = dict(num_steps=steps or 16, eta=eta, fs=fs, seed=123 if seed is None else seed)
     state.metrics = Metrics(state.store)
     if state.store is not None:
-        state.worker = Worker(state.store, state.videos, state.metrics, log, state.device_lock)
+        from wan_tpu.serve.worker import JobChannel, Worker
+
+        channel = JobChannel() if distributed.process_count() > 1 else None
+        state.worker = Worker(state.store, state.videos, state.metrics, log, state.device_lock, channel)
     return state
 
 
 def run(args) -> None:
+    from wan_tpu.runtime import distributed
     from wan_tpu.serve.app import build_app
 
     key = check_args(args)
@@ -236,12 +255,24 @@ def run(args) -> None:
     loras = parse_loras(args.lora)
     if loras and family != "wan":
         raise WanInputError("--lora applies to Wan models; drop it")
-    if family == "wan":
+    if distributed.process_count() > 1 and family != "wan":
+        raise WanInputError(f"a server over several processes serves Wan models (the Videos API); serve this {family} "
+                            "model from one process: drop --coordinator, --num-processes and --process-id")
+    serves = distributed.is_writer()  # the others bind nothing and keep no store: they follow process 0
+    if family == "wan" and serves:
         check_store_folder(args.output)
     check_attention(args.attention)
-    sock = bind(args.host, args.port)
+    sock = bind(args.host, args.port) if serves else None
     pipe, prepare = load(args, family)
     name = os.path.basename(os.path.normpath(args.model))
+    if not serves:
+        from wan_tpu.serve.worker import follow
+
+        videos = wan_videos(pipe, name, loras, args.steps, args.seed)
+        interrupt.check("load")
+        prepare()
+        follow(videos)
+        return
     state = make_state(family, pipe, name, output=args.output, loras=loras, steps=args.steps, seed=args.seed,
                        eta=args.eta, fs=args.fs, api_key=key, queue_size=args.queue_size,
                        max_body=int(args.max_body_mb * 2**20), max_sessions=args.max_sessions)
@@ -251,6 +282,8 @@ def run(args) -> None:
     host, port = sock.getsockname()[:2]
     print(f"serving http://{host}:{port} ({family}: {name}); SIGTERM or Ctrl-C drains", flush=True)
     signum = asyncio.run(serve(app, sock, state, args.grace))
+    if state.worker is not None and state.worker.channel is not None:
+        state.worker.channel.close(signum)
     if signum is not None:
         if state.store is not None:
             interrupt.record(state.store.folder)

@@ -25,7 +25,7 @@ import os
 import numpy as np
 
 from wan_tpu.errors import NonFiniteError, WanInputError
-from wan_tpu.runtime import interrupt
+from wan_tpu.runtime import distributed, interrupt
 from wan_tpu.runtime.cli import CliParser, add_common_args, check_attention, dtype_of, parse_mesh, run_cli
 
 MODES = ("decision", "world", "interact", "generate")
@@ -187,6 +187,7 @@ def run(args) -> None:
             video = episode.video
             vectors = {"actions": np.stack([d.actions for d in episode.decisions]),
                        "states": np.stack([p.states for p in episode.predictions])}
+    vectors = {name: distributed.to_host(value) for name, value in vectors.items()}
     for name, value in vectors.items():
         if not np.isfinite(np.asarray(value, np.float32)).all():
             raise NonFiniteError(f"the predicted {name} are NaN or infinite (numerical failure; try --dtype float32); "
@@ -196,7 +197,9 @@ def run(args) -> None:
         if vectors:
             meta = {"model": pipe.name, "mode": args.mode, "seed": args.seed, "steps": steps, "eta": args.eta,
                     "unnormalised": pipe.stats is not None}
-            write_vectors(paths[1], paths[2], {k: np.asarray(v, np.float32) for k, v in vectors.items()}, meta, args.overwrite)
+            if distributed.is_writer():
+                write_vectors(paths[1], paths[2], {k: np.asarray(v, np.float32) for k, v in vectors.items()}, meta,
+                              args.overwrite)
         for path in paths:
             interrupt.record(path)
     print(f"wrote {', '.join(paths)} ({len(video)} frames, {pipe.width}x{pipe.height}, {FPS} fps)")
