@@ -1,13 +1,14 @@
 """The live Matrix-Game-2 page's WebSocket (`wan_tpu.serve.play`) under play: displayed fps and the latency
 from an action to the first frame made with it, measured by a client that decodes frames as the page does.
 
-    # device (one H100/H200): a converted universal folder (random weights from the authors' classes, made by
-    # bench_matrix_game.py's prepare part), the server in a child process, 60 s of play at a 25 fps pace:
-    python benchmarks/bench_matrix_game.py --ref third_party/Matrix-Game --workdir /tmp/mg --parts prepare
+    # device (one H100/H200): a converted universal folder of random weights (written by our code alone,
+    # benchmarks/random_folders.py), the server in a child process, 60 s of play at a 25 fps pace:
+    python benchmarks/random_folders.py matrix-game /tmp/mg/converted
     python benchmarks/bench_play.py --model /tmp/mg/converted --seconds 60 --fps 25
-    python benchmarks/bench_play.py --model /tmp/mg/converted --seconds 60 --fps 25 --skip
+    python benchmarks/bench_play.py --model /tmp/mg/converted --seconds 60 --fps 25 --smooth
     # CPU smoke test (the matrix-game-tiny preset):
     python benchmarks/bench_play.py --model matrix-game-tiny --dtype float32 --seconds 5 --fps 25
+    python benchmarks/bench_play.py --model matrix-game-tiny --dtype float32 --seconds 5 --fps 25 --smooth
     # a server already running (python -m wan_tpu.serve --model ...):
     python benchmarks/bench_play.py --url ws://127.0.0.1:8000/play/ws --seconds 60
 
@@ -16,11 +17,12 @@ camera, drawn from the variant's bindings with `--seed`) every 0.6-1.4 s, and de
 PIL as it arrives (the page decodes and draws on arrival: the server paces the frames). Measured from
 the third chunk on (the first two compile their programs): displayed fps (frames ÷ time, and the worst
 one-second window), stalls (gaps over 2.5 frame periods), and per action change the time from sending
-it to the first decoded frame whose header says its chunk was made with it (p50 / p95 / max). A chunk
-starts when the frames queued before it play for about its generation time, so an action waits for
-the next chunk start (up to one chunk's playing time, 12 frames ÷ fps) plus one chunk's generation;
-`--skip` asks for the stream's skip mode (the next chunk at once, the frames queued before it dropped):
-about one generation, at the cost of skipped frames.
+it to the first decoded frame whose header says its chunk was made with it (p50 / p95 / max; each
+change's own in `--result-json`). By default the stream starts the next chunk at once on an action
+change and drops the frames queued before it: about one chunk's generation, plus the rest of the chunk
+being made when the action came, if one was. `--smooth` asks for the stream's smooth mode (every frame
+played): an action waits for the next chunk start (a chunk starts when the frames queued before it play
+for about its generation time: up to one chunk's playing time, 12 frames ÷ fps) plus one generation.
 """
 
 from __future__ import annotations
@@ -80,7 +82,7 @@ async def play(url: str, args) -> dict:
         words = sorted({b["word"] for b in hello["bindings"]})
         step = max([abs(v) for b in hello["bindings"] for v in b["mouse"]] or [0.0])
         await ws.send(json.dumps({"type": "start", "image": "meadow", "seed": args.seed, "fps": args.fps,
-                                  "format": "jpeg", "skip": args.skip}))
+                                  "format": "jpeg", "smooth": args.smooth}))
         seq, measure_from, next_change, end = 0, None, None, None
         while end is None or time.perf_counter() < end:
             timeout = None if next_change is None else max(next_change - time.perf_counter(), 0.0)
@@ -128,7 +130,8 @@ async def play(url: str, args) -> dict:
             "fps_worst_1s": min(windows) if windows else None,
             "stalls": sum(g > 2.5 / args.fps for g in gaps), "actions": len(latencies),
             "latency_p50_ms": 1e3 * percentile(latencies, 50), "latency_p95_ms": 1e3 * percentile(latencies, 95),
-            "latency_max_ms": 1e3 * max(latencies), "frame_kib": statistics.mean(sizes) / 1024,
+            "latency_max_ms": 1e3 * max(latencies), "latencies_ms": [round(1e3 * v, 1) for v in latencies],
+            "frame_kib": statistics.mean(sizes) / 1024,
             "decode_ms": 1e3 * statistics.median(decode), "variant": hello["variant"], "size": hello["size"]}
 
 
@@ -140,8 +143,8 @@ def main(argv=None) -> int:
     p.add_argument("--seconds", type=float, default=20.0, help="seconds measured, after the first two chunks")
     p.add_argument("--fps", type=float, default=25.0, help="the pace asked of the server")
     p.add_argument("--seed", type=int, default=0, help="noise seed and the action schedule's")
-    p.add_argument("--skip", action="store_true", help="the stream's skip mode: an action change starts the next "
-                   "chunk at once, dropping the frames queued before it")
+    p.add_argument("--smooth", action="store_true", help="the stream's smooth mode: every frame played, an action "
+                   "waiting for the frames queued before it (default: an action change drops them)")
     p.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)  # the child
     p.add_argument("--result-json", default=None, help="also write the results here")
     args = p.parse_args(argv)
@@ -169,7 +172,7 @@ def main(argv=None) -> int:
             child.terminate()
             child.wait(30)
     h, w = result["size"]
-    print(f"{result['variant']} {w}x{h}, pace {args.fps:g} fps{', skip' if args.skip else ''}, "
+    print(f"{result['variant']} {w}x{h}, pace {args.fps:g} fps{', smooth' if args.smooth else ''}, "
           f"{result['seconds']:.1f} s measured, {result['actions']} action changes")
     print(harness.table(["", "measured", "target"], [
         ("displayed fps", f"{result['fps']:.1f}", "≥ 25 (universal 352×640, one H100/H200)"),

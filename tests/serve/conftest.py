@@ -1,5 +1,7 @@
-"""What the serving tests share: one `tiny` Wan pipeline (its programs compile once for every module) and
-a real server on a loopback port, run in a thread of the test process (uvicorn, as `wan-serve` runs it)."""
+"""What the serving tests share: one `tiny` Wan pipeline (its programs compile once for every module), real
+servers on loopback ports, run in a thread of the test process (uvicorn, as `wan-serve` runs it), and the
+live page's fixtures (a `matrix-game-tiny` pipeline, the chunks its server made, the server; their
+helpers are in `play_support.py`)."""
 
 import contextlib
 import threading
@@ -54,15 +56,53 @@ def live(state):
         server.close()
 
 
-@pytest.fixture(scope="module")
-def wan_server(wan_pipe, tmp_path_factory):
-    """A Wan server on `tiny` with a job store of its own, its worker running; `.log` holds its log lines."""
+def _wan_server(pipe, name: str, tmp_path_factory):
     from wan_tpu.serve.cli import make_state
 
     lines = []
-    state = make_state("wan", wan_pipe, "tiny", output=str(tmp_path_factory.mktemp("store")),
+    state = make_state("wan", pipe, name, output=str(tmp_path_factory.mktemp("store")),
                        log=lambda **fields: lines.append(fields))
     state.worker.start()
     with live(state) as server:
         server.log = lines
         yield server
+
+
+@pytest.fixture(scope="module")
+def wan_server(wan_pipe, tmp_path_factory):
+    """A Wan server on `tiny` with a job store of its own, its worker running; `.log` holds its log lines."""
+    yield from _wan_server(wan_pipe, "tiny", tmp_path_factory)
+
+
+@pytest.fixture(scope="module")
+def ti2v_server(tmp_path_factory):
+    """The same on the `tiny-ti2v` preset (text and image to video)."""
+    from wan_tpu.wan.pipeline import WanPipeline
+
+    yield from _wan_server(WanPipeline.from_pretrained("tiny-ti2v"), "tiny-ti2v", tmp_path_factory)
+
+
+# ---- the live page (`wan_tpu.serve.play`) -----------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def play_pipe():
+    from play_support import tiny_pipeline
+
+    return tiny_pipeline()
+
+
+@pytest.fixture(scope="module")
+def play_chunks():
+    """(chunk, frames, keyboard, mouse) of every chunk `play_server` made, as `play_routes(on_chunk=...)` saw them."""
+    return []
+
+
+@pytest.fixture(scope="module")
+def play_server(play_pipe, play_chunks):
+    """The live page's routes, one stream at a time; its base URL."""
+    from play_support import serve
+
+    from wan_tpu.serve.play import play_routes
+
+    with serve(play_routes(play_pipe, max_sessions=1, on_chunk=lambda *chunk: play_chunks.append(chunk))) as base:
+        yield base

@@ -1,5 +1,6 @@
-"""What the live-page tests share: a `matrix-game-tiny` pipeline (float32, prepared once per process, so its
-compiled programs serve every test), a built-in start image, and routes served by uvicorn on a free port."""
+"""The live-page tests' helpers (their fixtures, built on these, are in `conftest.py`): a `matrix-game-tiny`
+pipeline (float32, prepared once per process, so its compiled programs serve every test), a built-in start
+image, and routes served by uvicorn on a free port."""
 
 import contextlib
 import functools

@@ -2,11 +2,12 @@
 preset served by uvicorn with one stream at a time.
 
 Reference: the uint8 frames the server made and sent (recorded by `play_routes(on_chunk=...)` as each
-chunk is encoded; the page shows them as JPEG, which is lossy, so the comparison is made on the server's
+chunk is made; the page shows them as JPEG, which is lossy, so the comparison is made on the server's
 frames, not on the canvas) equal, bit for bit, those of `pipe.stream(image, seed).step(keyboard, mouse)`
 through the Python API with the same per-chunk actions; the chunk made once W is held differs from the
 one made without it. The canvas itself is checked for frames arriving and changing, its size, and a
-screenshot that is not blank.
+screenshot that is not blank. The page starts streams in the default mode (an action change drops the
+frames queued before it); `?smooth=1` ticks its "smooth" box, and the server confirms that mode.
 """
 
 import base64
@@ -17,31 +18,13 @@ import time
 import numpy as np
 import pytest
 from PIL import Image
-from play_support import IMAGE, example_image, serve, tiny_pipeline
-
-from wan_tpu.serve.play import play_routes
+from play_support import IMAGE, example_image
 
 webdriver = pytest.importorskip("selenium.webdriver", reason="selenium is not installed (pip install -e .[test])")
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 DRIVER = shutil.which("chromedriver")
 pytestmark = pytest.mark.skipif(not (CHROMIUM and DRIVER), reason="chromium and chromium-driver are not installed "
                                                                     "(apt-get install -y chromium chromium-driver)")
-
-
-@pytest.fixture(scope="module")
-def pipe():
-    return tiny_pipeline()
-
-
-@pytest.fixture(scope="module")
-def chunks():
-    return []
-
-
-@pytest.fixture(scope="module")
-def server(pipe, chunks):
-    with serve(play_routes(pipe, max_sessions=1, on_chunk=lambda *chunk: chunks.append(chunk))) as base:
-        yield base
 
 
 @pytest.fixture(scope="module")
@@ -82,26 +65,28 @@ def canvas_pixels(browser) -> np.ndarray:
     return np.asarray(Image.open(io.BytesIO(base64.b64decode(url.split(",", 1)[1]))).convert("RGB"))
 
 
-def test_the_page_plays_and_a_key_changes_the_next_chunk(server, browser, pipe, chunks):
+def test_the_page_plays_and_a_key_changes_the_next_chunk(play_server, browser, play_pipe, play_chunks):
     from selenium.webdriver.common.action_chains import ActionChains
 
-    chunks.clear()
-    browser.get(f"{server}/play?example={IMAGE}&seed=0&fps=30")
+    play_chunks.clear()
+    browser.get(f"{play_server}/play?example={IMAGE}&seed=0&fps=30")
     wait(lambda: frames_shown(browser) >= 5, 240, "the first frames on the canvas")
     assert "matrix-game-tiny" in text(browser, "variant") and "W" in text(browser, "keys")
+    assert text(browser, "status") == "playing: seed 0, 30 fps"  # the server's `started`: not smooth
+    assert not browser.find_element("id", "smooth").is_selected()
     canvas = browser.find_element("id", "screen")
-    h, w = pipe.size
+    h, w = play_pipe.size
     assert (int(canvas.get_attribute("width")), int(canvas.get_attribute("height"))) == (w, h)
     before = canvas_pixels(browser)
     wait(lambda: frames_shown(browser) >= 15, 60, "more frames")
     assert not np.array_equal(canvas_pixels(browser), before)  # the picture moves
 
     canvas.click()
-    held = len(chunks)
+    held = len(play_chunks)
     ActionChains(browser).key_down("w").perform()
-    wait(lambda: any(k[0] == 1 for _, _, k, _ in chunks[held:]), 30, "a chunk made with W held")
+    wait(lambda: any(k[0] == 1 for _, _, k, _ in play_chunks[held:]), 30, "a chunk made with W held")
     ActionChains(browser).key_up("w").perform()
-    wait(lambda: chunks[-1][2][0] == 0, 30, "a chunk made after W was released")
+    wait(lambda: play_chunks[-1][2][0] == 0, 30, "a chunk made after W was released")
     assert text(browser, "latency").endswith("ms")
     errors = [entry for entry in browser.get_log("browser") if entry["level"] == "SEVERE"]
     assert errors == []  # no script error, no failed request
@@ -112,30 +97,31 @@ def test_the_page_plays_and_a_key_changes_the_next_chunk(server, browser, pipe, 
     shot = screenshot[int(box["y"]) : int(box["y"] + box["height"]), int(box["x"]) : int(box["x"] + box["width"])]
     assert box["width"] >= 2 * w and shot.std() > 5  # the canvas, scaled up, shows a picture
 
-    recorded = list(chunks)
+    recorded = list(play_chunks)
     assert [c for c, *_ in recorded] == list(range(len(recorded)))
-    session = pipe.stream(example_image(), seed=0)
+    session = play_pipe.stream(example_image(), seed=0)
     first_w = next(i for i, (_, _, k, _) in enumerate(recorded) if k[0] == 1)
     for chunk, frames, keyboard, mouse in recorded:
         if chunk == first_w:
-            without = pipe.stream(example_image(), seed=0)
+            without = play_pipe.stream(example_image(), seed=0)
             for _, _, k, m in recorded[:first_w]:
                 without.step(k, m)
-            assert not np.array_equal(without.step(*pipe.action_row([])), frames)  # W changed this chunk
+            assert not np.array_equal(without.step(*play_pipe.action_row([])), frames)  # W changed this chunk
         np.testing.assert_array_equal(frames, session.step(keyboard, mouse))
 
 
-def test_another_tab_waits_and_a_closed_tab_frees_its_place(server, browser):
-    browser.get(f"{server}/play?fps=30")
+def test_another_tab_waits_and_a_closed_tab_frees_its_place(play_server, browser):
+    browser.get(f"{play_server}/play?fps=30")
     wait(lambda: frames_shown(browser) >= 1, 120, "frames in the first tab")
     first = browser.current_window_handle
     browser.switch_to.new_window("tab")
-    browser.get(f"{server}/play?example=snow&fps=30")
+    browser.get(f"{play_server}/play?example=snow&fps=30&smooth=1")
     wait(lambda: text(browser, "status").startswith("waiting: 1 sessions in use"), 30, "the waiting message")
+    assert browser.find_element("id", "smooth").is_selected()  # set from the query once the server said hello
     assert frames_shown(browser) == 0
     waiting = browser.current_window_handle
     browser.switch_to.window(first)
     browser.close()
     browser.switch_to.window(waiting)
     wait(lambda: frames_shown(browser) >= 3, 60, "frames in the tab that waited")
-    assert text(browser, "status").startswith("playing")
+    assert text(browser, "status") == "playing: seed 0, 30 fps, smooth"

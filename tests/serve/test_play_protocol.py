@@ -15,7 +15,7 @@ import urllib.request
 import numpy as np
 import pytest
 from PIL import Image
-from play_support import IMAGE, example_image, serve, tiny_pipeline
+from play_support import IMAGE, example_image
 
 from wan_tpu.errors import WanInputError
 from wan_tpu.serve.play import EXAMPLES, Slots, play_routes, unpack
@@ -59,49 +59,33 @@ class Client:
         self.ws.close()
 
 
-@pytest.fixture(scope="module")
-def pipe():
-    return tiny_pipeline()
-
-
-@pytest.fixture(scope="module")
-def chunks():
-    return []
-
-
-@pytest.fixture(scope="module")
-def server(pipe, chunks):
-    with serve(play_routes(pipe, max_sessions=1, on_chunk=lambda *chunk: chunks.append(chunk))) as base:
-        yield base
-
-
 def get(url: str) -> bytes:
     with urllib.request.urlopen(url, timeout=30) as response:
         return response.read()
 
 
-def test_page_examples_and_static_files(server):
-    page = get(server + "/play").decode()
+def test_page_examples_and_static_files(play_server):
+    page = get(play_server + "/play").decode()
     assert '<canvas id="screen"' in page and 'src="play/static/play.js"' in page
-    assert 'src="play/static/play.js?api_key=k%26y"' in get(server + "/play?api_key=k%26y").decode()
-    assert b"new WebSocket" in get(server + "/play/static/play.js")
-    assert b"canvas" in get(server + "/play/static/play.css")
-    listed = json.loads(get(server + "/play/examples"))
+    assert 'src="play/static/play.js?api_key=k%26y"' in get(play_server + "/play?api_key=k%26y").decode()
+    assert b"new WebSocket" in get(play_server + "/play/static/play.js")
+    assert b"canvas" in get(play_server + "/play/static/play.css")
+    listed = json.loads(get(play_server + "/play/examples"))
     assert [e["name"] for e in listed] == list(EXAMPLES)
     for example in listed:
-        image = Image.open(io.BytesIO(get(f"{server}/{example['url']}")))
+        image = Image.open(io.BytesIO(get(f"{play_server}/{example['url']}")))
         assert image.mode == "RGB" and image.size == (320, 176)
         assert np.asarray(image).std() > 10  # a picture, not a flat colour
     with pytest.raises(urllib.error.HTTPError) as missing:
-        get(server + "/play/examples/nothing.png")
+        get(play_server + "/play/examples/nothing.png")
     assert missing.value.code == 404
 
 
-def test_hello_names_the_variant_keys_and_sizes(server, pipe):
-    client = Client(server)
+def test_hello_names_the_variant_keys_and_sizes(play_server, play_pipe):
+    client = Client(play_server)
     try:
         hello = client.hello
-        assert hello["variant"] == "matrix-game-tiny" and hello["size"] == list(pipe.size) and hello["fps"] == 12
+        assert hello["variant"] == "matrix-game-tiny" and hello["size"] == list(play_pipe.size) and hello["fps"] == 12
         assert hello["chunk_frames"] == [9, 12] and hello["mouse"] is True
         by_code = {b["code"]: b for b in hello["bindings"]}
         assert by_code["KeyW"]["keys"] == ["w"] and by_code["KeyW"]["does"] == "forward"
@@ -113,15 +97,16 @@ def test_hello_names_the_variant_keys_and_sizes(server, pipe):
         client.close()
 
 
-def test_stream_equals_the_python_api_and_bad_messages_leave_it_playing(server, pipe, chunks):
-    """Frames as PNG over the socket = the Python API's frames for the same actions; every bad message
-    is answered with one line while the stream goes on; frames are paced at the asked rate."""
-    chunks.clear()
-    client = Client(server)
+def test_stream_equals_the_python_api_and_bad_messages_leave_it_playing(play_server, play_pipe, play_chunks):
+    """`smooth` (the opt-out of dropping frames): frames as PNG over the socket = the Python API's frames for
+    the same actions, every frame sent, paced at the asked rate, the action applied from a later chunk on;
+    every bad message is answered with one line while the stream goes on."""
+    play_chunks.clear()
+    client = Client(play_server)
     try:
-        client.send(type="start", image=IMAGE, seed=3, fps=30, format="png")
+        client.send(type="start", image=IMAGE, seed=3, fps=30, format="png", smooth=True)
         started = client.text("started")
-        assert started["fps"] == 30 and started["seed"] == 3 and started["format"] == "png"
+        assert (started["fps"], started["seed"], started["format"], started["smooth"]) == (30, 3, "png", True)
         client.until(lambda: len(client.frames) >= 1)
         client.send(type="action", keys=["w", "j"], mouse=[0.05, 0.0], seq=1)
         bad = [b"\x00binary", "not json", json.dumps([1]), json.dumps({"type": "jump"}),
@@ -135,7 +120,9 @@ def test_stream_equals_the_python_api_and_bad_messages_leave_it_playing(server, 
                json.dumps({"type": "start", "image": IMAGE, "fps": 1000}),
                json.dumps({"type": "start", "image": IMAGE, "seed": -1}),
                json.dumps({"type": "start", "image": IMAGE, "format": "gif"}),
-               json.dumps({"type": "record"})]
+               json.dumps({"type": "record"}),
+               json.dumps({"type": "start", "image": IMAGE, "smooth": "yes"}),
+               json.dumps({"type": "start", "image": IMAGE, "skip": False})]
         errors = len([t for t in client.texts if t["type"] == "error"])
         for message in bad:
             client.ws.send(message)
@@ -144,6 +131,7 @@ def test_stream_equals_the_python_api_and_bad_messages_leave_it_playing(server, 
         assert all(m and "Traceback" not in m for m in messages), messages
         assert "unknown action 'x'" in messages[4] and "NaN" in messages[6] and "outside [-1, 1]" in messages[7]
         assert "fps must be a number in [1, 120]" in messages[12]
+        assert "smooth must be true or false" in messages[16] and "start takes no skip" in messages[17]
         client.until(lambda: len(client.frames) >= 9 + 12 * 3)
         assert all(t["type"] != "started" for t in client.texts[1:] if t is not started)  # never restarted
     finally:
@@ -155,22 +143,22 @@ def test_stream_equals_the_python_api_and_bad_messages_leave_it_playing(server, 
     # The action is applied from a chunk's start on: the first chunk had none, a later one w + camera.
     applied = {h["chunk"]: h["action"] for h, _ in frames}
     assert applied[0] == 0 and applied[max(applied)] == 1
-    sent = {0: pipe.action_row([]), 1: pipe.action_row(["w", "j"], [0.05, 0.0])}
-    session = pipe.stream(example_image(), seed=3)
+    sent = {0: play_pipe.action_row([]), 1: play_pipe.action_row(["w", "j"], [0.05, 0.0])}
+    session = play_pipe.stream(example_image(), seed=3)
     for k in sorted(applied):
         expected = session.step(*sent[applied[k]])
         got = np.stack([f for h, f in frames if h["chunk"] == k])
         np.testing.assert_array_equal(got, expected[: len(got)])
-        np.testing.assert_array_equal(chunks[k][1], expected)  # what `on_chunk` saw
+        np.testing.assert_array_equal(play_chunks[k][1], expected)  # what `on_chunk` saw
     # Paced: 30 frames a second once the first chunks (their compiles) are through.
     steady = [t for h, _, t in client.frames if h["chunk"] >= 2]
     assert len(steady) >= 12 and (steady[-1] - steady[0]) >= 0.9 * (len(steady) - 1) / 30
 
 
-def test_pause_record_reset(server, pipe, tmp_path):
+def test_pause_record_reset(play_server, play_pipe, tmp_path):
     from wan_tpu.runtime.video import read_video
 
-    client = Client(server)
+    client = Client(play_server)
     try:
         client.send(type="reset")
         assert "start a stream first" in client.text("error")["message"]
@@ -191,7 +179,7 @@ def test_pause_record_reset(server, pipe, tmp_path):
         assert header["name"].endswith(".mp4") and header["frames"] >= 12
         (tmp_path / "v.mp4").write_bytes(mp4)
         video, fps = read_video(str(tmp_path / "v.mp4"))
-        assert video.shape == (header["frames"], *pipe.size, 3) and fps == 12
+        assert video.shape == (header["frames"], *play_pipe.size, 3) and fps == 12
         client.send(type="resume")
         client.until(lambda: len(client.frames) > paused_at + 12)
         first = [p for h, p, _ in client.frames if h["index"] < 9]
@@ -204,28 +192,36 @@ def test_pause_record_reset(server, pipe, tmp_path):
         client.close()
 
 
-def test_skip_shows_a_new_action_after_one_chunk_dropping_the_frames_queued(server):
-    """With `skip`, an action sent as a chunk's frames begin (a second of them queued at 12 fps) is shown
-    one generation later, not after them: the frames between are never sent."""
-    client = Client(server)
+def test_by_default_a_new_action_shows_after_one_chunk_dropping_the_frames_queued(play_server):
+    """By default an action sent as a chunk's frames begin (a second of them queued at 12 fps) is shown one
+    generation later, not after them: the frames between are never sent. At a pace of one frame a second,
+    its chunk's first frame goes out as soon as it is made, not on the pace's clock."""
+    client = Client(play_server)
     try:
-        client.send(type="start", image=IMAGE, fps=12, skip=True)
-        assert client.text("started")["skip"] is True
+        client.send(type="start", image=IMAGE, fps=12)
+        assert client.text("started")["smooth"] is False
         client.until(lambda: client.frames and client.frames[-1][0]["chunk"] == 4)  # past the compiles, just in time
         sent = time.monotonic()
         client.send(type="action", keys=["d"], seq=1)
         client.until(lambda: client.frames[-1][0]["action"] == 1, 60)
+        (header, _, arrived), (before, _, _) = client.frames[-1], client.frames[-2]
+        assert header["chunk"] == before["chunk"] + 1 and header["index"] > before["index"] + 1  # frames dropped
+        assert arrived - sent < 11 / 12  # sooner than the chunk's queued frames would have played
+
+        client.send(type="start", image=IMAGE, fps=1)
+        stream = client.text("started")["stream"]
+        client.until(lambda: client.frames[-1][0]["stream"] == stream)
+        sent = time.monotonic()
+        client.send(type="action", keys=["w"], seq=2)
+        client.until(lambda: client.frames[-1][0]["action"] == 2, 60)
+        assert time.monotonic() - sent < 0.9 and client.frames[-1][0]["index"] > 1
     finally:
         client.close()
-    header, _, arrived = client.frames[-1]
-    before = client.frames[-2][0]
-    assert header["chunk"] == before["chunk"] + 1 and header["index"] > before["index"] + 1  # frames dropped
-    assert arrived - sent < 11 / 12  # sooner than the chunk's queued frames would have played
 
 
-def test_one_stream_at_a_time_and_a_closed_socket_frees_its_place(server):
+def test_one_stream_at_a_time_and_a_closed_socket_frees_its_place(play_server):
     """Each socket closes while its frames flow (the moment a cancelled stream could miss its cancel)."""
-    a, b, c = Client(server), Client(server), Client(server)
+    a, b, c = Client(play_server), Client(play_server), Client(play_server)
     try:
         a.send(type="start", image=IMAGE, fps=120)
         a.until(lambda: len(a.frames) >= 1)
@@ -281,12 +277,12 @@ def test_the_line_of_waiting_streams():
     assert ("b", 1, 1) in told and ("d", 1, 3) in told and ("d", 1, 2) in told and ("d", 1, 1) in told
 
 
-def test_routes_refuse_a_bad_session_limit(pipe):
+def test_routes_refuse_a_bad_session_limit(play_pipe):
     with pytest.raises(WanInputError, match="max_sessions"):
-        play_routes(pipe, max_sessions=0)
+        play_routes(play_pipe, max_sessions=0)
 
 
-def test_the_benchmark_client_measures_fps_and_latency(server):
+def test_the_benchmark_client_measures_fps_and_latency(play_server):
     """`benchmarks/bench_play.py`'s client (the device benchmark) against this server for a second and a half."""
     import argparse
     import asyncio
@@ -297,8 +293,8 @@ def test_the_benchmark_client_measures_fps_and_latency(server):
     spec = importlib.util.spec_from_file_location("bench_play", path)
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
-    args = argparse.Namespace(seed=0, fps=60.0, seconds=1.5, skip=False)
-    result = asyncio.run(bench.play(server.replace("http://", "ws://") + "/play/ws", args))
+    args = argparse.Namespace(seed=0, fps=60.0, seconds=1.5, smooth=False)
+    result = asyncio.run(bench.play(play_server.replace("http://", "ws://") + "/play/ws", args))
     assert result["variant"] == "matrix-game-tiny" and result["frames"] >= 30
     assert 20 < result["fps"] < 70 and result["actions"] >= 1
     assert 0 < result["latency_p50_ms"] <= result["latency_p95_ms"] <= result["latency_max_ms"]

@@ -25,11 +25,11 @@ def client(wan_server):
     return openai.OpenAI(base_url=wan_server.url + "/v1", api_key="unused", max_retries=0)
 
 
-def _decoded(data: bytes, tmp_path, name: str) -> np.ndarray:
+def _decoded(data: bytes, tmp_path, name: str, fps: int = 16) -> np.ndarray:
     path = tmp_path / name
     path.write_bytes(data)
-    frames, fps = read_video(str(path))
-    assert fps == 16
+    frames, written_fps = read_video(str(path))
+    assert written_fps == fps
     return frames
 
 
@@ -319,36 +319,36 @@ def test_the_readme_serve_examples_run_as_written(wan_server, tmp_path):
     assert read_video(str(tmp_path / "cat.mp4"))[0].shape == (5, 64, 64, 3)
 
 
-def test_an_image_model_stores_the_uploaded_first_frame(tmp_path):
-    """For an image-to-video model (a tiny TI2V variant: the pipeline's own checks, nothing loaded),
-    `input_reference` as an upload or as a data URL is decoded, checked and stored by the server as PNG under
-    the job's own id; a refused job stores nothing. (What the run does with the image is
-    `WanPipeline(image=...)`'s, tested with the pipeline.)"""
-    import base64
-    import dataclasses
+def _random_png(height: int = 40, width: int = 48) -> tuple[np.ndarray, bytes]:
     import io
 
-    import jax.numpy as jnp
     from PIL import Image
 
-    from wan_tpu.configs.models import VARIANTS
-    from wan_tpu.configs.vae import VAE_PRESETS
+    pixels = np.random.default_rng(0).integers(0, 256, (height, width, 3), dtype=np.uint8)
+    buffer = io.BytesIO()
+    Image.fromarray(pixels).save(buffer, format="PNG")
+    return pixels, buffer.getvalue()
+
+
+def test_an_image_model_stores_the_uploaded_first_frame(tmp_path):
+    """For an image-to-video model (the `tiny-ti2v` preset: the pipeline's own checks, nothing loaded),
+    `input_reference` as an upload or as a data URL is decoded, checked and stored by the server as PNG under
+    the job's own id; a refused job stores nothing. (What the run does with the image: the next test.)"""
+    import base64
+
+    from PIL import Image
+
     from wan_tpu.serve.app import build_app
     from wan_tpu.serve.cli import make_state
     from wan_tpu.wan.pipeline import WanPipeline
 
-    tiny = VARIANTS["tiny"]
-    variant = dataclasses.replace(tiny, name="tiny-ti2v", task="ti2v", vae="wan2.2", fps=24, expand_timesteps=True,
-                                  transformer=dataclasses.replace(tiny.transformer, in_channels=8, out_channels=8))
-    pipe = WanPipeline(variant, VAE_PRESETS["tiny-2.2"], {}, name="tiny-ti2v", dtype=jnp.bfloat16)
-    state = make_state("wan", pipe, "ti2v", output=str(tmp_path / "store"), log=lambda **_: None)
-    pixels = np.random.default_rng(0).integers(0, 256, (40, 48, 3), dtype=np.uint8)
-    buffer = io.BytesIO()
-    Image.fromarray(pixels).save(buffer, format="PNG")
+    pipe = WanPipeline.from_pretrained("tiny-ti2v")
+    state = make_state("wan", pipe, "tiny-ti2v", output=str(tmp_path / "store"), log=lambda **_: None)
+    pixels, png = _random_png()
     http = TestClient(build_app(state))
     uploaded = http.post("/v1/videos", data={"prompt": "x", "size": "64x64", "seconds": "0.25"},
-                         files={"input_reference": ("frame.png", buffer.getvalue(), "image/png")})
-    url = "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode()
+                         files={"input_reference": ("frame.png", png, "image/png")})
+    url = "data:image/png;base64," + base64.b64encode(png).decode()
     as_url = http.post("/v1/videos", json={"prompt": "x", "size": "64x64", "frames": 5, "input_reference": {"image_url": url}})
     assert _error(http.post("/v1/videos", json={"prompt": "x", "size": "63x64", "input_reference": {"image_url": url}}), 400)
     for response, frames in ((uploaded, 9), (as_url, 5)):  # 0.25 s at TI2V's 24 fps: 6 frames, taken to 4n+1 = 9
@@ -357,6 +357,36 @@ def test_an_image_model_stores_the_uploaded_first_frame(tmp_path):
         assert job.request["image"] and job.request["frames"] == frames
         np.testing.assert_array_equal(np.asarray(Image.open(state.store.input_path(job.id))), pixels)
     assert sorted(os.listdir(state.store.inputs)) == sorted(f"{r.json()['id']}.png" for r in (uploaded, as_url))
+    assert not pipe._loaded  # checked from the configs alone
+
+
+def test_an_image_job_equals_the_cli_run(ti2v_server, tmp_path):
+    """`tiny-ti2v` end to end: the `openai` client's `create_and_poll` with an uploaded `input_reference`, then
+    `download_content`, gives the frames of `python -m wan_tpu.generate --model tiny-ti2v --image` with the same
+    settings (bit for bit after decoding both mp4s); an image that cannot be read is a one-line 400."""
+    from wan_tpu.wan.cli import main as generate
+
+    _, png = _random_png()
+    (tmp_path / "first.png").write_bytes(png)
+    settings = dict(prompt="a cat walks on the grass", negative_prompt="blurry", frames=5, steps=2, seed=5)
+    assert generate(["--model", "tiny-ti2v", "--image", str(tmp_path / "first.png"), "--size", "64*64", "--quiet",
+                     "--output", str(tmp_path / "cli.mp4"),
+                     *(f"--{k.replace('_', '-')}={v}" for k, v in settings.items())]) == 0
+    expected, fps = read_video(str(tmp_path / "cli.mp4"))
+
+    client = openai.OpenAI(base_url=ti2v_server.url + "/v1", api_key="unused", max_retries=0)
+    video = client.videos.create_and_poll(prompt=settings.pop("prompt"), size="64x64", poll_interval_ms=50,
+                                          input_reference=("first.png", png, "image/png"), extra_body=settings)
+    assert (video.status, video.model, video.size) == ("completed", "tiny-ti2v", "64x64"), video.error
+    served = _decoded(client.videos.download_content(video.id).content, tmp_path, "served.mp4", fps=24)
+    assert fps == 24 and served.shape == (5, 64, 64, 3)
+    np.testing.assert_array_equal(served, expected)
+    inputs = os.listdir(ti2v_server.state.store.inputs)
+    with pytest.raises(openai.BadRequestError) as bad:
+        client.videos.create(prompt="x", input_reference=("first.png", b"not a png", "image/png"))
+    message = bad.value.body["message"]
+    assert "input_reference cannot be read as an image" in message and "\n" not in message
+    assert os.listdir(ti2v_server.state.store.inputs) == inputs  # the refused upload stored nothing
 
 
 def test_a_lora_named_at_start_changes_only_its_own_jobs(wan_pipe, tmp_path):

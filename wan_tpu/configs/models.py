@@ -159,6 +159,8 @@ _I2V_A14B = WanTransformerConfig(in_channels=36)
 # Small enough for CPU tests and the built-in `tiny` preset; every code path of T2V is exercised.
 _TINY = WanTransformerConfig(num_attention_heads=2, attention_head_dim=32, text_dim=32, freq_dim=32, ffn_dim=128,
                              num_layers=2)
+# The tiny DiT over the tiny Wan 2.2 VAE's 8 latent channels: the TI2V image path (first frame at t=0, no CLIP).
+_TINY_TI2V = dataclasses.replace(_TINY, in_channels=8, out_channels=8)
 
 _VARIANTS = (
     WanVariant("wan2.1-t2v-1.3b", "Wan-AI/Wan2.1-T2V-1.3B-Diffusers", _T2V_1_3B, "t2v", "wan2.1", 16,
@@ -185,6 +187,9 @@ _VARIANTS = (
                transformer_2=_I2V_A14B, boundary_ratio=0.9, guidance_scale_2=3.5),
     WanVariant("tiny", "", _TINY, "t2v", "wan2.1", 16,
                sample_shift=5.0, sample_size=(64, 64), sample_frames=5, sample_steps=4, guidance_scale=5.0),
+    WanVariant("tiny-ti2v", "", _TINY_TI2V, "ti2v", "wan2.2", 24,
+               sample_shift=5.0, sample_size=(64, 64), sample_frames=5, sample_steps=4, guidance_scale=5.0,
+               expand_timesteps=True),
 )
 
 VARIANTS: dict[str, WanVariant] = {v.name: v for v in _VARIANTS}

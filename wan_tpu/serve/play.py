@@ -12,11 +12,12 @@ told "waiting: N sessions in use" and start, in arrival order, as soon as one en
 
 The page sends JSON text messages:
 - `{"type": "start", "image": NAME | "data:image/...;base64,...", "seed": 0, "fps": 12, "format": "jpeg",
-  "skip": false}`: a new stream from a built-in example or an uploaded image (any of the fields but
+  "smooth": false}`: a new stream from a built-in example or an uploaded image (any of the fields but
   `image` may be left out; `fps`: the pace frames are sent at, default the model's video frame rate;
-  `format`: "jpeg" or "png" (lossless); `skip`: on an action change the next chunk starts at once and
-  the frames still queued from before are dropped: quicker response, at the cost of skipped frames).
-  Sent again, it replaces the stream.
+  `format`: "jpeg" or "png" (lossless); `smooth`: every frame is played, so an action waits for the
+  frames queued before it; by default an action change starts the next chunk at once and the frames
+  still queued from before are dropped: the quickest response, at the cost of skipped frames; other
+  fields are refused). Sent again, it replaces the stream.
 - `{"type": "action", "keys": ["w", "j"], "mouse": [0.0, 0.05], "seq": 7}`: the action held now, as words of
   the interactive grammar (`wan_tpu.matrix_game.actions`), plus the pointer's [vertical, horizontal]
   camera motion (variants with a mouse). The latest one is applied to each chunk when it starts.
@@ -33,8 +34,12 @@ encoded frame, or `{"kind": "video", "frames", "name"}` + the mp4.
 Each chunk is made in a worker thread (JAX releases the GIL), never in the event loop, and as late as
 the frames already queued allow: a chunk starts when the queued frames' playing time falls to about
 the recent chunks' generation time, so the action it is made with is as fresh as the pace permits.
-An action therefore shows after the frames queued when it came: on average half a chunk's playing
-time (12 frames ÷ fps) plus one chunk's generation; `skip` cuts that to about one generation.
+Frames are encoded one at a time, each while the one before it plays: a chunk's first frame does not
+wait for the others' encodes, and dropped frames are never encoded. By default an action shows one
+chunk's generation after it comes, plus the rest of the chunk being made then, if one is (made with
+the action before: a chunk in progress cannot be stopped); the new chunk's first frame goes out as
+soon as it is encoded. With `smooth` it shows after the frames queued when it came: on average half a
+chunk's playing time (12 frames ÷ fps) plus one chunk's generation.
 A closed tab frees its place at once; its chunk in progress finishes in its thread and is dropped.
 """
 
@@ -73,6 +78,7 @@ MAX_IMAGE_BYTES = 8 * 2**20
 FPS_RANGE = (1, 120)
 FORMATS = {"jpeg": ("JPEG", {"quality": 90}), "png": ("PNG", {"compress_level": 1})}
 MESSAGES = ("start", "action", "pause", "resume", "reset", "record")
+START_FIELDS = ("image", "seed", "fps", "format", "smooth")
 # A chunk starts once the queued frames play for less than this many times the slowest of the last
 # three chunks' generation, plus a margin: jitter then rarely stalls the picture.
 LEAD_FACTOR, LEAD_MARGIN = 1.25, 0.03
@@ -179,7 +185,17 @@ class StartRequest:
     seed: int
     fps: float
     format: str
-    skip: bool = False  # an action change starts the next chunk at once; the frames queued before it are dropped
+    smooth: bool = False  # every frame played; else an action change drops the frames queued before it
+
+
+@dataclass
+class QueuedFrame:
+    """A frame waiting to be sent; `data` is its encoding, made while the frame before it plays."""
+
+    stream: int
+    header: dict
+    pixels: np.ndarray
+    data: bytes | None = None
 
 
 def _number(message: dict, name: str, default, low, high, integer: bool = False):
@@ -388,20 +404,30 @@ class Player:
         return max(self._due - time.monotonic(), 0.0) + (len(self._outbox) - 1) / self.fps
 
     async def send_frames(self) -> None:
-        """Send queued frames one every 1/fps seconds; after a stall (the next chunk came late), from now on."""
+        """Send queued frames one every 1/fps seconds; after a stall (the next chunk came late), from now on.
+        Each frame is encoded while the one before it plays, beside the event loop (a large frame's encode
+        would hold the other streams' pacing)."""
+        loop = asyncio.get_running_loop()
         while True:
             while not self._outbox:
                 self._queued.clear()
                 await self._queued.wait()
             await self._resumed.wait()
-            stream, header, data = self._outbox[0]
+            frame = self._outbox[0]
+            if frame.data is None:
+                frame.data = await loop.run_in_executor(None, encode_frame, frame.pixels, frame.header["format"])
+                continue  # the line may have been cleared or paused meanwhile
             now = time.monotonic()
             if self._due > now:
-                await asyncio.sleep(self._due - now)
-                continue  # the line may have been cleared or paused meanwhile
+                # Until the frame is due, or the line is replaced (a new action's chunk goes out at once).
+                self._queued.clear()
+                with contextlib.suppress(TimeoutError):
+                    async with asyncio.timeout(self._due - now):
+                        await self._queued.wait()
+                continue
             self._outbox.popleft()
-            if stream == self.stream:
-                await self.send_bytes(pack(header, data))
+            if frame.stream == self.stream:
+                await self.send_bytes(pack(frame.header, frame.data))
                 # On the clock (a sleep's overshoot is made up), unless a frame period late: then from now on.
                 self._due = (self._due if now - self._due < 1 / self.fps else now) + 1 / self.fps
             self._wake.set()
@@ -435,17 +461,20 @@ class Player:
             seq = _number(message, "seq", self.action[2], 0, 2**53, integer=True)
             self.action = (keyboard, mouse, seq)
         elif kind == "start":
+            unknown = sorted(set(message) - {"type", *START_FIELDS})
+            if unknown:
+                raise WanInputError(f"start takes no {', '.join(unknown)[:60]}; its fields are {', '.join(START_FIELDS)}")
             fmt = message.get("format", "jpeg")
             if fmt not in FORMATS:
                 raise WanInputError(f"format must be one of {', '.join(FORMATS)}, got {json.dumps(fmt)[:40]}")
             seed = _number(message, "seed", 0, 0, 2**32 - 1, integer=True)
             fps = _number(message, "fps", self.pipe.variant.fps, *FPS_RANGE)
-            skip = message.get("skip", False)
-            if not isinstance(skip, bool):
-                raise WanInputError(f"skip must be true or false, got {json.dumps(skip)[:40]}")
+            smooth = message.get("smooth", False)
+            if not isinstance(smooth, bool):
+                raise WanInputError(f"smooth must be true or false, got {json.dumps(smooth)[:40]}")
             # Decoded beside the event loop: an upload of several megapixels would hold the other streams' pacing.
             image = await asyncio.get_running_loop().run_in_executor(None, decode_image, message.get("image"))
-            self._request = self._last = StartRequest(image, seed, fps, fmt, skip)
+            self._request = self._last = StartRequest(image, seed, fps, fmt, smooth)
         elif kind == "reset":
             if self._last is None:
                 raise WanInputError("nothing to reset: start a stream first")
@@ -513,7 +542,7 @@ class Player:
             return
         f = self.pipe.frames_per_chunk
         await self.send_json({"type": "started", "stream": self.stream, "seed": request.seed, "fps": request.fps,
-                              "format": request.format, "skip": request.skip,
+                              "format": request.format, "smooth": request.smooth,
                               "max_frames": 4 * session.max_latents - 3})
         index, seconds, applied = 0, [], None
         while self._request is None:
@@ -526,34 +555,35 @@ class Player:
             if session.chunk >= 3 and seconds:
                 lead = LEAD_FACTOR * max(seconds[-3:]) + LEAD_MARGIN
             keyboard, mouse, seq = self.action
-            early = request.skip and applied is not None and seq != applied
+            early = not request.smooth and applied is not None and seq != applied
             if self.paused or (queued > lead and not early):
                 await self.wait(None if self.paused else queued - lead)
                 continue
             applied = seq
             started = time.perf_counter()
             chunk = session.chunk
-            payloads = await self.work(self._chunk, session, keyboard, mouse, request.format, self._recording)
+            frames = await self.work(self._chunk, session, keyboard, mouse, self._recording)
             if chunk >= 2:
                 seconds.append(time.perf_counter() - started)
-            if early:  # the new action's frames go out next: what is still queued from before is dropped
+            if early:  # the new action's frames go out now: what is still queued from before is dropped
                 self._outbox.clear()
-            for data in payloads:
+                self._due = time.monotonic()
+            for pixels in frames:
                 header = {"kind": "frame", "stream": self.stream, "index": index, "chunk": chunk,
                           "t": round(index / request.fps, 6), "action": seq, "format": request.format}
-                self._outbox.append((self.stream, header, data))
+                self._outbox.append(QueuedFrame(self.stream, header, pixels))
                 index += 1
             self._queued.set()
             await self.follow_recording()
 
-    def _chunk(self, session, keyboard, mouse, fmt: str, recording) -> list[bytes]:
+    def _chunk(self, session, keyboard, mouse, recording) -> np.ndarray:
         chunk = session.chunk
         frames = session.step(keyboard, mouse)
         if self.play.on_chunk is not None:
             self.play.on_chunk(chunk, frames, keyboard, mouse)
         if recording is not None:
             recording.append(frames)
-        return [encode_frame(frame, fmt) for frame in frames]
+        return frames
 
     # ---- recording -------------------------------------------------------------------
 

@@ -40,7 +40,9 @@ def decode_image(data: bytes, what: str = "input_reference", fix: str = "pass a 
                 raise WanInputError(f"{what} is {img.width}x{img.height}, over {MAX_IMAGE_PIXELS} pixels; {fix}")
             return img.convert("RGB")
     except (UnidentifiedImageError, OSError, ValueError, Image.DecompressionBombError) as e:
-        raise WanInputError(f"{what} cannot be read as an image ({' '.join(str(e).split())[:120]}); {fix}") from None
+        # PIL names an unknown format by the buffer's repr, which tells the client nothing.
+        why = "not a format PIL reads" if isinstance(e, UnidentifiedImageError) else " ".join(str(e).split())[:120]
+        raise WanInputError(f"{what} cannot be read as an image ({why}); {fix}") from None
 
 
 def image_from_reference(value) -> bytes | None:

@@ -441,8 +441,8 @@ def generate(args) -> None:
     stages = stage_paths(args)
     timer = StageTimer(since=getattr(args, "started", None), progress=not args.quiet)
     step_seconds: list[float] = []
-    if args.model == "tiny":
-        print("note: --model tiny has random weights; pass --model PATH (a diffusers-format Wan checkpoint) for a real video",
+    if args.model in ("tiny", "tiny-ti2v"):
+        print(f"note: --model {args.model} has random weights; pass --model PATH (a diffusers-format Wan checkpoint) for a real video",
               flush=True)
     pipe = load_pipeline(args)
     s = run_settings(pipe, args)

@@ -3,9 +3,12 @@
 `tiny` is a 2-layer DiT (`wan_tpu.configs.models.VARIANTS["tiny"]`) and a few-channel Wan 2.1 VAE
 with 16 latent channels and a 2-layer UMT5 (`wan_tpu.encoders.umt5`; weights of all three drawn by
 `random_module`), and the in-process tokenizer of `wan_tpu.encoders.tokenizers`: no torch or transformers.
-It exists to run every stage quickly on any machine:
+`tiny-ti2v` is the same over the tiny Wan 2.2 VAE (8 latent channels, 16x spatial): text-and-image to video
+as Wan 2.2 TI2V makes it (the image's latents held as the first frame at t=0; no CLIP tower to compile).
+They exist to run every stage quickly on any machine:
 
     python -m wan_tpu.generate --model tiny --prompt "a cat walks on the grass"   # CPU, seconds
+    python -m wan_tpu.generate --model tiny-ti2v --image first.png --prompt "a cat walks on the grass"
 
 The same seed gives the same weights on every machine, so tiny runs are reproducible end to end.
 `save_diffusers_checkpoint` writes random checkpoints of any size in the diffusers layout (tests,
@@ -15,11 +18,12 @@ benchmarks).
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax.numpy as jnp
 
 from wan_tpu.configs.models import VARIANTS
-from wan_tpu.configs.vae import TINY_VAE
+from wan_tpu.configs.vae import TINY_VAE, VAE_PRESETS
 from wan_tpu.loading.random_init import TINY_SEED, random_module
 from wan_tpu.wan.transformer import set_attention
 
@@ -71,12 +75,17 @@ def tiny_umt5(d_model: int, dtype=jnp.float32, seed: int = TINY_SEED):
     return random_module(lambda: UMT5Encoder(cfg, dtype), seed + 1, draw=umt5_draw(cfg)), embedding
 
 
-def tiny(pipeline_class, dtype=jnp.bfloat16, mesh=None, attention=None, vae_dtype=jnp.float32,
-         seed: int = TINY_SEED):
-    """The `tiny` pipeline (see the module docstring), an instance of `pipeline_class` (`WanPipeline`, which
-    passes itself: this module does not import the pipeline's). `attention`: the DiT's kernel name."""
+# Each preset's VAE (its variant is `VARIANTS[name]`).
+TINY_VAES = {"tiny": TINY_VAE, "tiny-ti2v": VAE_PRESETS["tiny-2.2"]}
 
-    variant = VARIANTS["tiny"]
+
+def tiny(pipeline_class, dtype=jnp.bfloat16, mesh=None, attention=None, vae_dtype=jnp.float32,
+         seed: int = TINY_SEED, name: str = "tiny"):
+    """The `name` preset (`tiny` or `tiny-ti2v`, see the module docstring), an instance of `pipeline_class`
+    (`WanPipeline`, which passes itself: this module does not import the pipeline's). `attention`: the DiT's
+    kernel name."""
+
+    variant, vae_config = VARIANTS[name], TINY_VAES[name]
 
     def transformer():
         from flax import nnx
@@ -91,7 +100,7 @@ def tiny(pipeline_class, dtype=jnp.bfloat16, mesh=None, attention=None, vae_dtyp
 
         from wan_tpu.vae.model import WanVAE
 
-        model = random_module(lambda: WanVAE(TINY_VAE, dtype=vae_dtype, rngs=nnx.Rngs(0)), seed + 1)
+        model = random_module(lambda: WanVAE(vae_config, dtype=vae_dtype, rngs=nnx.Rngs(0)), seed + 1)
         model.mesh = mesh
         return model
 
@@ -107,11 +116,11 @@ def tiny(pipeline_class, dtype=jnp.bfloat16, mesh=None, attention=None, vae_dtyp
         return UMT5TextEncoder(model, embed_tokens, tiny_tokenizer())
 
     loaders = {"transformer": transformer, "vae": vae, "text_encoder": text_encoder}
-    return pipeline_class(variant, TINY_VAE, loaders, name="tiny", dtype=dtype, mesh=mesh, vae_dtype=vae_dtype,
+    return pipeline_class(variant, vae_config, loaders, name=name, dtype=dtype, mesh=mesh, vae_dtype=vae_dtype,
                           attention=attention, text_encoder_config=tiny_umt5_config(variant.transformer.text_dim))
 
 
-PRESETS = {"tiny": tiny}
+PRESETS = {name: functools.partial(tiny, name=name) for name in TINY_VAES}
 
 
 def save_diffusers_checkpoint(path: str, transformer, vae, *, transformer_2=None, boundary_ratio: float | None = None,

@@ -38,7 +38,7 @@
         state.stream = message.stream;
         state.frames = 0;
         state.sentAt.clear(); // actions sent before the stream began have no first frame to wait for
-        status(`playing: seed ${message.seed}, ${message.fps} fps`);
+        status(`playing: seed ${message.seed}, ${message.fps} fps${message.smooth ? ", smooth" : ""}`);
         break;
       case "state":
         state.paused = message.paused;
@@ -129,7 +129,7 @@
     $("pace").textContent = "";
     for (const fps of paces) $("pace").add(new Option(`${fps} fps`, String(fps), false, fps === wanted));
     $("seed").value = params.get("seed") || "0";
-    $("skip").checked = params.get("skip") === "1";
+    $("smooth").checked = params.get("smooth") === "1";
     state.lastAction = JSON.stringify([[], hello.mouse ? [0, 0] : null]); // the idle action the server starts from
     loadExamples(params.get("example") || hello.examples[0]);
   }
@@ -153,7 +153,7 @@
   function settings() {
     return {
       seed: Number($("seed").value) || 0, fps: Number($("pace").value), format: params.get("format") || "jpeg",
-      skip: $("skip").checked,
+      smooth: $("smooth").checked,
     };
   }
 
