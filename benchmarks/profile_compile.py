@@ -37,7 +37,9 @@ package's (`wan_tpu.runtime.executable_cache.TIMELINE`: whole programs loaded or
 abstract modules, random weights, `prepare`'s background loads and compiles, and the main thread's
 waits for them), with the command's stages; spans shorter than `--min-seconds` are summed per kind.
 `--autotune-split` (GPUs) adds a cold run with `--xla_gpu_autotune_level=0`: the difference of XLA's
-compile seconds is the autotuning. `--device`: real sizes; `--model` is a converted folder with random
+compile seconds is the autotuning. `--decode-before-denoise` (Wan, GPUs): every run's first step waits for the VAE decode's
+compiles instead of their overlapping the denoise (`compile_ahead.WAIT_FOR_DEVICE_AUTOTUNING`).
+`--device`: real sizes; `--model` is a converted folder with random
 weights (`random_folders.py unifolm DIR` / `random_folders.py matrix-game DIR` write one with our code
 alone; so do `bench_unifolm.py --size real --random --workdir DIR` and `bench_matrix_game.py --random
 --parts prepare --workdir DIR`, the latter into `DIR/converted`); Wan writes its random 1.3B checkpoint
@@ -246,10 +248,12 @@ def child(what: str, argv: list[str]) -> None:
     as the command line does."""
     import jax
 
-    from wan_tpu.runtime import profiling
+    from wan_tpu.runtime import compile_ahead, profiling
     from wan_tpu.runtime.cli import exit_now
     from wan_tpu.runtime.executable_cache import TIMELINE
 
+    if os.environ.get("PROFILE_DECODE_BEFORE_DENOISE"):
+        compile_ahead.WAIT_FOR_DEVICE_AUTOTUNING = True  # Wan: a GPU's first step waits for the decode's compiles
     spans, counts = [], collections.Counter()
     names = {"jaxpr_trace_duration": "trace", "jaxpr_to_mlir_module_duration": "lower",
              "backend_compile_duration": "XLA compile"}
@@ -326,12 +330,13 @@ def cold_start(args) -> None:
         argv = command(args, tmp, os.path.join(tmp, "out.mp4"))
         print("command: " + " ".join(argv[5:]), flush=True)
         cold, warm_cache = [], os.path.join(tmp, "cache-0")
+        before = {"PROFILE_DECODE_BEFORE_DENOISE": "1"} if args.decode_before_denoise else {}
         for i in range(args.runs):
-            cold.append(run_timed(argv, {"WAN_TPU_CACHE_DIR": os.path.join(tmp, f"cache-{i}")}))
+            cold.append(run_timed(argv, {"WAN_TPU_CACHE_DIR": os.path.join(tmp, f"cache-{i}"), **before}))
             print(f"cold run {i + 1}: {cold[-1]['wall']:.2f} s", flush=True)
         warm = []
         for i in range(args.runs):
-            warm.append(run_timed(argv, {"WAN_TPU_CACHE_DIR": warm_cache}))
+            warm.append(run_timed(argv, {"WAN_TPU_CACHE_DIR": warm_cache, **before}))
             print(f"warm run {i + 1}: {warm[-1]['wall']:.2f} s", flush=True)
         split = None
         if args.autotune_split:
@@ -347,6 +352,8 @@ def cold_start(args) -> None:
         if None not in results:
             rows.append((label, f"first result (end of {first!r})", " ".join(f"{v:.2f}" for v in results),
                          f"{statistics.median(results):.2f}"))
+    gap = statistics.median(r["wall"] for r in cold) - statistics.median(r["wall"] for r in warm)
+    rows.append(("cold − warm", "whole command", "", f"{gap:.2f}"))
     print()
     print(harness.table(("cache", "seconds to", "each run", "median"), rows))
     remat = [line for run in cold + warm for line in run["remat"]]
@@ -378,6 +385,9 @@ def main(argv=None) -> None:
     p.add_argument("--workdir", default="outputs/bench_e2e", help="--device wan: where the random 1.3B checkpoint is")
     p.add_argument("--min-seconds", type=float, default=0.1, help="timeline: shorter spans are summed per kind")
     p.add_argument("--autotune-split", action="store_true", help="GPU: one more cold run without autotuning")
+    p.add_argument("--decode-before-denoise", action="store_true",
+                   help="wan, GPU: the first step waits for the decode's compiles instead of their overlapping the "
+                        "denoise: the other side of that choice")
     args = p.parse_args(argv)
     args.rest = rest
     if args.what in FAMILIES:

@@ -2,8 +2,10 @@
 alone), the denoise step and the VAE decode compile in background threads, so the calls compile none
 of the big programs themselves; latents and frames are bit-identical to a run without `prepare` in a fresh process
 (reference: that run; tolerance:
-none). Load errors surface where the component is used; a failed ahead-of-time compile is a warning;
-no thread outlives the `with` block."""
+none). The step and the decode compile from abstract modules, before the weights are in; the decode's
+programs side by side; a later start reads the step from the executable cache, tracing nothing. Load errors
+surface where the component is used; a failed ahead-of-time compile is a warning; no thread outlives the
+`with` block."""
 
 import json
 import os
@@ -18,6 +20,7 @@ import pytest
 import wan_tpu
 from wan_tpu.errors import WanInputError
 from wan_tpu.runtime import compile_ahead as warmup
+from wan_tpu.runtime import compile_cache, executable_cache
 from wan_tpu.wan import memory as wan_memory
 
 # A size no other test uses, so this process has compiled none of its programs before.
@@ -46,7 +49,7 @@ def _compiles():
     return seen
 
 
-def test_prepare_compiles_ahead_and_changes_no_bit(tmp_path):
+def test_prepare_compiles_ahead_and_changes_no_bit(tmp_path, monkeypatch):
     env = {**os.environ, "XLA_FLAGS": os.environ["ONE_DEVICE_XLA_FLAGS"]}  # one CPU device
     ref = subprocess.run([sys.executable, "-c", REFERENCE, json.dumps(RUN), str(tmp_path / "l.npy"),
                           str(tmp_path / "f.npy")], env=env, capture_output=True, text=True, timeout=600)
@@ -55,6 +58,11 @@ def test_prepare_compiles_ahead_and_changes_no_bit(tmp_path):
     jax.clear_caches()  # the text program depends on no size: an earlier test may have compiled it here
     seen = _compiles()
     pipe = wan_tpu.WanPipeline.from_pretrained("tiny")
+    # The DiT's and the VAE's loads end only once their programs compiled: from the abstract modules, not
+    # the weights (a compile that waited for its load would time the wait out).
+    waits = []
+    for name, program in (("transformer", "jit(_step)"), ("vae", "jit(_decode_strip)")):
+        pipe._loaders[name] = _after_compile(program, pipe._loaders[name], waits)
     s = pipe.settings(**{k: RUN[k] for k in ("height", "width", "num_frames", "num_inference_steps", "guidance_scale")})
     with pipe.prepare(s) as prepared:
         assert set(prepared.loads) == {"text_encoder", "transformer", "vae"}
@@ -62,12 +70,50 @@ def test_prepare_compiles_ahead_and_changes_no_bit(tmp_path):
         latents = pipe("a red kite", **RUN, output_type="latent", progress=False)
         frames = pipe.decode(latents)
 
+    assert waits == [True, True]
     main = [f for f, thread in seen if thread == threading.main_thread().name and f in BIG]
     assert not main, f"compiled on the caller's thread: {main}"
     ahead = {f for f, thread in seen if thread.startswith("wan_tpu-compile-")}
     assert {"jit(_embed)", "jit(_step)", "jit(_decode_stem)", "jit(_decode_strip)", "jit(to_uint8)"} <= ahead
+    decode_threads = {thread for f, thread in seen if f in BIG and thread.startswith("wan_tpu-compile-decode-")}
+    assert len(decode_threads) >= 3, decode_threads  # stem, strips, uint8: each in a thread of its own
     assert np.array_equal(np.asarray(latents), np.load(tmp_path / "l.npy"))
     assert np.array_equal(frames, np.load(tmp_path / "f.npy"))
+
+    # As a new process would: the step is read whole from the executable cache, not traced again.
+    jax.clear_caches()
+    monkeypatch.setattr(executable_cache, "_CALLED", {})
+    traced, loaded = _traced(), compile_cache.stats().programs_loaded
+    embeds = pipe.encode_prompt("a red kite", guidance_scale=RUN["guidance_scale"])
+    with pipe.prepare(s) as prepared:
+        again = pipe.denoise(embeds, **{k: v for k, v in RUN.items() if k != "guidance_scale"},
+                             guidance_scale=RUN["guidance_scale"], progress=False)
+        prepared.cancel()  # the decode's programs: not needed here
+    assert "_step" not in traced and compile_cache.stats().programs_loaded > loaded
+    assert np.array_equal(np.asarray(again), np.load(tmp_path / "l.npy"))
+
+
+def _after_compile(program, loader, waits, timeout=300):
+    """`loader`, returning once `program` was compiled, or after `timeout` seconds (whether it was: `waits`)."""
+    compiled = threading.Event()
+    jax.monitoring.register_event_duration_secs_listener(
+        lambda event, duration, **kw: compiled.set()
+        if event == "/jax/core/compile/backend_compile_duration" and kw.get("fun_name") == program else None)
+
+    def load(**options):
+        waits.append(compiled.wait(timeout))
+        return loader(**options)
+
+    return load
+
+
+def _traced():
+    """The functions traced from now on."""
+    seen = []
+    jax.monitoring.register_event_duration_secs_listener(
+        lambda event, duration, **kw: seen.append(kw.get("fun_name"))
+        if event == "/jax/core/compile/jaxpr_trace_duration" else None)
+    return seen
 
 
 def test_load_errors_surface_where_the_component_is_used():
@@ -101,8 +147,9 @@ def test_weights_fit_against_free_device_memory(monkeypatch):
 
 
 def test_decode_compiles_before_the_denoise_where_both_do_not_fit(monkeypatch):
-    """On a GPU whose memory holds the denoise's and the decode's working sets together the decode compiles
-    while the DiT denoises; else `denoise()` waits for that compile first (the autotuner's buffers)."""
+    """Where the memory holds the denoise's and the decode's working sets together the decode compiles
+    while the DiT denoises; else `denoise()` waits for that compile first (the autotuner's buffers). Where
+    compiles time kernels on the device (a GPU's autotuner), the denoise waits for it too."""
     from wan_tpu.wan.memory import stage_bytes
 
     pipe = wan_tpu.WanPipeline.from_pretrained("tiny")
@@ -130,8 +177,10 @@ def test_decode_compiles_before_the_denoise_where_both_do_not_fit(monkeypatch):
     assert wan_memory.decode_compiles_beside_denoise(pipe, s)  # this CPU: no autotuner, nothing to wait for
 
     for beside in (True, False):
+        monkeypatch.setattr(warmup, "WAIT_FOR_DEVICE_AUTOTUNING", True)
+        monkeypatch.setattr(warmup, "autotunes_on_device", lambda: not beside)
         with pipe.prepare(s) as prepared:
-            pipe._decode_beside_denoise = beside
+            assert pipe._decode_beside_denoise == beside
             latents = pipe("a cat", height=32, width=32, num_frames=5, num_inference_steps=2, output_type="latent",
                            progress=False)
             # `wait_compiled` takes the future it waited for: gone once the denoise waited for the decode.

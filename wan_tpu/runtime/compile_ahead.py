@@ -13,17 +13,22 @@ What runs for `WanPipeline`, each in its own thread:
     encoder): the weights of one come off the disk while another's are placed on the devices;
   * at once, the text encoder's program is compiled from its config alone (`text_encoder.compile_encode`)
     while its weights are read;
-  * once the transformer(s) are in, the denoise step is compiled (`denoise.compile_steps`) for the
-    run's latent and prompt shapes, while the text encoder loads and encodes;
-  * once the VAE is in, its decode programs (`WanVAE.compile_decode`) and the uint8 conversion are
-    compiled, typically while the DiT denoises (on a GPU only where both fit in memory beside each
-    other: `decode_compiles_beside_denoise`; else the denoise waits for that compile).
+  * at once, the denoise step (`denoise.compile_steps`) for the run's latent and prompt shapes, from
+    the DiTs' abstract modules (shapes only: what the loaders fill), read from the executable cache where
+    a process stored it before (nothing traced), else compiled and stored, while the weights are read
+    and the text encoder encodes. Where the loads make other modules (quantised, streamed from host
+    memory, given an attention kernel) or a loaded DiT is not what its config describes (`serves`), the
+    step compiles once the DiT is in, through jit, as the call then runs it;
+  * at once, from the VAE's abstract module (`abstract_vae`), its decode programs (`WanVAE.compile_decode`)
+    and the uint8 conversion, lowered one after the other and compiled side by side (`SideBySide`);
+    while the DiT denoises (`WAIT_FOR_DEVICE_AUTOTUNING` makes a GPU's first step wait for them instead:
+    their compiles time kernels on the device, `autotunes_on_device`).
 On a device mesh only the reading runs ahead (the calls' shardings come from the previous stage, so
 programs compiled from shapes would not be theirs). `component()`, `denoise()` and `decode()` of the
 pipeline (and `encode_prompt`) wait for the piece they need and for nothing else; a compile that fails is reported
 as a warning and the call compiles as it always did. Leaving the
 `with` block (or `close()`) cancels what has not started and waits for what runs, so that no thread
-outlives it (an error or Ctrl-C then costs at most one load or one program's compile). Compiling
+outlives it (an error or Ctrl-C then costs at most the loads and compiles under way). Compiling
 ahead of time runs the very programs the calls would compile (same functions, same arguments' shapes
 and placements), so results are bit-identical with and without `prepare`.
 
@@ -40,6 +45,7 @@ from __future__ import annotations
 import concurrent.futures
 import contextlib
 import functools
+import os
 import threading
 import warnings
 import weakref
@@ -74,8 +80,8 @@ class Warmup:
 
     `compile_cache`: the pipeline's choice, which every thread runs in (`compile_cache.selected`; None:
     the process's state as it is). `cancel()` (called by itself when the interpreter exits, e.g. after an
-    error or Ctrl-C) lets the threads stop at the next program boundary: the process then waits for one
-    program's compile at most, not for all of them.
+    error or Ctrl-C) lets the threads stop at the next program boundary: the process then waits for the
+    compiles under way (one per thread, a few side by side: `SideBySide`), not for all of them.
     """
 
     def __init__(self, compile_cache: bool | None = None):
@@ -95,7 +101,7 @@ class Warmup:
         self.cancelled.set()
 
     def close(self) -> None:
-        """Cancel what has not started and wait for what runs (one load or one program at most per thread)."""
+        """Cancel what has not started and wait for what runs (the loads and compiles under way)."""
         self.cancel()
         for thread in self._threads:
             thread.join()
@@ -191,6 +197,95 @@ class Warmup:
 
 class Cancelled(Exception):
     """Raised in a warmup thread that stops early (`Warmup.cancel`)."""
+
+
+class SideBySide:
+    """Lowered programs compiled side by side, each in a thread of its own (this thread's name + `-N`), for a
+    walk that lowers one program after another, each lowering's `out_info` feeding the next: lowering is
+    cheap, XLA's compile releases the GIL, and one compile need not wait for the previous one (the Wan
+    VAE's decode at 480p: two strip programs of 4.5 s each on an idle H200 and a stem of 1.8 s). At
+    most half the process's cores compile at once: the other threads' compiles and loads keep the rest (the
+    denoise step's, which the first step waits for, must not queue behind a dozen decode compiles on a
+    small CPU). A program lowered twice (JAX's lowering cache hands back the one computation)
+    compiles once. Each compile fills JAX's in-process caches as a call's would, so a later call with
+    arguments of the same shapes and placements runs that program. `stop` (a `threading.Event`): once set,
+    `add` raises `Cancelled`, and the compiles not yet begun are skipped.
+
+        with SideBySide(stop) as compiles:     # leaving waits for every compile, then raises the first failure
+            out = fn.lower(*args); compiles.add(out); out = out.out_info ...
+    """
+
+    def __init__(self, stop: threading.Event | None = None):
+        self.stop = stop
+        self._threads: dict[int, tuple[threading.Thread, object]] = {}
+        self._errors: list[BaseException] = []
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+        self._slots = threading.Semaphore(max(1, cores // 2))
+
+    def add(self, lowered) -> None:
+        """Start compiling `lowered` (a `jax.stages.Lowered`) unless the same program is under way."""
+        if self.stop is not None and self.stop.is_set():
+            raise Cancelled()
+        computation = getattr(lowered, "_lowering", lowered)
+        if id(computation) in self._threads:
+            return
+
+        def compile_():
+            with self._slots:
+                if self.stop is not None and self.stop.is_set():
+                    self._errors.append(Cancelled())
+                    return
+                try:
+                    lowered.compile()
+                except BaseException as e:  # noqa: BLE001 - raised by the thread that waits for them all
+                    self._errors.append(e)
+
+        thread = threading.Thread(target=compile_, name=f"{threading.current_thread().name}-{len(self._threads) + 1}")
+        self._threads[id(computation)] = (thread, computation)  # the computation kept alive: its id stays its own
+        thread.start()
+
+    def __enter__(self) -> SideBySide:
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        for thread, _ in self._threads.values():  # also after an error: no compile outlives the block
+            thread.join()
+        if exc_type is None and self._errors:
+            raise self._errors[0]
+
+
+# Whether the first denoise step waits for the decode's compiles where those time kernels on the device. Off:
+# on an H100, waiting made a cold 1.3B command 2.5 s slower when the decode compiled one program at a time after
+# its weights (docs/TRIED.md); with its programs now compiled side by side from the abstract VAE, the
+# comparison is `benchmarks/profile_compile.py wan --device` with and without `--decode-before-denoise`.
+WAIT_FOR_DEVICE_AUTOTUNING = False
+
+
+def autotunes_on_device() -> bool:
+    """Whether XLA's compiles here time candidate kernels on the device (NVIDIA GPUs: its autotuner). Such a
+    compile beside a running program is slowed by it and slows it: on an H200 the Wan VAE decode's first
+    strip program took 48 s to compile beside a 1.3B denoise, its second 4.5 s on the idle device, and the
+    denoise took 9% longer. TPU and CPU compiles leave the device alone."""
+    return jax.devices()[0].platform == "gpu"
+
+
+def serves(module, abstract) -> bool:
+    """Whether programs traced for `abstract` (a module without weights, `nnx.eval_shape`) serve calls with
+    `module`'s weights, so a compile from the abstract one (before the weights exist) is the program the
+    calls run: equal graphdefs (the same static argument to `jax.jit`), each weight of the abstract one's
+    shape and dtype, and placed on the default device without being committed to it (JAX lowers a
+    committed argument's placement into the program; an abstract one has none)."""
+    from flax import nnx
+
+    graphdef, state = nnx.split(module)
+    abstract_graphdef, abstract_state = nnx.split(abstract)
+    if graphdef != abstract_graphdef:
+        return False
+    leaves, tree = jax.tree.flatten(state)
+    abstract_leaves, abstract_tree = jax.tree.flatten(abstract_state)
+    return tree == abstract_tree and all(
+        isinstance(x, jax.Array) and not x.committed and getattr(a, "sharding", None) is None
+        and (x.shape, x.dtype) == (a.shape, a.dtype) for x, a in zip(leaves, abstract_leaves))
 
 
 _live: weakref.WeakSet = weakref.WeakSet()

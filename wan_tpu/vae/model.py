@@ -97,20 +97,30 @@ class WanVAE(nnx.Module):
         return self._decode(z, wmesh, strips=strips)
 
     def compile_decode(self, shape, *, mesh: Mesh | None = None, strips: int | None = None,
-                       free_bytes: int | None = None, stop=None) -> jax.ShapeDtypeStruct | None:
+                       free_bytes: int | None = None, stop=None, compiles=None) -> jax.ShapeDtypeStruct | None:
         """Compile, without running, the programs `decode` runs on latents of `shape` (B, z_dim, F, h, w),
         so that a later `decode` (same shape, strips, mesh) starts at once; e.g. in a background thread
-        while the DiT denoises. `free_bytes` stands for the free device memory `decode` will see (the
-        strip count depends on it; default: what is free now). Returns the video's shape and dtype, or
-        None where `decode` would tile (many tile shapes: they compile on use). `stop`: a
-        `threading.Event`; once set, the next program is not compiled (`warmup.Cancelled` is raised)."""
+        while the DiT denoises. Also on an abstract VAE (`nnx.eval_shape`, `abstract_vae`): the programs
+        need no weight, and serve the loaded VAE where `compile_ahead.serves` says so. `free_bytes` stands
+        for the free device memory `decode` will see (the strip count depends on it; default: what is free
+        now). Returns the video's shape and dtype, or None where `decode` would tile (many tile shapes: they
+        compile on use). The programs are lowered one after the other and compile side by side
+        (`compile_ahead.SideBySide`): in `compiles` where the caller gives one (its block waits for them),
+        else in one of its own that this call waits for, which stops at `stop` (a `threading.Event`: once
+        set, no further program starts compiling and `compile_ahead.Cancelled` is raised)."""
+        from wan_tpu.runtime.compile_ahead import SideBySide
+
         wmesh = width_mesh(mesh or self.mesh)
         z = jax.ShapeDtypeStruct(tuple(shape), self.dtype)
         if strips is None:
             strips = 1 if wmesh is not None else self._auto_strips(z, free_bytes)
         if wmesh is None and self._needs_tiling(z, strips, free_bytes):
             return None
-        out = self._decode(z, wmesh, strips=strips, run=_Run(True, stop))
+        if compiles is None:
+            with SideBySide(stop) as own:
+                out = self._decode(z, wmesh, strips=strips, run=_Run(own))
+        else:
+            out = self._decode(z, wmesh, strips=strips, run=_Run(compiles))
         return jax.ShapeDtypeStruct(out.shape, out.dtype)
 
     def encode_chunk(self, video, caches=None):
@@ -136,7 +146,7 @@ class WanVAE(nnx.Module):
         graphdef, state = nnx.split(self)
         return _encode_chunk.lower(graphdef, state, jax.ShapeDtypeStruct(tuple(shape), self.dtype), caches, None)
 
-    def decode_chunk(self, z, caches=None):
+    def decode_chunk(self, z, caches=None, start=None):
         """Streaming decode: the next latent frames (B, z_dim, F, h, w) of a video → (video frames
         (B, C, T, H, W) in [-1, 1], the caches for the next call).
 
@@ -145,13 +155,27 @@ class WanVAE(nnx.Module):
         carried across calls instead of across frames). The caches keep one shape from the first call on,
         so a video takes two traces (its first chunk and all later ones of the same size); the function is
         pure, so a caller's jitted program can include it and carry and donate the caches. Full width on
-        one device: no strips, tiles or mesh (a streamed chunk is a few frames)."""
+        one device: no strips, tiles or mesh (a streamed chunk is a few frames).
+
+        `start` (a bool, traced or not) with `caches` (`start_decode_caches` for a video's first chunk):
+        one trace for every chunk. Where `start` holds, the first latent frame takes the first frame's
+        path (the caches' values unused) and its video frame comes after 3 of zeros, so every chunk gives
+        4 per latent frame; the frames are bitwise those of the two-trace form."""
         z = jnp.asarray(z)
         if z.ndim != 5 or z.shape[1] != self.config.z_dim or z.shape[2] < 1:
             raise WanInputError(f"decode_chunk expects latents (B, {self.config.z_dim}, F ≥ 1, h, w), got shape {tuple(z.shape)}")
+        if start is not None and caches is None:
+            raise WanInputError("decode_chunk with start= needs caches; pass start_decode_caches(z.shape) for a video's first chunk")
         graphdef, state = nnx.split(self)
-        caches, video = _decode_chunk(graphdef, state, z.astype(self.dtype), caches)
+        caches, video = _decode_chunk(graphdef, state, z.astype(self.dtype), caches, start)
         return video, caches
+
+    def start_decode_caches(self, z_shape):
+        """Zeros shaped as the caches `decode_chunk` carries for latents of `z_shape`: what
+        `decode_chunk(z, caches, start=True)` takes for a video's first chunk. Traceable (shapes only)."""
+        graphdef, state = nnx.split(self)
+        caches, _ = _decode_chunk.eval_shape(graphdef, state, jax.ShapeDtypeStruct(tuple(z_shape), self.dtype), None)
+        return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), caches)
 
     def normalize_latents(self, z):
         """diffusers WanPipeline's encode-side scaling: (z - mean) * (1 / std)."""
@@ -172,7 +196,7 @@ class WanVAE(nnx.Module):
 
     def _decode(self, z, wmesh, raw=False, strips=1, run=None):
         """The mid block's output for every latent frame first (its attention sees whole frames), then
-        the rest of the decoder over all frames, one strip after another. `run=_Run(True)`: compile every
+        the rest of the decoder over all frames, one strip after another. `run=_Run(compiles)`: compile every
         program on the way instead (z abstract), visiting each distinct call once."""
         run = run or _RUN
         graphdef, state = nnx.split(self)
@@ -429,21 +453,18 @@ def _stem_start_caches(graphdef, state, z, wmesh, run):
 
 class _Run:
     """How `WanVAE._decode` makes its calls: run them (`_RUN`), or compile them for abstract inputs
-    (`_Run(True)`: each jitted call is lowered and compiled, its abstract outputs feed the next call)."""
+    (`_Run(compiles)`, a `compile_ahead.SideBySide`: each jitted call is lowered, its abstract outputs feed
+    the next call at once, and its compile runs in `compiles`, beside the others')."""
 
-    def __init__(self, compile_only: bool, stop=None):
-        self.compile_only = compile_only
-        self.stop = stop
+    def __init__(self, compiles=None):
+        self.compiles = compiles
+        self.compile_only = compiles is not None
 
     def __call__(self, fn, *args):
         if not self.compile_only:
             return fn(*args)
-        if self.stop is not None and self.stop.is_set():
-            from wan_tpu.runtime.compile_ahead import Cancelled
-
-            raise Cancelled
         lowered = fn.lower(*args)
-        lowered.compile()
+        self.compiles.add(lowered)
         return lowered.out_info
 
     def frames(self, count: int, distinct: int):
@@ -460,7 +481,7 @@ class _Run:
         return self(_filled, tuple(shape), value, dtype)
 
 
-_RUN = _Run(False)
+_RUN = _Run()
 
 
 @partial(jax.jit, static_argnums=(0, 4), donate_argnums=(3,))
@@ -489,9 +510,10 @@ def _decode_strip(graphdef, state, mid, caches, wmesh, raw, widths, offsets):
 
 
 @partial(jax.jit, static_argnums=(0,), donate_argnums=(3,))
-def _decode_chunk(graphdef, state, z, caches):
+def _decode_chunk(graphdef, state, z, caches, start=None):
     """`WanVAE.decode_chunk`: each latent frame through the stem and then the up blocks and head (one
-    strip as wide as the frame), the first frame of a video alone (its own trace), the rest scanned."""
+    strip as wide as the frame), the first frame of a video alone (its own trace), the rest scanned;
+    with `start`, every frame scanned, the first one's path chosen by `lax.cond`."""
     model: WanVAE = nnx.merge(graphdef, state)
     w = z.shape[-1]
     _, widths, offsets = model.decoder.strip_plan(w, 0, w)
@@ -504,6 +526,23 @@ def _decode_chunk(graphdef, state, z, caches):
         lst = ChunkState(level_caches)
         x = jnp.clip(unpatchify(levels(mid, lst), model.config.patch_size), -1.0, 1.0)
         return (st.out, lst.out), x.transpose(0, 4, 1, 2, 3)
+
+    if start is not None:
+        def opening(caches, zf):
+            with jax.named_scope("VAE_Decode_Frame_0"):
+                caches, x = frame(None, zf)
+            pad = model.config.scale_factor_temporal - x.shape[2]
+            return caches, jnp.pad(x, ((0, 0), (0, 0), (pad, 0), (0, 0), (0, 0)))
+
+        def step(caches, zi):
+            zf, first = zi
+            return lax.cond(first, opening, frame, caches, zf[:, :, None])
+
+        with jax.named_scope("VAE_Decode_Frame"):
+            firsts = (jnp.arange(z.shape[2]) == 0) & jnp.asarray(start)
+            caches, video = lax.scan(step, caches, (jnp.moveaxis(z, 2, 0), firsts))
+        video = jnp.moveaxis(video, 0, 2)
+        return caches, video.reshape(*video.shape[:2], -1, *video.shape[4:])
 
     videos = []
     if caches is None:

@@ -6,7 +6,10 @@ guidance scale, the latents, the scheduler state and its tables, the DiT weights
 is traced and compiled once per run shape (latent size, step count) and per DiT (the two Wan 2.2
 A14B experts compile once each). On accelerators latents and scheduler state are donated, so a
 step updates them in place. `compile_steps` compiles that program ahead of time from shapes alone
-(what `WanPipeline.prepare` runs in a background thread), with the arguments `denoise` will pass.
+(what `WanPipeline.prepare` runs in a background thread), with the arguments `denoise` will pass. Given
+a program key (what determines the DiTs' graphdefs: their configs and dtype), both take the program from
+the executable cache instead (`wan_tpu.runtime.executable_cache`): a later process loads it whole,
+tracing nothing.
 
 Driving the loop from Python (rather than `lax.fori_loop`) gives a per-step progress bar with s/it
 and a NaN/Inf check without stalling the device: the finite flag of step i is read only after step
@@ -137,6 +140,7 @@ def denoise(
     cache=None,
     cache_stats: list | None = None,
     on_step=None,
+    program_key=None,
 ) -> jax.Array:
     """Run the whole schedule from the initial noise `latents` (B, z, F, h, w); returns the final latents.
 
@@ -145,6 +149,9 @@ def denoise(
     (the first includes compilation). `cache`: a resolved step cache (`wan_tpu.wan.step_cache.resolve`);
     `cache_stats`, if given, receives its `CacheStats`. `on_step(done, total)`, if given, is called after
     each step is finished (a server's progress and cancel point: an exception it raises stops the loop).
+    `program_key`: what determines the DiTs' graphdefs (their configs and dtype, where the caller knows
+    them to be the modules those describe), so that the step program is the one kept whole in the
+    executable cache (`_run_step`); None: jit's.
     """
     from tqdm.auto import tqdm
 
@@ -179,10 +186,10 @@ def denoise(
             e = 0 if i < switch else 1
             graphdef, params = experts[e]
             with scope(f"step_{i}"):
-                latents, state, finite, carry = step_fn(
+                latents, state, finite, carry = _run_step(step_fn, (
                     type(scheduler), graphdef, transformers[e].config.patch_size, mesh, params, fields, state,
                     latents, jnp.int32(i), cond, jnp.float32(guidance_scales[e]), carry,
-                )
+                ), program_key)
             if pending is not None:
                 finish(*pending)
             pending = (i, finite)
@@ -196,11 +203,16 @@ def denoise(
 
 
 def compile_steps(transformers, latent_shape, cond: Conditioning, scheduler, boundary_ratio: float | None = None,
-                  mesh=None, cache=None) -> None:
+                  mesh=None, cache=None, program_key=None) -> None:
     """Compile, without running, the step program(s) `denoise` runs for these arguments, so that a later
     `denoise` with the same shapes starts at once (e.g. from a background thread while the prompt is
-    encoded). `cond`'s arrays may be `jax.ShapeDtypeStruct`s; each expert that runs a step is lowered
-    with the arguments `denoise` passes it (the Wan 2.2 experts share one program)."""
+    encoded). `cond`'s arrays may be `jax.ShapeDtypeStruct`s, and the transformers abstract modules
+    (`nnx.eval_shape`): no weight is needed. Each expert that runs a step is lowered with the arguments
+    `denoise` passes it (the Wan 2.2 experts share one program). With `program_key` (as `denoise` will get
+    it) the program is loaded from the executable cache where a process stored it before (nothing traced),
+    else compiled and stored (`executable_cache.ahead`)."""
+    from wan_tpu.runtime import executable_cache
+
     n = len(scheduler.timesteps)
     switch, experts, cond, fields, step_fn = _loop_setup(transformers, cond, scheduler, boundary_ratio)
     latents = jax.ShapeDtypeStruct(tuple(latent_shape), jnp.float32)
@@ -208,8 +220,31 @@ def compile_steps(transformers, latent_shape, cond: Conditioning, scheduler, bou
     carry = _start_carry(cache, transformers, cond, n, switch, latents.shape)
     for e in sorted({0 if i < switch else 1 for i in range(n)}):
         graphdef, params = experts[e]
-        step_fn.lower(type(scheduler), graphdef, transformers[e].config.patch_size, mesh, params, fields, state, latents,
-                      jax.ShapeDtypeStruct((), jnp.int32), cond, jax.ShapeDtypeStruct((), jnp.float32), carry).compile()
+        args = (type(scheduler), graphdef, transformers[e].config.patch_size, mesh, params, fields, state, latents,
+                jax.ShapeDtypeStruct((), jnp.int32), cond, jax.ShapeDtypeStruct((), jnp.float32), carry)
+        if program_key is None or mesh is not None:
+            step_fn.lower(*args).compile()
+        else:
+            with executable_cache.ahead():
+                _run_step(step_fn, args, program_key)
+
+
+STEP_PROGRAM = "wan-step"  # the step's name in the executable cache
+
+
+def _run_step(step_fn, args: tuple, program_key=None):
+    """`step_fn(*args)` (the jitted `_step`), or with `program_key` (and no mesh) that program as the
+    executable cache keeps it (`executable_cache.cached_call`): found by the key, the scheduler's class and
+    the arguments' shapes without tracing, loaded whole by a later process. The key stands for the DiT's
+    graphdef, whose text (hooks' addresses) cannot key a file."""
+    sched_cls, _, patch_size, mesh = args[:len(_STATIC)]
+    if program_key is None or mesh is not None:
+        return step_fn(*args)
+    from wan_tpu.runtime import executable_cache
+
+    key = (program_key, f"{sched_cls.__module__}.{sched_cls.__qualname__}", patch_size)
+    return executable_cache.cached_call(STEP_PROGRAM, key, step_fn, args, static_argnums=_STATIC,
+                                        key_names_statics=True)
 
 
 def _start_carry(cache, transformers, cond: Conditioning, steps: int, switch: int, latent_shape):

@@ -36,10 +36,12 @@ is `jax.random.normal(jax.random.key(seed), (1, z, F, h, w), float32)`.
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import functools
 import gc
 import os
+import threading
 from collections.abc import Callable
 
 import jax
@@ -265,6 +267,9 @@ class WanPipeline:
         if (name in DITS and resident is not None and resident < self.variant.transformer.num_layers and not loras
                 and getattr(loader, "quantizes", False)):
             options["offload"] = True  # the block stack read straight into host memory (LoRAs merge on the device)
+        plan = self.offload_plan
+        if name == "text_encoder" and plan is not None and plan.text_streamed and getattr(loader, "offloads", False):
+            options["offload"] = True  # UMT5's blocks too: the encoder alone may not fit the device
         component = loader(**options)
         for path, scale in loras:
             component.load_lora(path, scale)
@@ -359,6 +364,7 @@ class WanPipeline:
         `wan_tpu.runtime.compile_ahead` for what runs when and what it does to peak memory. With a mesh, components
         are read ahead but compile on first use. The threads run in this pipeline's `compile_cache` choice.
         """
+        from wan_tpu.runtime import compile_ahead
         from wan_tpu.runtime.compile_ahead import Warmup
         from wan_tpu.wan.memory import decode_compiles_beside_denoise, weights_fit
 
@@ -370,7 +376,8 @@ class WanPipeline:
         encoders = ["text_encoder"] + (["image_encoder"] if image and "image_encoder" in self._loaders else [])
         todo = [n for n in (*encoders, *dits, "vae") if n not in self._loaded]
         ahead = weights_fit(self._weight_bytes(), todo, self.mesh)
-        if self.mesh is None and self.text_encoder_config is not None:
+        streamed_text = self.offload_plan is not None and self.offload_plan.text_streamed
+        if self.mesh is None and self.text_encoder_config is not None and not streamed_text:
             # From the config alone: compiles while the weights are read (one program per prompt count).
             warmup.start("text", self._compile_text, 2 if s.do_cfg else 1, kind="compile")
         for name in todo:
@@ -386,7 +393,10 @@ class WanPipeline:
             warmup.start("denoise", self._compile_denoise, warmup, s, sampling, image, sources, kind="compile")
         vae = self._loaded["vae"] if "vae" in self._loaded else warmup.loads["vae"]
         warmup.start("decode", self._compile_decode, warmup, s, vae, kind="compile")
-        self._decode_beside_denoise = decode_compiles_beside_denoise(self, s)
+        # The decode's programs start at once, from the VAE's shapes, beside the loads; they go on beside the
+        # denoise unless they would not fit it, or the first step is set to wait for a device's autotuning.
+        waits = compile_ahead.WAIT_FOR_DEVICE_AUTOTUNING and compile_ahead.autotunes_on_device()
+        self._decode_beside_denoise = decode_compiles_beside_denoise(self, s) and not waits
         return warmup
 
     def _weight_bytes(self) -> dict[str, int]:
@@ -407,12 +417,51 @@ class WanPipeline:
         cond = self._abstract_conditioning(s, shape, image)
         if cond is None:
             return
-        transformers = [src.result() if hasattr(src, "result") else src for src in sources]
-        if warmup.cancelled.is_set():
-            return
-        self.prepare_latents(0, s.height, s.width, s.num_frames)  # compiles the noise sampler (any seed: one program)
         sched, step = sampling
-        compile_steps(transformers, shape, cond, sched, self.variant.boundary_ratio, mesh=self.mesh, cache=step)
+
+        def compile_for(transformers, key):
+            if warmup.cancelled.is_set():
+                return
+            compile_steps(transformers, shape, cond, sched, self.variant.boundary_ratio, mesh=self.mesh, cache=step,
+                          program_key=key)
+
+        # The noise sampler's programs (any seed: one) beside the step's.
+        with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=threading.current_thread().name) as pool:
+            noise = pool.submit(self.prepare_latents, 0, s.height, s.width, s.num_frames)
+            # From the DiTs' abstract modules, where the loads make those: the step is read from the executable
+            # cache, or traced and compiled, while the weights are read (after them: 3.5 s more of a 1.3B cold
+            # start on an H200, and a warm one traced and lowered it again, 1.5 s).
+            abstract = self._abstract_dits(len(sources))
+            key = None if abstract is None else self._step_key(abstract)
+            if key is not None:
+                compile_for(abstract, key)
+            transformers = [src.result() if hasattr(src, "result") else src for src in sources]
+            if key is None or self._step_key(transformers) != key:
+                compile_for(transformers, None)  # not what their configs describe: through jit, as `denoise` runs it
+        noise.result()
+
+    def _abstract_dits(self, count: int) -> list | None:
+        """The first `count` DiTs as their loaders make them, without weights (`stacking.eval_shape` of their
+        constructor; once per process), or None where a load may make another module (quantised, streamed
+        from host memory, given an attention kernel: hook objects of its own, or on a mesh)."""
+        configs = [self.variant.transformer, self.variant.transformer_2][:count]
+        resident = self._resident_blocks()
+        if (self.mesh is not None or self.quantization or self.attention_impl is not None
+                or (resident is not None and resident < min(c.num_layers for c in configs))):
+            return None
+        return [_abstract_dit(c, self.dtype) for c in configs]
+
+    def _step_key(self, transformers) -> tuple | None:
+        """What determines the denoise step's program for `transformers` besides its arguments' shapes
+        (`denoise`'s `program_key`: the executable cache's key), where they are the DiTs their configs describe
+        (`_abstract_dits` themselves, or loaded ones that `compile_ahead.serves`): the configs and the dtype.
+        None otherwise: their step runs through jit."""
+        from wan_tpu.runtime.compile_ahead import serves
+
+        abstract = self._abstract_dits(len(transformers))
+        if abstract is None or not all(t is a or serves(t, a) for t, a in zip(transformers, abstract)):
+            return None
+        return "wan-dit", tuple(a.config for a in abstract), jnp.dtype(self.dtype).name
 
     def _abstract_conditioning(self, s: RunSettings, shape, image: bool) -> Conditioning | None:
         """The shapes of what `_conditioning` builds for this run (None for Wan 2.1 I2V, whose CLIP token
@@ -433,14 +482,26 @@ class WanPipeline:
         return cond
 
     def _compile_decode(self, warmup, s: RunSettings, source) -> None:
+        from wan_tpu.runtime.compile_ahead import SideBySide, serves
         from wan_tpu.vae import model as vae_lib
+        from wan_tpu.vae.loading import abstract_vae
         from wan_tpu.wan.memory import free_bytes_after_release
 
-        vae = source.result() if hasattr(source, "result") else source
         shape = self.latent_shape(s.height, s.width, s.num_frames)
-        video = vae.compile_decode(shape, free_bytes=free_bytes_after_release(vae), stop=warmup.cancelled)
-        if video is not None:
-            vae_lib.to_uint8.lower(video).compile()
+
+        def compile_for(vae):
+            with SideBySide(warmup.cancelled) as compiles:  # every decode program at once (`SideBySide`)
+                video = vae.compile_decode(shape, free_bytes=free_bytes_after_release(vae), compiles=compiles)
+                if video is not None:
+                    compiles.add(vae_lib.to_uint8.lower(video))
+
+        # From the VAE's abstract module (`load_vae`'s own): the programs compile while the weights are read.
+        abstract = abstract_vae(self.vae_config, self.vae_dtype) if hasattr(source, "result") else None
+        if abstract is not None:
+            compile_for(abstract)
+        vae = source.result() if hasattr(source, "result") else source
+        if abstract is None or not serves(vae, abstract):
+            compile_for(vae)
 
     # ---- stage 1 ------------------------------------------------------------------------------
 
@@ -538,9 +599,11 @@ class WanPipeline:
             guidance.append(s.guidance_scale_2)
         stats = []
         with scope("denoise"):
+            # A prepared run's step is the one `prepare` read from (or wrote to) the executable cache.
+            key = None if self._warmup is None else self._step_key(experts)
             out = denoise(experts, jnp.asarray(latents), cond, sched, guidance, self.variant.boundary_ratio,
                           mesh=self.mesh, progress=progress, step_seconds=step_seconds, cache=step, cache_stats=stats,
-                          on_step=on_step)
+                          on_step=on_step, program_key=key)
         self.cache_stats = stats[0] if stats else None
         return out
 
@@ -689,6 +752,17 @@ def check_prompts(prompt: str, negative_prompt: str | None, do_cfg: bool) -> Non
         raise WanInputError("the prompt is empty and there is no negative prompt to guide against; pass --prompt TEXT")
 
 
+@functools.cache
+def _abstract_dit(config, dtype):
+    """`WanPipeline._abstract_dits`' module: the loaders' constructor, shapes only (one per config and dtype)."""
+    from flax import nnx
+
+    from wan_tpu.loading import stacking
+    from wan_tpu.wan.transformer import WanTransformer
+
+    return stacking.eval_shape(lambda: WanTransformer(config, dtype=dtype, rngs=nnx.Rngs(0)))
+
+
 def _folder_loaders(path, parts, dtype, mesh, attention, vae_dtype) -> dict:
     # Imports stay inside the loaders: a run that fails validation never pays for (or hears from)
     # transformers and torch.
@@ -705,10 +779,13 @@ def _folder_loaders(path, parts, dtype, mesh, attention, vae_dtype) -> dict:
 
         return load_vae(sub(parts["vae"]), dtype=vae_dtype, mesh=mesh)
 
-    def text_encoder():
+    def text_encoder(offload=False):
         from wan_tpu.encoders.umt5_text import UMT5TextEncoder
 
-        return UMT5TextEncoder.from_pretrained(sub(parts["text_encoder"]), sub(parts["tokenizer"]), dtype=dtype, mesh=mesh)
+        return UMT5TextEncoder.from_pretrained(sub(parts["text_encoder"]), sub(parts["tokenizer"]), dtype=dtype, mesh=mesh,
+                                               offload=offload)
+
+    text_encoder.offloads = True  # takes `offload=` (`WanPipeline._load`)
 
     def image_encoder():
         from wan_tpu.encoders.clip_image import CLIPImageEncoder
