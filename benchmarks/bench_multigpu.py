@@ -15,7 +15,9 @@ Rows (random bf16 weights, the (cond, uncond) pair as batch 2, 512 text tokens, 
   `torchrun` 4 processes, attention backend `_native_cudnn` (CPU: `native`, gloo). Both sides draw their own
   random weights of the same shapes (timing does not depend on the values; a shared 28 GB random checkpoint
   would cost each side minutes of reading per row).
-"% of linear" is t1 / (n · tn) against the same implementation's 1-GPU step.
+"% of linear" is t1 / (n · tn) against the same implementation's 1-GPU step. The two sp4 rows of ours also
+write their step's output to `--workdir` (`sp4_1process.npy`, `sp4_4processes.npy`, float32) and the table is
+followed by whether the 4-process result equals the 1-process one bit for bit (else their max abs difference).
 
 The prediction (`predict`): per step, our sp layout moves (a) every layer's FSDP weights, all-gathered
 ((n-1)/n of the layer per device), and (b) self-attention K and V, all-gathered over sp ((n-1)/n of the
@@ -33,6 +35,7 @@ import os
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # harness.py, beside this script
@@ -53,6 +56,7 @@ ROWS = (  # label, kind, devices, mesh (dp, sp, tp) or context-parallel mode
 # Published per-chip figures: bf16 dense peak (FLOP/s) and ICI bandwidth (bytes/s, one direction, all links).
 TPUS = {"v6e-16": (918e12, 448e9, 16), "v7x-16": (2307e12, 600e9, 16)}
 H100_PEAK = 989e12
+LATENTS = {"ours sp4, 1 process": "sp4_1process.npy", "ours sp4, 4 processes × 1 GPU": "sp4_4processes.npy"}
 
 
 def _free_port() -> int:
@@ -100,6 +104,12 @@ def jax_part(args) -> None:
     x, t, c = jax.jit(make, out_shardings=out_shardings)(jax.random.key(1))
     step = jax.jit(forward, static_argnums=0)
     timing = harness.measure(lambda: step(graphdef, state, x, t, c), jax.block_until_ready, iters=args.iters)
+    if args.save_latents:
+        import numpy as np
+
+        latents = distributed.to_host(timing.out)  # a collective when the output spans several processes
+        if distributed.is_writer():
+            np.save(args.save_latents, latents.astype(np.float32))
     if distributed.is_writer():
         _write(args, {"ms": timing.ms, "warmup_s": timing.first})
     distributed.finish()
@@ -168,10 +178,10 @@ def _child_env(devices: int, visible: str | None = None) -> dict[str, str]:
     return env
 
 
-def run_row(kind: str, devices: int, mesh, args, deadline: float):
-    """(ms per step, None) of one row in fresh processes, or (None, why not)."""
+def run_row(kind: str, devices: int, mesh, args, deadline: float, save: str | None = None):
+    """(ms per step, None) of one row in fresh processes, or (None, why not). `save`: a .npy file the step's
+    output is written to (ours only)."""
     import json
-    import tempfile
 
     script = os.path.abspath(__file__)
     common = ["--model", args.model, "--iters", str(args.iters), "--attention", args.attention]
@@ -182,7 +192,7 @@ def run_row(kind: str, devices: int, mesh, args, deadline: float):
         return None, "needs CUDA GPUs (diffusers' context parallelism picks an accelerator per rank)"
     with tempfile.TemporaryDirectory() as tmp:
         result = os.path.join(tmp, "result.json")
-        part = [script, *common, "--result-json", result]
+        part = [script, *common, "--result-json", result, *(["--save-latents", save] if save else [])]
         if kind == "jax":
             mesh_flag = [] if mesh is None else ["--mesh", ",".join(map(str, mesh))]
             cmds = [([sys.executable, *part, "--part", "jax", "--devices", str(devices), *mesh_flag], _child_env(devices))]
@@ -265,6 +275,8 @@ def main(argv=None) -> int:
     p.add_argument("--predict-only", action="store_true", help="only the prediction, from --t1-ms and --t4-ms")
     p.add_argument("--t1-ms", type=float, default=None)
     p.add_argument("--t4-ms", type=float, default=None)
+    p.add_argument("--workdir", default=os.path.join(tempfile.gettempdir(), "wan_tpu_bench_multigpu"),
+                   help="where the sp4 rows write their step's output latents (.npy)")
     # the parts (internal)
     p.add_argument("--part", choices=("jax", "diffusers"), default=None, help=argparse.SUPPRESS)
     p.add_argument("--model", default=None, help=argparse.SUPPRESS)
@@ -275,6 +287,7 @@ def main(argv=None) -> int:
     p.add_argument("--num-processes", type=int, default=None, help=argparse.SUPPRESS)
     p.add_argument("--process-id", type=int, default=None, help=argparse.SUPPRESS)
     p.add_argument("--result-json", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--save-latents", default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     args.model = args.model or ("tiny" if args.tiny else "14b")
     if args.tiny and args.attention == "cudnn":
@@ -297,7 +310,13 @@ def main(argv=None) -> int:
     for label, kind, devices, mesh in ROWS:
         if args.only is not None and (kind == "diffusers") != (args.only == "diffusers"):
             continue
-        ms, why = run_row(kind, devices, mesh, args, deadline)
+        save = None
+        if label in LATENTS:
+            os.makedirs(args.workdir, exist_ok=True)
+            save = os.path.join(os.path.abspath(args.workdir), LATENTS[label])
+            if os.path.exists(save):
+                os.remove(save)  # a previous run's: never compared
+        ms, why = run_row(kind, devices, mesh, args, deadline, save)
         results.append((label, kind, devices, ms, why))
         print(f"{label}: {why or f'{ms:.1f} ms/step'}", flush=True)
     base = {kind.startswith("jax"): ms for label, kind, devices, ms, why in results if devices == 1 and ms}
@@ -311,11 +330,35 @@ def main(argv=None) -> int:
             print(harness.row(label, devices, f"{ms:.1f}", "", "", "no 1-GPU step to compare with"))
         else:
             print(harness.row(label, devices, f"{ms:.1f}", f"{t1 / ms:.2f}", f"{t1 / (devices * ms):.0%}", ""))
+    same = _compare_latents(args.workdir)
+    if same:
+        print()
+        print(same)
     sp4 = next((ms for label, kind, devices, ms, why in results if label == "ours sp4, 1 process" and ms), None)
     if base.get(True) and sp4:
         print()
         _print_prediction(base[True], sp4, args.model)
     return 0
+
+
+def _compare_latents(workdir: str) -> str | None:
+    """Whether the sp4 step's output on 4 processes equals the one-process output bit for bit (None when
+    neither row wrote one)."""
+    one, many = (os.path.join(os.path.abspath(workdir), LATENTS[label]) for label in LATENTS)
+    missing = [label for label, path in zip(LATENTS, (one, many)) if not os.path.isfile(path)]
+    if len(missing) == len(LATENTS):
+        return None
+    if missing:
+        return f"sp4 step output not compared: {missing[0]!r} wrote none"
+    import numpy as np
+
+    a, b = np.load(one), np.load(many)
+    head = f"sp4 step output, 4 processes vs 1 process ({a.shape}, {one}, {many}):"
+    if a.shape != b.shape:
+        return f"{head} shapes differ"
+    if np.array_equal(a.view(np.uint32), b.view(np.uint32)):
+        return f"{head} equal bit for bit"
+    return f"{head} NOT equal; max abs difference {float(np.nanmax(np.abs(a.astype(np.float64) - b))):.3g}"
 
 
 def _print_prediction(t1_ms: float, t4_ms: float, model: str) -> None:
