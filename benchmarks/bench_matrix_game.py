@@ -380,7 +380,7 @@ def ours(args, first_frame_only=False) -> dict:
     image_s, prep_s = time.time() - t0, time.time() - start
     begin, first = time.time(), None
     done = 0
-    # The first-frame runs also make the second chunk, so the compile cache holds both chunk programs.
+    # The first-frame runs also make the second chunk: its time after the first, with one program for both.
     for k in range(2 if first_frame_only else args.latent_frames // pipe.frames_per_chunk):
         n = pipe.chunk_frames(k)
         session.step(keyboard[done : done + n], mouse[done : done + n])
@@ -504,8 +504,7 @@ def startup(args) -> dict:
     mark("from_pretrained")
     key = pipe.program_key()
     mark("program key")
-    for name in ("encode-first", "start-latents", "gray-latents", "normalized", "clip", "cache", "key", "chunk-0",
-                 "chunk-1"):
+    for name in ("encode-first", "start-latents", "gray-latents", "normalized", "clip", "cache", "key", "chunk"):
         found = executable_cache.load(name, key) is not None
         mark(f"load program {name}" + ("" if found else " (MISSING)"))
     for name, loader in pipe._loaders.items():  # weights are placed asynchronously: wait for every array

@@ -5,7 +5,7 @@ References: a stream equals the one-shot call bit for bit (the same compiled chu
 chunk's frames do not change when later chunks' actions do (bit for bit); the condition latents
 equal the VAE encode of the image followed by 4·(N-1) gray frames as the authors' `inference.py`
 builds them (≤ 1e-6 relative: the same layers, compiled in another grouping); one chunk program
-compiled for the first chunk and one for all later chunks, shared by every stream.
+compiled for every chunk, the first included, shared by every stream.
 """
 
 import glob
@@ -51,7 +51,7 @@ def chunks_of(pipe, keyboard, mouse):
         start += n
 
 
-@pytest.mark.slow  # compiles both chunk programs (about a minute on 2 cores); later tests reuse them
+@pytest.mark.slow  # compiles the chunk program (about 30 s on 2 cores); later tests reuse it
 def test_stream_equals_one_shot_and_later_actions_change_only_later_chunks(pipe):
     keyboard, mouse = random_actions(pipe.action_space, 33, seed=1)
     video = pipe(IMAGE, keyboard, mouse, seed=0)
@@ -69,8 +69,8 @@ def test_stream_equals_one_shot_and_later_actions_change_only_later_chunks(pipe)
     np.testing.assert_array_equal(other[:21], video[:21])
     assert not np.array_equal(other[21:], video[21:])
     assert not np.array_equal(pipe(IMAGE, keyboard, mouse, seed=1), video)
-    # the first chunk's program and the one every later chunk shares, whatever the stream
-    assert mg.chunk_program._cache_size() == 2
+    # one program for every chunk, the first included, whatever the stream
+    assert mg.chunk_program._cache_size() == 1
 
 
 def test_condition_latents_equal_the_authors_full_encode(pipe):
@@ -203,28 +203,28 @@ def test_cli_random_actions_writes_the_frames_without_torch(image_path, tmp_path
     assert "imported: []" in result.stdout, result.stdout[-500:]
 
 
-@pytest.mark.slow  # compiles both chunk programs of a setting no other test uses
-def test_later_chunks_program_compiles_ahead_off_the_callers_thread():
-    """Without `prepare` (which compiles every program ahead: tests/test_matrix_game_warmup.py)."""
+@pytest.mark.slow  # compiles the chunk program of a setting no other test uses
+def test_one_chunk_program_compiles_once_for_every_chunk():
+    """Without `prepare` (which compiles every program ahead: tests/test_matrix_game_warmup.py): the first
+    chunk's call compiles the one chunk program, the later chunks compile nothing."""
     import threading
 
-    seen = []
+    seen = []  # what this thread compiles
 
     def listen(event, duration, **kw):
-        if event == "/jax/core/compile/backend_compile_duration" and "chunk_program" in str(kw.get("fun_name")):
-            seen.append(threading.current_thread().name)
+        if event == "/jax/core/compile/backend_compile_duration" and threading.current_thread() is threading.main_thread():
+            seen.append(str(kw.get("fun_name")))
 
     jax.monitoring.register_event_duration_secs_listener(listen)
     pipe = mg._tiny(jnp.float32, jnp.bfloat16, None)  # float32 DiT, bf16 VAE: programs of this test's own
-    session = pipe.stream(IMAGE, seed=0, max_frames=21)
-    keyboard, mouse = random_actions(pipe.action_space, 21, seed=1)
-    session.step(keyboard[:9], mouse[:9])
-    before = list(seen)
-    session.step(keyboard[9:21], mouse[9:21])
-    assert before.count(threading.main_thread().name) == 1  # the first chunk's program, on its call
-    # the second chunk compiles nothing itself (the session's thread may still be finishing when it is asked)
-    assert threading.main_thread().name not in seen[len(before):] and seen.count("wan_tpu-compile-chunk") == 1
-    assert not session._steady.is_alive()
+    session = pipe.stream(IMAGE, seed=0, max_frames=33)
+    keyboard, mouse = random_actions(pipe.action_space, 33, seed=1)
+    frames = session.step(keyboard[:9], mouse[:9])
+    assert seen.count("jit(chunk_program)") == 1 and frames.shape == (9, *pipe.size, 3)
+    first = len(seen)
+    for start, stop in ((9, 21), (21, 33)):
+        assert session.step(keyboard[start:stop], mouse[start:stop]).shape == (12, *pipe.size, 3)
+    assert seen[first:] == []  # nothing compiled for the later chunks
 
 
 @pytest.mark.slow  # the first chunk's program, partitioned over 8 simulated devices (about 40 s on 2 cores)

@@ -1,5 +1,5 @@
-"""Matrix-Game-2's VAE on our Wan VAE: the streaming decode (`WanVAE.decode_chunk`) and the first-frame
-encode, against the whole-video decode and against the authors' code.
+"""Matrix-Game-2's VAE on our Wan VAE: the streaming decode (`WanVAE.decode_chunk`, in two traces or one)
+and the first-frame encode, against the whole-video decode and against the authors' code.
 
 References: `WanVAE.decode` of the whole latent video (bit-exact with one strip: the same ops run;
 ≤ 1e-5 with the default strips); the golden `tests/data/matrix_game_vae.safetensors` made by
@@ -69,6 +69,34 @@ def test_stream_equals_whole_decode_and_traces_once(tiny_vae, monkeypatch):
     streamed = np.concatenate(videos, axis=2)
     np.testing.assert_array_equal(streamed, np.asarray(tiny_vae.decode(z, strips=1)))
     assert rel_err(streamed, np.asarray(tiny_vae.decode(z))) <= TOL  # default: 2 strips, another op order
+
+
+def test_one_trace_serves_the_first_chunk_and_the_later_ones(tiny_vae, monkeypatch):
+    """`decode_chunk(z, caches, start=)`, what the Matrix-Game chunk program runs: one trace for a video's
+    first chunk and its later ones (the first frame's path chosen inside), frames bitwise the two-trace
+    form's, the first chunk's after 3 frames of padding."""
+    traces = []
+    stem = type(tiny_vae.decoder).stem
+
+    def counting(self, *a, **k):
+        traces.append(1)
+        return stem(self, *a, **k)
+
+    z = jax.random.normal(jax.random.key(1), (2, 4, 9, 4, 6))
+    caches = tiny_vae.start_decode_caches((2, 4, 3, 4, 6))
+    monkeypatch.setattr(type(tiny_vae.decoder), "stem", counting)
+    videos = []
+    for k in range(3):
+        video, caches = tiny_vae.decode_chunk(z[:, :, 3 * k : 3 * k + 3], caches, start=k == 0)
+        videos.append(np.asarray(video))
+    assert len(traces) == 2  # one trace: the first frame's path and the scanned frames'
+    monkeypatch.undo()
+    assert [v.shape[2] for v in videos] == [12, 12, 12]
+    # the whole decode with one strip equals the two-trace form bitwise (the test above)
+    np.testing.assert_array_equal(np.concatenate([videos[0][:, :, 3:], *videos[1:]], axis=2),
+                                  np.asarray(tiny_vae.decode(z, strips=1)))
+    with pytest.raises(WanInputError, match="needs caches"):
+        tiny_vae.decode_chunk(z, start=True)
 
 
 def test_decode_chunk_rejects_bad_latents(tiny_vae):

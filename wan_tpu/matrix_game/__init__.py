@@ -2,7 +2,7 @@
 
 - `model`: `MatrixGameTransformer`, pure `forward` / `init_cache`;
 - `action`: the ActionModule, `chunk_action_window` (raw action windows per chunk);
-- `cache`: `KVCache`, `BlockCache`, `MatrixGameCache`, ring writes;
+- `cache`: `KVCache`, `BlockCache`, `MatrixGameCache`, ring writes, the window's sizes per chunk (`Window`);
 - `sampling`: the flow-matching schedule and `denoise_chunk` (one whole chunk, pure);
 - `loading`: `load_matrix_game_transformer`, `shard_matrix_game`, `abstract_transformer`;
 - `condition`: `ImageCondition`, the image + gray frames latents (fixed shape).

@@ -33,7 +33,7 @@ from wan_tpu.layers import attention as attention_lib
 from wan_tpu.layers.embeddings import FeedForward, TimestepEmbedding
 from wan_tpu.layers.norms import FP32LayerNorm, rms_norm
 from wan_tpu.layers.rope import apply_rope, rope_tables
-from wan_tpu.matrix_game.cache import KVCache, ring_write
+from wan_tpu.matrix_game.cache import KVCache, Window, ring_write, windowed
 
 # The authors' action RoPE table covers 7500 latent frames (`get_rotary_pos_embed(7500, …)`).
 ACTION_ROPE_FRAMES = 7500
@@ -86,11 +86,12 @@ class ActionModule(nnx.Module):
     def _heads(self, x):
         return x.reshape(*x.shape[:-1], self.cfg.heads_num, -1)
 
-    def __call__(self, x, grid, frame_offset, valid_frames: int, keyboard, mouse, keyboard_cache, mouse_cache):
+    def __call__(self, x, grid, frame_offset, valid_frames: int | Window, keyboard, mouse, keyboard_cache, mouse_cache):
         """x (B, F·S, dim) → (x, keyboard_cache, mouse_cache).
 
         `grid` (F, h, w) static; `frame_offset` the absolute index of the first latent frame (may be
-        traced); `valid_frames` (static) how many window frames hold data after this chunk's write;
+        traced); `valid_frames` how many window frames hold data after this chunk's write (static, or a
+        `Window`: then every size is attended and the chunk's kept, a few keys each);
         `keyboard` (B, 4F+8, keyboard_dim), `mouse` (B, 4F+8, mouse_dim) raw windows.
         """
         b, _, dim = x.shape
@@ -107,8 +108,12 @@ class ActionModule(nnx.Module):
             q, k = (apply_rope(rms_norm(t, _QK_EPS).reshape(b * s, f, heads, hd), cos, sin) for t in (q, k))
             mouse_cache = KVCache(*(ring_write(c, t.reshape(b, s, f, heads, hd), frame_offset, axis=2, frame_len=1)
                                     for c, t in ((mouse_cache.k, k), (mouse_cache.v, v))))
-            kc, vc = (c[:, :, :valid_frames].reshape(b * s, valid_frames, heads, hd) for c in mouse_cache)
-            out = _attend(q, kc, vc).reshape(b, s, f, heads * hd).transpose(0, 2, 1, 3).reshape(b, f * s, -1)
+
+            def attend_mouse(n):
+                return _attend(q, *(c[:, :, :n].reshape(b * s, n, heads, hd) for c in mouse_cache))
+
+            out = windowed(attend_mouse, valid_frames, select=True)
+            out = out.reshape(b, s, f, heads * hd).transpose(0, 2, 1, 3).reshape(b, f * s, -1)
             x = x + self.proj_mouse(out)
         if self.keyboard_embed is not None:
             emb = self.keyboard_embed(keyboard.astype(x.dtype))  # (B, 4F+8, hidden)
@@ -120,7 +125,8 @@ class ActionModule(nnx.Module):
                            jnp.repeat(sin, s, 0))
             keyboard_cache = KVCache(*(ring_write(c, t, frame_offset, axis=1, frame_len=1)
                                        for c, t in ((keyboard_cache.k, k), (keyboard_cache.v, v))))
-            out = _attend(q, keyboard_cache.k[:, :valid_frames], keyboard_cache.v[:, :valid_frames])
+            out = windowed(lambda n: _attend(q, keyboard_cache.k[:, :n], keyboard_cache.v[:, :n]), valid_frames,
+                           select=True)
             x = x + self.proj_keyboard(out.reshape(b, f * s, -1))
         return x, keyboard_cache, mouse_cache
 

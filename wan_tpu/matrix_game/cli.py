@@ -15,8 +15,8 @@ random actions, and bounds an interactive session. Frames go into the mp4 (12 fp
 as each chunk arrives; the file appears under its name when the video ends.
 
 At the end a table gives the time of each stage and every chunk's fps = video frames ÷ (denoise +
-decode) as the authors' profile mode prints it (the first chunk includes compiling its program, the
-second compiles the program every later chunk shares); `--profile DIR` writes a JAX trace whose
+decode) as the authors' profile mode prints it (the first chunk includes the wait for the one program
+every chunk runs, compiled or loaded meanwhile); `--profile DIR` writes a JAX trace whose
 regions follow the authors' profiling tags (see `wan_tpu.matrix_game.pipeline`). Bad input (image, actions,
 frame count, model folder, an existing output) prints one line and exits with status 2, leaving no file.
 """

@@ -6,7 +6,7 @@
         session = pipe.stream("start.png")      # waits for the programs, not for the DiT's load
         frames = session.step(keyboard=[1, 0, 0, 0], mouse=[0, 0.1])
 
-Every program a stream runs through its second chunk is loaded from the executable cache
+Every program a stream runs is loaded from the executable cache
 (`wan_tpu.runtime.executable_cache`, keyed by `MatrixGamePipeline.program_key`: the components' configs, dtypes,
 sizes), or else lowered from abstract modules (`nnx.eval_shape` of the very constructors the loaders use:
 `abstract_transformer`, `abstract_vae`, `abstract_clip_vision`, or the tiny preset's) and
@@ -15,22 +15,19 @@ sizes), or else lowered from abstract modules (`nnx.eval_shape` of the very cons
   * `condition`: the VAE's first-frame encode (`encode-first`), the condition buffer (`start-latents`),
     `gray_latents` (`gray-latents`), the normalisation (`normalized`);
   * `clip`: CLIP's encode of one image; `cache`: `cache_program` for its tokens; `key`: the stream's key;
-  * `chunk-0`: the first chunk's `chunk_program`; `chunk-1`: the one every later chunk runs (its VAE
-    caches' shapes are chunk-0's outputs'). A later program takes an earlier one's output shapes
-    (`out_info`) instead of tracing it again.
+  * `chunk`: `chunk_program`, which every chunk of a stream runs, the first included (its caches' shapes
+    are the cache program's outputs'). A later program takes an earlier one's output shapes (`out_info`)
+    instead of tracing it again.
 The stream's programs are `wan_tpu.matrix_game.programs`' (this module does not import the pipeline's), and
-every thread runs in the pipeline's compile-cache choice (`compile_cache.selected(pipe.compile_cache)`;
-`chunk-1`'s waits for the first chunk outside it).
+every thread runs in the pipeline's compile-cache choice (`compile_cache.selected(pipe.compile_cache)`).
 Each lands in `pipe._programs` by name, and the calls run it (`Programs.call`, without the jitted
 functions' static arguments): the very programs compiled ahead, so results are bit-identical with and
 without `prepare`. Warm, nothing is traced or lowered and no abstract module is built: a start reads its
 programs from disk while the weights load, instead of spending seconds of Python (the GIL the loads need
 too) re-deriving JAX's compile-cache keys. The first call that runs a program waits for all of them
 (`MatrixGamePipeline._wait_compiled` says why: on a GPU a program's first run must not overlap other CUDA
-work), but for one: a stored `chunk-1` is loaded only once the first chunk has run
-(`MatrixGamePipeline.first_chunk_ran`), so the first frame does not wait for its 0.7–1.2 s of deserialising
-(an H100 host) too; compiled (a miss), it starts at once, as on other devices. A compile that fails (a
-config that does not describe the weights, …) is a warning and the call compiles as without `prepare`.
+work). A compile that fails (a config that does not describe the weights, …) is a warning and the call
+compiles as without `prepare`.
 `Warmup.cancel` stops the threads at the next program.
 """
 
@@ -46,7 +43,7 @@ from flax import nnx
 
 from wan_tpu.matrix_game.condition import CONDITION_FRAMES, ImageCondition
 from wan_tpu.matrix_game.programs import action_windows, cache_program, chunk_args, chunk_program, key_program
-from wan_tpu.runtime import compile_cache, executable_cache
+from wan_tpu.runtime import executable_cache
 from wan_tpu.runtime.compile_ahead import Cancelled
 
 COMPONENTS = ("transformer", "vae", "image_encoder")
@@ -62,37 +59,14 @@ def compile_ahead(pipe, warmup) -> None:
     stop = warmup.cancelled
     # A later program is lowered for an earlier one's output shapes, handed over as soon as they are known
     # (`out_info` of the stored or lowered program) instead of tracing the earlier one again.
-    visual, cache, key, first = (concurrent.futures.Future() for _ in range(4))
+    visual, caches, key = (concurrent.futures.Future() for _ in range(3))
     warmup.start("condition", _condition, pipe, abstract, stop, kind="compile")
     warmup.start("clip", _program, pipe, "clip", lambda: abstract("image_encoder").lower(1), visual, kind="compile")
-    warmup.start("cache", _program, pipe, "cache", lambda: _cache(pipe, abstract, _wait(visual, stop)), cache,
+    warmup.start("cache", _program, pipe, "cache", lambda: _cache(pipe, abstract, _wait(visual, stop)), caches,
                  kind="compile")
     warmup.start("key", _program, pipe, "key", _key_lowered, key, kind="compile")
-
-    def chunk(vae_caches):
-        return lambda: _chunk(pipe, abstract, stop, _wait(cache, stop), _wait(key, stop), vae_caches())
-
-    warmup.start("chunk-0", _program, pipe, "chunk-0", chunk(lambda: None), first, kind="compile")
-    pipe.chunk_1_after_first = captures_graphs() and _stored(pipe, "chunk-1")
-    warmup.start("chunk-1", _later_chunks, pipe, chunk(lambda: _wait(first, stop)[2]), stop, kind="compile",
-                 select=False)
-
-
-def _stored(pipe, name: str) -> bool:
-    try:
-        return executable_cache.exists(name, pipe.program_key())
-    except Exception:  # noqa: BLE001 - unreadable configs: its thread reports that, as a failed compile
-        return False
-
-
-def _later_chunks(pipe, lower, stop) -> None:
-    """`chunk-1`: on a GPU, a stored one is loaded once the first chunk has run (module docstring). The
-    wait for that is outside the compile-cache selection: the first chunk's caller may hold the other
-    choice meanwhile (another pipeline's work)."""
-    while pipe.chunk_1_after_first and not pipe.first_chunk_ran.wait(0.05):
-        _check(stop)
-    with compile_cache.selected(pipe.compile_cache):
-        _program(pipe, "chunk-1", lower)
+    warmup.start("chunk", _program, pipe, "chunk", lambda: _chunk(pipe, abstract, stop, _wait(caches, stop),
+                                                                  _wait(key, stop)), kind="compile")
 
 
 def captures_graphs() -> bool:
@@ -179,22 +153,22 @@ def _condition(pipe, abstract, stop) -> None:
 
 
 def _cache(pipe, abstract, visual):
-    return cache_program.lower(*nnx.split(abstract("transformer")), visual, tuple(pipe.variant.latent_size))
+    return cache_program.lower(*nnx.split(abstract("transformer")), *nnx.split(abstract("vae")), visual,
+                               tuple(pipe.variant.latent_size), pipe.frames_per_chunk)
 
 
 def _key_lowered():
     return key_program.lower(jax.ShapeDtypeStruct((), np.uint32))
 
 
-def _chunk(pipe, abstract, stop, cache, key, vae_caches):
-    """The first chunk's `chunk_program` (`vae_caches` None), or the one every later chunk runs (the VAE
-    caches the first one returns), lowered."""
+def _chunk(pipe, abstract, stop, caches, key):
+    """`chunk_program` for the caches `cache_program` makes, lowered."""
     dit, vae = nnx.split(abstract("transformer")), nnx.split(abstract("vae"))
     z = abstract("vae").config.z_dim
     # `ImageCondition.encode`'s normalized float32 latents; the repeat scalars are traced.
     condition = ImageCondition(jax.ShapeDtypeStruct((1, z, CONDITION_FRAMES, *pipe.variant.latent_size), jnp.float32),
                                0, 1)
     index = jax.ShapeDtypeStruct((), jnp.int32)
-    args, kwargs = chunk_args(pipe, dit, vae, cache, vae_caches, condition, action_windows(pipe), index, key)
+    args, kwargs = chunk_args(pipe, dit, vae, *caches, condition, action_windows(pipe), index, key)
     _check(stop)
     return chunk_program.lower(*args, **kwargs)

@@ -145,14 +145,17 @@ def start_latents(mu, frames: int):
 def gray_latents(graphdef, state, caches, latents, offset, count, frame_shape):
     """`count` latent frames of gray video (chunks of 4 zero frames, `frame_shape`) after `caches`, written
     into `latents` from frame `offset` → (caches, latents, whether the caches after equal those before,
-    bitwise)."""
+    bitwise). The encoder's step is scanned, not unrolled: one copy of it to compile."""
     vae = nnx.merge(graphdef, state)
-    new, mus = caches, []
-    for _ in range(count):
-        mu, new = vae.encode_chunk(jnp.zeros(frame_shape, vae.dtype), new)
-        mus.append(mu)
+
+    def step(carry, _):
+        mu, carry = vae.encode_chunk(jnp.zeros(frame_shape, vae.dtype), carry)
+        return carry, mu
+
+    new, mus = lax.scan(step, caches, None, length=count)  # mus (count, B, z, 1, h, w)
+    mus = jnp.moveaxis(mus, 0, 2).reshape(*mus.shape[1:3], count, *mus.shape[4:])
     same = jnp.stack([jnp.array_equal(a, c) for a, c in zip(jax.tree.leaves(caches), jax.tree.leaves(new))]).all()
-    return new, lax.dynamic_update_slice_in_dim(latents, jnp.concatenate(mus, axis=2), offset, axis=2), same
+    return new, lax.dynamic_update_slice_in_dim(latents, mus, offset, axis=2), same
 
 
 @functools.partial(jax.jit, static_argnums=0)

@@ -42,7 +42,7 @@ from wan_tpu.layers.norms import FP32LayerNorm, layer_norm
 from wan_tpu.layers.rope import rope_tables
 from wan_tpu.loading.stacking import stack_layers
 from wan_tpu.matrix_game.action_module import ActionModule
-from wan_tpu.matrix_game.cache import BlockCache, KVCache, MatrixGameCache, ring_write, valid_window_frames
+from wan_tpu.matrix_game.cache import BlockCache, KVCache, MatrixGameCache, Window, ring_write, valid_window_frames, windowed
 
 # The authors' RoPE table (`rope_params(1024, …)`) covers 1024 latent frames.
 MAX_FRAMES = 1024
@@ -98,8 +98,7 @@ class MatrixGameBlock(nnx.Module):
         q, k, v = self.attn1.qkv(_modulate(x, shift, scale, self.eps, f), step.rope)
         self_kv = KVCache(*(ring_write(c, t, step.frame_offset, axis=1, frame_len=s)
                             for c, t in ((cache.self_attn.k, k), (cache.self_attn.v, v))))
-        n_valid = step.valid_frames * s
-        out = step.self_attn(q, self_kv.k[:, :n_valid], self_kv.v[:, :n_valid])
+        out = windowed(lambda n: step.self_attn(q, self_kv.k[:, : n * s], self_kv.v[:, : n * s]), step.valid_frames)
         x = _gated(x, self.attn1.to_out(out.reshape(b, n, -1)), gate, f)
 
         h = x if self.norm2 is None else self.norm2(x)
@@ -183,14 +182,16 @@ class MatrixGameTransformer(nnx.Module):
         tproj = emb.time_proj(jax.nn.silu(temb))
         return temb, tproj.reshape(*tproj.shape[:-1], 6, self.config.dim)
 
-    def apply(self, latents, cond_concat, timestep, keyboard, mouse, cache, frame_offset, valid_frames: int):
-        """Flow prediction (B, out_dim, F, H, W) and the updated cache; call it under jit."""
+    def apply(self, latents, cond_concat, timestep, keyboard, mouse, cache, frame_offset, valid_frames: int | Window):
+        """Flow prediction (B, out_dim, F, H, W) and the updated cache; call it under jit. `valid_frames`: the
+        window frames that hold data after this chunk's write, static, or a `Window` (one of several
+        sizes, chosen by a traced index: `wan_tpu.matrix_game.cache`)."""
         _check_timestep(latents, timestep)
         return self.apply_embedded(latents, cond_concat, *self.embed_time(timestep), keyboard, mouse, cache,
                                    frame_offset, valid_frames)
 
     def apply_embedded(self, latents, cond_concat, temb, tproj, keyboard, mouse, cache: MatrixGameCache,
-                       frame_offset, valid_frames: int):
+                       frame_offset, valid_frames: int | Window):
         """`apply` with the time embeddings of `embed_time` given (a sampler computes them once per step)."""
         cfg = self.config
         _check_inputs(cfg, latents, cond_concat, keyboard, mouse, cache, valid_frames)
@@ -291,9 +292,10 @@ def _check_inputs(cfg: MatrixGameTransformerConfig, latents, cond, keyboard, mou
     for name, n, p in zip(("frames", "height", "width"), (f, h, w), cfg.patch_size):
         if n % p:
             raise WanInputError(f"latent {name} {n} is not a multiple of the patch size {p}; pick a size that is")
-    if not f // cfg.patch_size[0] <= valid_frames <= cfg.window_frames:
-        raise WanInputError(f"a chunk of {f} latent frames cannot attend over {valid_frames} window frames "
-                            f"(the window holds {cfg.window_frames}, including the chunk)")
+    for n in valid_frames.sizes if isinstance(valid_frames, Window) else (valid_frames,):
+        if not f // cfg.patch_size[0] <= n <= cfg.window_frames:
+            raise WanInputError(f"a chunk of {f} latent frames cannot attend over {n} window frames "
+                                f"(the window holds {cfg.window_frames}, including the chunk)")
     a = cfg.action_config
     raw = a.vae_time_compression_ratio * (f - 1) + a.window_frames if a is not None else None
     for name, value, enabled, dim in (("keyboard", keyboard, a is not None and a.enable_keyboard, a and a.keyboard_dim_in),

@@ -27,20 +27,20 @@ there, instead of encoding 4·(N-1) gray frames up front, and only as the video 
 padded to `CONDITION_FRAMES`, so the chunk program's inputs have one shape whatever the image.
 
 `pipe.prepare()` reads the three components at once and, meanwhile, loads every program a stream runs
-(image preparation, both chunk programs) from the executable cache or compiles it from the components'
-configs (`wan_tpu.matrix_game.compile_ahead`, `wan_tpu.runtime.executable_cache`);
+(image preparation, the caches, the chunk program) from the executable cache or compiles it from the
+components' configs (`wan_tpu.matrix_game.compile_ahead`, `wan_tpu.runtime.executable_cache`);
 `stream()` encodes the image with the VAE and CLIP in the order their weights arrive, while the DiT
 may still load (not on a GPU, where a program's first run must not overlap other CUDA work: see
-`_wait_compiled`). Without `prepare`, each program compiles on its first call, the later chunks' one in a
-thread started by the session. With a `mesh` (the DiT sharded over it, VAE and CLIP replicated) every
-program compiles on its first call, from the sharded arguments; `prepare` then only reads ahead. The
-pipeline's `compile_cache` choice applies to its own loads, compiles and calls only.
+`_wait_compiled`). Without `prepare`, each program compiles on its first call. With a `mesh` (the DiT
+sharded over it, VAE and CLIP replicated) every program compiles on its first call, from the sharded
+arguments; `prepare` then only reads ahead. The pipeline's `compile_cache` choice applies to its own
+loads, compiles and calls only.
 
 Each chunk is one compiled program (`wan_tpu.matrix_game.programs.chunk_program`): the DiT's whole chunk (its denoising steps,
 re-noising, the clean cache-update pass: `denoise_chunk`) and the VAE's streaming decode of the
-chunk, caches carried and donated, uint8 frames out; the first chunk of a stream compiles it once
-(the VAE's first latent frame is special, and its attention window holds only its own frames), every
-later chunk shares a second compilation. A stream
+chunk, caches carried and donated, uint8 frames out; one compilation serves every chunk, the first
+included (its attention window, which holds only its own frames, and the VAE's special first latent
+frame are chosen inside the program by the traced chunk index: `wan_tpu.matrix_game.programs`). A stream
 and a one-shot call with the same image, seed and actions give identical frames: the one-shot call
 is a stream. Noise: chunk k draws its initial noise and its re-noising from `fold_in(key(seed), k)`.
 
@@ -50,8 +50,8 @@ Trace scopes (`--profile`) follow the authors' PROFILING_TAGS_GUIDE: host region
 inside the chunk program), `2_Pipeline_Inference`,
 `2.1_KV_Cache_Initialization`, `2.3_Block_{i}` per chunk, `3_Video_Postprocessing`, `4_Video_Export`;
 inside the compiled chunk (one program serves every chunk, so names carry no chunk index):
-`2.3_Denoise` (the DiT's steps and cache update), `2.3_VAE_Decode` → `VAE_Decode_Frame_0` (first
-chunk) / `VAE_Decode_Frame` (the scanned frames), `VAE_Decode_Postprocessing`.
+`2.3_Denoise` (the DiT's steps and cache update), `2.3_VAE_Decode` → `VAE_Decode_Frame` (the scanned
+frames; `VAE_Decode_Frame_0`: the first chunk's first frame), `VAE_Decode_Postprocessing`.
 """
 
 from __future__ import annotations
@@ -59,9 +59,7 @@ from __future__ import annotations
 import functools
 import json
 import os
-import threading
 import time
-import warnings
 
 import jax
 import jax.numpy as jnp
@@ -71,7 +69,7 @@ from flax import nnx
 from wan_tpu.configs.matrix_game import MATRIX_GAME_VARIANTS, MatrixGameVariant, get_variant
 from wan_tpu.errors import WanInputError
 from wan_tpu.matrix_game import actions
-from wan_tpu.matrix_game.condition import CONDITION_FRAMES, ImageCondition
+from wan_tpu.matrix_game.condition import CONDITION_FRAMES, ImageCondition  # noqa: F401
 from wan_tpu.matrix_game.programs import MASK_CHANNELS, action_windows, cache_program, chunk_args, chunk_program, seed_of, stream_key  # noqa: F401
 from wan_tpu.runtime import compile_cache
 from wan_tpu.runtime.compile_cache import in_pipeline_choice
@@ -114,8 +112,6 @@ class MatrixGamePipeline:
         self._programs = Programs()  # what `prepare` loaded or compiled, by name; calls fall back to jit
         self._loaded: dict = {}
         self._warmup = None
-        self.first_chunk_ran = threading.Event()  # set once a stream's first chunk is on the host
-        self.chunk_1_after_first = False  # set by `prepare`: whether its `chunk-1` loads only after that
         from wan_tpu.matrix_game.sampling import chunk_schedule
 
         v = variant
@@ -248,16 +244,13 @@ class MatrixGamePipeline:
         run, even in a program without graphs; CUDA work from other threads meanwhile (a program's kernels
         loading or autotuning, weights being placed) breaks that capture: `cudaErrorStreamCaptureUnjoined`,
         seen on an H100 in the VAE's first encode while the DiT still loaded, and in `cache_program` beside
-        the chunk programs' compiles. One exception: a stored `chunk-1` loads only once the first chunk has
-        run (`wan_tpu.matrix_game.compile_ahead`), so the first chunk does not wait for it."""
+        the chunk programs' compiles."""
         from wan_tpu.matrix_game.compile_ahead import captures_graphs
 
         if self._warmup is None:
             return
-        later = self.chunk_1_after_first and not self.first_chunk_ran.is_set()  # chunk-1 is not loading yet
         for pending in [name, *self._warmup.compiles]:
-            if not (pending == "chunk-1" and later):
-                self._warmup.wait_compiled(pending)
+            self._warmup.wait_compiled(pending)
         if captures_graphs():
             for component in self._loaders:
                 self.component(component)
@@ -419,37 +412,15 @@ class MatrixGameSession:
             pipe._wait_compiled("key")
             self.key = pipe._programs.call("key", (seed_of(seed),), lambda: stream_key(seed))
         with scope("2.1_KV_Cache_Initialization"):
-            self._dit = pipe.split("transformer")
+            self._dit, self._vae = pipe.split("transformer"), pipe.split("vae")
             pipe._wait_compiled("cache")
-            self.cache = pipe._programs.call("cache", (self._dit[1], visual_context), lambda: cache_program(
-                *self._dit, visual_context, tuple(pipe.variant.latent_size)))
-        self._vae = pipe.split("vae")
-        self.vae_caches = None
-        # The first chunk's program compiles on its call (or in `prepare`); the one every later chunk runs
-        # (its VAE caches no longer empty) compiles meanwhile, so the second chunk does not stall the
-        # stream, unless `prepare` compiles it (for the condition's usual shape). Not a daemon thread: one
-        # killed inside XLA's compiler aborts the process.
-        self._steady = threading.Thread(target=self._compile_steady, name="wan_tpu-compile-chunk")
-        ahead = ("chunk-1" in pipe._programs or pipe._warmup is not None and "chunk-1" in pipe._warmup.compiles) \
-            and condition.latents.shape[2] == CONDITION_FRAMES
-        if max_latents > pipe.frames_per_chunk and not ahead:
-            self._steady.start()
+            self.cache, self.vae_caches = pipe._programs.call(
+                "cache", (self._dit[1], self._vae[1], visual_context), lambda: cache_program(
+                    *self._dit, *self._vae, visual_context, tuple(pipe.variant.latent_size), pipe.frames_per_chunk))
 
     def _chunk_args(self, keyboard_window, mouse_window, chunk_index):
         return chunk_args(self.pipe, self._dit, self._vae, self.cache, self.vae_caches, self.condition,
                           (keyboard_window, mouse_window), chunk_index, self.key)
-
-    def _compile_steady(self) -> None:
-        windows = action_windows(self.pipe)
-        args, kwargs = self._chunk_args(*windows, jax.ShapeDtypeStruct((), jnp.int32))
-        try:
-            with compile_cache.selected(self.pipe.compile_cache):
-                _, _, vae_caches = chunk_program.eval_shape(*args, **kwargs)
-                args = (*args[:5], vae_caches, *args[6:])
-                chunk_program.lower(*args, **kwargs).compile()
-        except Exception as e:  # noqa: BLE001 - compiling ahead is an optimisation only; the call compiles
-            warnings.warn(f"compiling the chunk program ahead of time failed ({type(e).__name__}: {e}); it compiles "
-                          "on the second chunk", stacklevel=2)
 
     @property
     def fps(self) -> list[float]:
@@ -479,19 +450,16 @@ class MatrixGameSession:
             else:
                 windows.append(None)
         start = time.perf_counter()
-        if k == 1 and self._steady.is_alive():
-            self._steady.join()
-        if k < 2:
-            pipe._wait_compiled(f"chunk-{k}")
+        if k == 0:
+            pipe._wait_compiled("chunk")
         with scope(f"2.3_Block_{k}"):
             self.condition.cover(f * (k + 1))  # this chunk's gray frames, until they repeat
             args, kwargs = self._chunk_args(*windows, np.int32(k))
             dynamic = (args[1], *args[3:])  # less the graphdefs (static, as `schedule` and `frames_per_chunk`)
             frames, self.cache, self.vae_caches = pipe._programs.call(
-                f"chunk-{min(k, 1)}", dynamic, lambda: chunk_program(*args, **kwargs))
+                "chunk", dynamic, lambda: chunk_program(*args, **kwargs))
             with scope("3_Video_Postprocessing"):
-                frames = np.asarray(frames)[0]
-        pipe.first_chunk_ran.set()  # its CUDA-graph capture is over: `prepare` may load chunk-1 now
+                frames = np.asarray(frames)[0, -n:]  # the first chunk's first 3 are padding
         self.chunk_seconds.append(time.perf_counter() - start)
         self.chunk_frames.append(n)
         self.chunk += 1

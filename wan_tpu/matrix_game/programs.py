@@ -3,16 +3,20 @@ what `MatrixGamePipeline` and its session run and what `wan_tpu.matrix_game.comp
 them, so that both import them from here (neither imports the other's).
 
     key = stream_key(seed)                                   # `key_program`: jax.random.key as a program
-    cache = cache_program(*nnx.split(dit), visual_context, latent_size)
-    args, kwargs = chunk_args(pipe, dit_split, vae_split, cache, None, condition, windows, np.int32(0), key)
+    cache, vae_caches = cache_program(*nnx.split(dit), *nnx.split(vae), visual_context, latent_size, f)
+    args, kwargs = chunk_args(pipe, dit_split, vae_split, cache, vae_caches, condition, windows, np.int32(0), key)
     frames, cache, vae_caches = chunk_program(*args, **kwargs)   # one chunk: denoise + decode, uint8 frames
+    frames = frames[:, -pipe.chunk_frames(0):]                   # 4·C frames out; the first chunk has 4·C − 3
 
 Each chunk is one compiled program (`chunk_program`): the DiT's whole chunk (its denoising steps,
 re-noising, the clean cache-update pass: `denoise_chunk`) and the VAE's streaming decode of the chunk,
-caches carried and donated, uint8 frames out. The first chunk of a stream compiles it once (`vae_caches`
-None: the VAE's first latent frame is special, and its attention window holds only its own frames), every
-later chunk shares a second compilation. Noise: chunk k draws its initial noise and its re-noising from
-`fold_in(key(seed), k)`.
+caches carried and donated, uint8 frames out. One compilation serves every chunk of every stream, the
+first included: the chunk index is traced, and where the first chunk differs it is chosen inside the
+program, each choice computing bitwise what a program of its own computed: its attention window holds
+only its own frames (`wan_tpu.matrix_game.cache.Window`: the window's sizes at each attention call), and
+the VAE's first latent frame gives one video frame, not four (`WanVAE.decode_chunk(start=)`: that frame's
+path by `lax.cond`, its frame after 3 of padding, which the caller drops). Noise: chunk k draws its
+initial noise and its re-noising from `fold_in(key(seed), k)`.
 """
 
 from __future__ import annotations
@@ -29,12 +33,15 @@ from wan_tpu.matrix_game.condition import ImageCondition
 MASK_CHANNELS = 4  # the temporal compression: one mask channel per video frame a latent frame stands for
 
 
-@functools.partial(jax.jit, static_argnums=(0, 3))
-def cache_program(graphdef, state, visual_context, latent_size):
-    """The DiT's empty cache for a stream (`init_cache`), its cross-attention keys from `visual_context`."""
+@functools.partial(jax.jit, static_argnums=(0, 2, 5, 6))
+def cache_program(dit_graph, dit_state, vae_graph, vae_state, visual_context, latent_size, frames_per_chunk):
+    """A stream's empty caches: the DiT's (`init_cache`, its cross-attention keys from `visual_context`) and
+    the VAE decode's (`start_decode_caches`: zeros; only their shapes are read of the VAE's state)."""
     from wan_tpu.matrix_game.model import init_cache
 
-    return init_cache(graphdef, state, visual_context, latent_size)
+    vae = nnx.merge(vae_graph, vae_state)
+    shape = (visual_context.shape[0], vae.config.z_dim, frames_per_chunk, *latent_size)
+    return init_cache(dit_graph, dit_state, visual_context, latent_size), vae.start_decode_caches(shape)
 
 
 key_program = jax.jit(jax.random.key)
@@ -75,9 +82,10 @@ def action_windows(pipe) -> list:
 def chunk_program(dit_graph, dit_state, vae_graph, vae_state, cache, vae_caches, latents, keyboard, mouse,
                   chunk_index, key, repeat, *, schedule, frames_per_chunk):
     """One chunk: noise, condition, the DiT's denoising (`denoise_chunk`), the VAE's streaming decode and
-    uint8 frames (the authors' `((x + 1) · 127.5).clip(0, 255)`, truncated) → (frames (1, T, H, W, 3),
+    uint8 frames (the authors' `((x + 1) · 127.5).clip(0, 255)`, truncated) → (frames (1, 4·C, H, W, 3),
     the DiT cache, the VAE caches). `repeat`: the condition's (repeat_start, repeat_len), int32 scalars.
-    `vae_caches` None is the stream's first chunk (chunk_index 0), else a later one."""
+    `chunk_index` (traced) 0 is the stream's first chunk (its caches `cache_program`'s): its frames are
+    the last 4·C − 3."""
     from wan_tpu.matrix_game.sampling import denoise_chunk
 
     f = frames_per_chunk
@@ -90,11 +98,11 @@ def chunk_program(dit_graph, dit_state, vae_graph, vae_state, cache, vae_caches,
     mask = jnp.broadcast_to((frame == 0).astype(jnp.float32)[None, None, :, None, None], (b, MASK_CHANNELS, f, h, w))
     with jax.named_scope("2.3_Denoise"):
         x0, cache = denoise_chunk(dit_graph, dit_state, cache, noise, jnp.concatenate([mask, image], axis=1),
-                                  keyboard, mouse, chunk_index, k_steps, schedule=schedule,
-                                  first_chunk=vae_caches is None)
+                                  keyboard, mouse, chunk_index, k_steps, schedule=schedule)
     with jax.named_scope("2.3_VAE_Decode"):
         vae = nnx.merge(vae_graph, vae_state)
-        video, vae_caches = vae.decode_chunk(vae.denormalize_latents(x0.astype(vae.dtype)), vae_caches)
+        video, vae_caches = vae.decode_chunk(vae.denormalize_latents(x0.astype(vae.dtype)), vae_caches,
+                                             start=chunk_index == 0)
         with jax.named_scope("VAE_Decode_Postprocessing"):
             frames = jnp.clip((video.astype(jnp.float32) + 1) * 127.5, 0, 255).astype(jnp.uint8)
     return frames.transpose(0, 2, 3, 4, 1), cache, vae_caches

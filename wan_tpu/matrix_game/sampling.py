@@ -28,9 +28,10 @@ every chunk of every stream:
                      of the steps before the last, (steps − 1, B, C, F, H, W)
     → x0             (B, C, F, H, W) float32, and the cache
 
-The attention window holds min(window, (k+1)·F) frames at chunk k, a static size per compiled
-branch: the function selects among ceil(window / F) branches with `lax.switch` (two for every
-distilled variant), so no mask is needed and no size depends on a traced value.
+The attention window holds min(window, (k+1)·F) frames at chunk k: ceil(window / F) static sizes
+(two for every distilled variant), chosen by the traced chunk index at each attention call
+(`wan_tpu.matrix_game.cache.Window`), so the DiT is traced once, no mask is needed, no size depends
+on a traced value, and each size computes bitwise what a program for it alone computes.
 """
 
 from __future__ import annotations
@@ -43,7 +44,7 @@ import numpy as np
 from flax import nnx
 
 from wan_tpu.errors import WanInputError
-from wan_tpu.matrix_game.cache import num_window_branches, valid_window_frames
+from wan_tpu.matrix_game.cache import Window
 from wan_tpu.matrix_game.model import MAX_FRAMES
 
 NUM_TRAIN_TIMESTEPS = 1000
@@ -122,11 +123,10 @@ def denoise_chunk(graphdef, state, cache, noise, cond_concat, keyboard, mouse, c
     """One chunk: every denoising step, the re-noising between them and the cache-update pass.
     Pure; see the module docstring for the arguments. Returns (x0 float32, cache).
 
-    The attention window holds (k+1)·C frames at chunk k until it is full: one traced branch per such
-    size (`lax.switch` on `chunk_index`). `first_chunk` True keeps only the first chunk's (chunk_index
-    must be 0), False only the later chunks', None all: a stream's two programs then hold one and
-    four copies of the scanned DiT instead of five each, which is what their compile and their load
-    from the executable cache cost."""
+    The attention window holds (k+1)·C frames at chunk k until it is full: each such size is a branch
+    of every attention call, chosen by `chunk_index` (`Window`; static where `chunk_index` is a Python
+    int). `first_chunk` True keeps only the first chunk's size (chunk_index must be 0), False only the
+    later chunks', None all: a program for one chunk, the later chunks, or every chunk."""
     model = nnx.merge(graphdef, state)
     b, _, f = noise.shape[:3]
     n = schedule.num_steps
@@ -163,13 +163,15 @@ def denoise_chunk(graphdef, state, cache, noise, cond_concat, keyboard, mouse, c
         (_, cache), x0 = jax.lax.scan(body, (noise.astype(jnp.float32), cache), (temb, tproj, sigma, sigma_next, eps))
         return x0[n - 1], cache
 
-    count = num_window_branches(window, f)
-    lo = 1 if first_chunk is False and count > 1 else 0
-    hi = 1 if first_chunk else count
-    branches = [lambda c, v=valid_window_frames(window, (k + 1) * f): run(v, c) for k in range(lo, hi)]
-    if len(branches) == 1:
-        return branches[0](cache)
-    return jax.lax.switch(jnp.clip(chunk_index, lo, hi - 1) - lo, branches, cache)
+    valid = Window.of(window, f, chunk_index)
+    if first_chunk is not None and isinstance(valid, Window):
+        if first_chunk:
+            valid = valid.sizes[0]
+        elif len(valid.sizes) == 2:
+            valid = valid.sizes[1]
+        else:
+            valid = Window(valid.sizes[1:], jnp.clip(chunk_index, 1, len(valid.sizes) - 1) - 1)
+    return run(valid, cache)
 
 
 def _draw(key, i, shape):
