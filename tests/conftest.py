@@ -40,3 +40,18 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture
+def backend_compiles():
+    """(function, thread name) of every backend compile in this process from the test's start on."""
+    import threading
+
+    seen = []
+
+    def listen(event, duration, **kw):
+        if event == "/jax/core/compile/backend_compile_duration":
+            seen.append((kw.get("fun_name"), threading.current_thread().name))
+
+    jax.monitoring.register_event_duration_secs_listener(listen)
+    return seen

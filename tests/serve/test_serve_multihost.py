@@ -15,6 +15,7 @@ import time
 
 import httpx
 import numpy as np
+import pytest
 
 from wan_tpu.runtime.video import read_video
 
@@ -73,6 +74,12 @@ def _wait(condition, timeout: float = 240) -> None:
         time.sleep(0.05)
 
 
+# Two server processes and the single-process reference compile the tiny pipeline three times over on the 2-core CI
+# machine (about 47 s); the suite's budget leaves it to a run that asks for it, as tests/shared/test_multihost.py's
+# whole Matrix-Game and UnifoLM commands.
+@pytest.mark.skipif(not os.environ.get("WAN_TPU_TEST_MULTIHOST_COMMANDS"),
+                    reason="two server processes compile for most of a minute on 2 cores; "
+                           "set WAN_TPU_TEST_MULTIHOST_COMMANDS=1 to run it")
 def test_two_processes_serve_one_job_and_stop_together(tmp_path):
     store = str(tmp_path / "store")
     procs, url = _launch(tmp_path, store)

@@ -15,19 +15,7 @@ from wan_tpu.runtime.compile_ahead import Cancelled, SideBySide, serves
 X = jax.ShapeDtypeStruct((3, 5), jnp.float32)
 
 
-def _backend_compiles():
-    """(function, thread name) of every backend compile from now on."""
-    seen = []
-
-    def listen(event, duration, **kw):
-        if event == "/jax/core/compile/backend_compile_duration":
-            seen.append((kw.get("fun_name"), threading.current_thread().name))
-
-    jax.monitoring.register_event_duration_secs_listener(listen)
-    return seen
-
-
-def test_programs_compile_in_threads_of_their_own_once_each():
+def test_programs_compile_in_threads_of_their_own_once_each(backend_compiles):
     @jax.jit
     def double(x):
         return x * 2
@@ -36,7 +24,7 @@ def test_programs_compile_in_threads_of_their_own_once_each():
     def shift(x):
         return x + 3
 
-    seen = _backend_compiles()
+    seen = backend_compiles
     with SideBySide() as compiles:
         compiles.add(double.lower(X))
         compiles.add(shift.lower(X))

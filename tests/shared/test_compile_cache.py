@@ -70,6 +70,21 @@ def _cache_row(output: str) -> tuple[int, int]:
     return int(m[1]), int(m[2])
 
 
+def _whole_loaded(output: str) -> int:
+    """Programs the run read whole from the executable cache (the denoise step, the loaders' layout
+    programs): those never reach XLA's cache, so its counts fall short of the entries by up to that many."""
+    m = re.search(r"whole programs: (\d+) loaded", output)
+    return int(m[1]) if m else 0
+
+
+def _served(output: str, entries: int, *, compiled: bool) -> bool:
+    """Every program of the run loaded from XLA's cache (or, with `compiled`, compiled and stored into it),
+    but those read whole, and nothing else compiled."""
+    hits, writes = _cache_row(output)
+    done, other = (writes, hits) if compiled else (hits, writes)
+    return other == 0 and entries - _whole_loaded(output) <= done <= entries
+
+
 @pytest.mark.slow
 def test_second_process_loads_from_the_cache_and_bad_entries_are_ignored(tmp_path):
     cold_out, cold = _generate(tmp_path, "cold")
@@ -81,7 +96,7 @@ def test_second_process_loads_from_the_cache_and_bad_entries_are_ignored(tmp_pat
     assert entries and writes == len(entries) and hits == 0
 
     warm_out, warm = _generate(tmp_path, "warm")
-    assert _cache_row(warm_out) == (len(entries), 0)  # every program loaded, none compiled
+    assert _served(warm_out, len(entries), compiled=False), warm_out[-2000:]  # every program loaded, none compiled
     assert np.array_equal(warm, cold)
 
     # A stale cache (another jax version / device kind) sits beside ours; every entry of ours is corrupt:
@@ -93,13 +108,13 @@ def test_second_process_loads_from_the_cache_and_bad_entries_are_ignored(tmp_pat
         data = (folder / name).read_bytes()
         (folder / name).write_bytes(data[: len(data) // 2] if i % 2 else os.urandom(len(data)))
     bad_out, repaired = _generate(tmp_path, "repaired")
-    assert _cache_row(bad_out) == (0, len(entries))  # all recompiled and rewritten
+    assert _served(bad_out, len(entries), compiled=True), bad_out[-2000:]  # all recompiled and rewritten
     assert np.array_equal(repaired, cold)
     assert "Traceback" not in bad_out
     assert (stale / entries[0]).read_bytes() == b"not a cache entry"  # other versions' folders are left alone
 
     again_out, _ = _generate(tmp_path, "again")
-    assert _cache_row(again_out) == (len(entries), 0)  # the rewritten entries load
+    assert _served(again_out, len(entries), compiled=False), again_out[-2000:]  # the rewritten entries load
 
     off_out, off = _generate(tmp_path, "off", "--no-compile-cache")
     assert re.search(r"compile cache\s+off", off_out)

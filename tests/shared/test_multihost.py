@@ -286,15 +286,9 @@ def test_generate_two_processes_match_one(tmp_path):
     assert [p.name for p in folders[2].rglob("*") if p.is_file()] == []
 
 
-@SLOW_COMMAND
-def test_matrix_game_chunk_two_processes_match_one(tmp_path):
-    from PIL import Image
-
-    from wan_tpu.runtime.video import read_video
-
-    image = tmp_path / "first.png"
-    Image.fromarray((np.random.default_rng(0).random((64, 64, 3)) * 255).astype(np.uint8)).save(image)
-    argv = [*MATRIX_GAME, "--image", str(image)]
+def _one_and_two(tmp_path, argv: list[str]) -> list:
+    """`argv` as a job of one process (4 devices, folder "one") and of two (2 devices each, "w0", "w1"), at once;
+    all exit 0, process 0 reports what it wrote, process 1 only who writes. Returns the three folders."""
     folders = [tmp_path / name for name in ("one", "w0", "w1")]
     for folder in folders:
         folder.mkdir()
@@ -303,6 +297,18 @@ def test_matrix_game_chunk_two_processes_match_one(tmp_path):
     for rc, _, err in results:
         assert rc == 0, err
     assert "wrote out.mp4" in results[1][1] and results[2][1] == FOLLOWER_LINE
+    return folders
+
+
+@SLOW_COMMAND
+def test_matrix_game_chunk_two_processes_match_one(tmp_path):
+    from PIL import Image
+
+    from wan_tpu.runtime.video import read_video
+
+    image = tmp_path / "first.png"
+    Image.fromarray((np.random.default_rng(0).random((64, 64, 3)) * 255).astype(np.uint8)).save(image)
+    folders = _one_and_two(tmp_path, [*MATRIX_GAME, "--image", str(image)])
     # One chunk (9 frames) decoded to uint8 and encoded by the same x264 settings: equal frames mean equal
     # chunk outputs.
     np.testing.assert_array_equal(read_video(str(folders[1] / "out.mp4"))[0], read_video(str(folders[0] / "out.mp4"))[0])
@@ -319,15 +325,7 @@ def test_unifolm_decision_two_processes_match_one(tmp_path):
     obs = tmp_path / "obs.npz"
     np.savez(obs, images=rng.integers(0, 256, (2, 128, 128, 3), dtype=np.uint8),
              states=rng.uniform(-1, 1, (2, 16)).astype(np.float32))
-    argv = [*UNIFOLM, "--observation", str(obs)]
-    folders = [tmp_path / name for name in ("one", "w0", "w1")]
-    for folder in folders:
-        folder.mkdir()
-    results = _finish(_launch(1, 4, argv, cwd=lambda i: folders[0]) + _launch(2, 2, argv, cwd=lambda i: folders[1 + i]),
-                      timeout=300)
-    for rc, _, err in results:
-        assert rc == 0, err
-    assert "wrote out.mp4" in results[1][1] and results[2][1] == FOLLOWER_LINE
+    folders = _one_and_two(tmp_path, [*UNIFOLM, "--observation", str(obs)])
     np.testing.assert_array_equal(read_video(str(folders[1] / "out.mp4"))[0], read_video(str(folders[0] / "out.mp4"))[0])
     vectors = [np.load(folder / "out.npz") for folder in folders[:2]]
     # The heads' float32 sums over FSDP-split weights are all-reduced by gloo across the two processes and

@@ -37,26 +37,14 @@ np.save(sys.argv[3], pipe.decode(latents))
 """
 
 
-def _compiles():
-    """(function, thread name) of every backend compile from now on."""
-    seen = []
-
-    def listen(event, duration, **kw):
-        if event == "/jax/core/compile/backend_compile_duration":
-            seen.append((kw.get("fun_name"), threading.current_thread().name))
-
-    jax.monitoring.register_event_duration_secs_listener(listen)
-    return seen
-
-
-def test_prepare_compiles_ahead_and_changes_no_bit(tmp_path, monkeypatch):
+def test_prepare_compiles_ahead_and_changes_no_bit(tmp_path, monkeypatch, backend_compiles):
     env = {**os.environ, "XLA_FLAGS": os.environ["ONE_DEVICE_XLA_FLAGS"]}  # one CPU device
     ref = subprocess.run([sys.executable, "-c", REFERENCE, json.dumps(RUN), str(tmp_path / "l.npy"),
                           str(tmp_path / "f.npy")], env=env, capture_output=True, text=True, timeout=600)
     assert ref.returncode == 0, ref.stderr[-3000:]
 
     jax.clear_caches()  # the text program depends on no size: an earlier test may have compiled it here
-    seen = _compiles()
+    seen = backend_compiles
     pipe = wan_tpu.WanPipeline.from_pretrained("tiny")
     # The DiT's and the VAE's loads end only once their programs compiled: from the abstract modules, not
     # the weights (a compile that waited for its load would time the wait out).

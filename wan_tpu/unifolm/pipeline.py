@@ -481,7 +481,7 @@ class UnifolmPipeline:
             latents, act, st = jax.block_until_ready(self._sample(model, cond, num_steps, eta, k_sample))
         with stage("decode"):
             video = jax.block_until_ready(_decode_split(vae, latents, self.program_key))
-            if not video.is_fully_addressable:  # spread over several processes: each takes the whole video
+            if isinstance(video, jax.Array) and not video.is_fully_addressable:  # spread over several processes
                 video = distributed.to_host(video)
             video = video[0]
         return video, act, st
