@@ -111,7 +111,7 @@ def test_prepare_compiles_every_program_off_the_callers_thread(tmp_path):
     compiles = json.loads(result.stdout.strip().splitlines()[-1])
     prepared = [name for name, _ in compiles["prepare"]]
     assert "MainThread" not in prepared, compiles["prepare"]  # image preparation and two chunks: all compiled ahead
-    assert set(prepared) == {f"wan_tpu-compile-{n}" for n in ("condition", "clip", "cache", "key", "chunk")}
+    assert set(prepared) == {f"wan_tpu-compile-{n}" for n in ("encode-first", "condition", "clip", "cache", "key", "chunk")}
     assert [f for _, f in compiles["prepare"]].count("jit(chunk_program)") == 1  # one program for both chunks
     # Without `prepare`: everything on the caller's thread, the chunk program once, on the first chunk.
     plain = [tuple(c) for c in compiles["plain"]]
