@@ -3,26 +3,12 @@ transformers load without a missing or unexpected key (the reference for "diffus
 the weight scales it promises; the whole generate path runs through our loaders (on a one-device
 mesh, to stay fast) and writes a playable mp4; meshes needing more devices than exist are reported as skipped."""
 
-import importlib.util
 import os
-import sys
 
+import bench_e2e as bench
 import numpy as np
 import pytest
 from safetensors import safe_open
-
-SCRIPT = os.path.join(os.path.dirname(__file__), os.pardir, os.pardir, "benchmarks", "bench_e2e.py")
-
-
-def _load_script():
-    spec = importlib.util.spec_from_file_location("bench_e2e", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["bench_e2e"] = module  # dataclasses look their module up by name
-    spec.loader.exec_module(module)
-    return module
-
-
-bench = _load_script()
 
 
 def _cells(line: str) -> list[str]:

@@ -3,28 +3,9 @@ key of every block (ours: `check_lora`; diffusers: its Wan converter leaves no k
 the table prints every run, failed ones with their reason. (Whole runs are device benchmarks; the
 script's docstring gives the CPU smoke commands.)"""
 
-import importlib.util
-import os
-import sys
 
+import bench_fewstep as bench
 import numpy as np
-
-SCRIPTS = os.path.join(os.path.dirname(__file__), os.pardir, os.pardir, "benchmarks")
-
-
-def _load(name):
-    sys.path.insert(0, SCRIPTS)
-    try:
-        spec = importlib.util.spec_from_file_location(name, os.path.join(SCRIPTS, f"{name}.py"))
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[name] = module  # dataclasses look their module up by name
-        spec.loader.exec_module(module)
-        return module
-    finally:
-        sys.path.remove(SCRIPTS)
-
-
-bench = _load("bench_fewstep")
 
 
 def test_random_lora_loads_in_both_loaders(tmp_path):

@@ -3,16 +3,12 @@ from shapes alone (before any weight exists) is the program a DiT with its block
 the whole command's timing table is read back as the command printed it."""
 
 import dataclasses
-import os
 import re
-import sys
 
+import bench_offload
 import jax
 import jax.numpy as jnp
 from flax import nnx
-
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), os.pardir, os.pardir, "benchmarks"))
-import bench_offload  # noqa: E402
 
 
 def _main(lowered) -> str:

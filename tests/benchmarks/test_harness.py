@@ -10,10 +10,8 @@ import time
 import types
 import weakref
 
+import harness
 import pytest
-
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), os.pardir, os.pardir, "benchmarks"))
-import harness  # noqa: E402
 
 
 class Box:

@@ -3,34 +3,16 @@ component, through the real loaders, which check every tensor's name and shape),
 loaders put them, and the files keep the release's dtypes. Generating from them compiles for half a minute:
 `python benchmarks/random_folders.py matrix-game-tiny DIR --check` (and `unifolm-tiny`) does that."""
 
-import importlib.util
 import json
 import os
-import sys
 
 import jax.numpy as jnp
 import numpy as np
 import pytest
+import random_folders
 from safetensors import safe_open
 
 from wan_tpu.errors import WanInputError
-
-SCRIPTS = os.path.join(os.path.dirname(__file__), os.pardir, os.pardir, "benchmarks")
-
-
-def _load(name):
-    sys.path.insert(0, SCRIPTS)
-    try:
-        spec = importlib.util.spec_from_file_location(name, os.path.join(SCRIPTS, f"{name}.py"))
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[name] = module
-        spec.loader.exec_module(module)
-        return module
-    finally:
-        sys.path.remove(SCRIPTS)
-
-
-random_folders = _load("random_folders")
 
 
 def _stored(path, name):

@@ -49,16 +49,22 @@ def tiny_vae():
     return random_module(lambda: WanVAE(VAE_PRESETS["tiny"], rngs=nnx.Rngs(0)), 0)
 
 
-def test_stream_equals_whole_decode_and_traces_once(tiny_vae, monkeypatch):
+def _count_stem_traces(vae, monkeypatch) -> list:
+    """A list that grows by one each time the decoder's stem is traced (until `monkeypatch.undo()`)."""
     traces = []
-    stem = type(tiny_vae.decoder).stem
+    stem = type(vae.decoder).stem
 
     def counting(self, *a, **k):
         traces.append(1)
         return stem(self, *a, **k)
 
+    monkeypatch.setattr(type(vae.decoder), "stem", counting)
+    return traces
+
+
+def test_stream_equals_whole_decode_and_traces_once(tiny_vae, monkeypatch):
     z = jax.random.normal(jax.random.key(1), (2, 4, 9, 4, 6))
-    monkeypatch.setattr(type(tiny_vae.decoder), "stem", counting)
+    traces = _count_stem_traces(tiny_vae, monkeypatch)
     vae_module._decode_chunk.clear_cache()
     videos = stream(tiny_vae, z, (3, 3, 3))
     # the first chunk traces the first frame's path and the scan over its other frames; the later
@@ -75,16 +81,9 @@ def test_one_trace_serves_the_first_chunk_and_the_later_ones(tiny_vae, monkeypat
     """`decode_chunk(z, caches, start=)`, what the Matrix-Game chunk program runs: one trace for a video's
     first chunk and its later ones (the first frame's path chosen inside), frames bitwise the two-trace
     form's, the first chunk's after 3 frames of padding."""
-    traces = []
-    stem = type(tiny_vae.decoder).stem
-
-    def counting(self, *a, **k):
-        traces.append(1)
-        return stem(self, *a, **k)
-
     z = jax.random.normal(jax.random.key(1), (2, 4, 9, 4, 6))
     caches = tiny_vae.start_decode_caches((2, 4, 3, 4, 6))
-    monkeypatch.setattr(type(tiny_vae.decoder), "stem", counting)
+    traces = _count_stem_traces(tiny_vae, monkeypatch)
     videos = []
     for k in range(3):
         video, caches = tiny_vae.decode_chunk(z[:, :, 3 * k : 3 * k + 3], caches, start=k == 0)
