@@ -87,3 +87,21 @@ def test_sharded_step_equals_unsharded():
     assert out[0].sharding.spec[0] == "dp"
     for o, r, name in zip(out, ref, ("x", "action", "state")):
         assert_close(o, r, 1e-5, name)
+
+
+def test_mesh_load_places_the_same_weights(tiny_folder):
+    """`load_unifolm(mesh=)` puts each parameter slice by slice with the "unifolm" rules; the values are
+    those of the single-device load, bit for bit (the layout change and the cast are the same)."""
+    from wan_tpu.unifolm.loading import load_unifolm
+
+    ref = nnx.to_flat_state(nnx.state(load_unifolm(tiny_folder, dtype=jnp.bfloat16)))
+    mesh = wan_tpu.make_mesh(2, 1, 4)
+    sharded = dict(nnx.to_flat_state(nnx.state(load_unifolm(tiny_folder, dtype=jnp.bfloat16, mesh=mesh))))
+    assert len(ref) == len(sharded)
+    spread = 0
+    for key, var in ref:
+        got = sharded[key].get_value()
+        spread += len(got.sharding.device_set) > 1
+        assert got.dtype == var.get_value().dtype, key
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(var.get_value()), err_msg=str(key))
+    assert spread > 0
