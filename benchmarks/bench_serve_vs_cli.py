@@ -172,6 +172,11 @@ def main(argv=None) -> int:
         args.size = args.size or "832*480"
         args.frames = args.frames or 81
     harness.print_env()  # this process leaves the device to its children
+    try:  # before minutes of CLI runs: the jobs go through the `openai` client
+        import openai  # noqa: F401
+    except ImportError as e:
+        print(f"error: the jobs need the openai client ({e}): pip install openai", file=sys.stderr)
+        return 2
     try:
         model = "tiny" if args.tiny else ensure_checkpoint(args.workdir, "1.3b")
     except WanInputError as e:

@@ -39,6 +39,10 @@ waits for them), with the command's stages; spans shorter than `--min-seconds` a
 `--autotune-split` (GPUs) adds a cold run with `--xla_gpu_autotune_level=0`: the difference of XLA's
 compile seconds is the autotuning. `--decode-before-denoise` (Wan, GPUs): every run's first step waits for the VAE decode's
 compiles instead of their overlapping the denoise (`compile_ahead.WAIT_FOR_DEVICE_AUTOTUNING`).
+`--timeout S` stops a run past S seconds and shows the spans that had ended and the command's last lines (a
+run that would not finish still says where it was). `--program-options NAME:OPTION=VALUE` compiles one program
+with XLA options of its own (`_sample_loop:xla_gpu_autotune_level=0`: that program without autotuning, the
+others as they are), to weigh each program's compile seconds against its run's in one whole command.
 `--device`: real sizes; `--model` is a converted folder with random
 weights (`random_folders.py unifolm DIR` / `random_folders.py matrix-game DIR` write one with our code
 alone; so do `bench_unifolm.py --size real --random --workdir DIR` and `bench_matrix_game.py --random
@@ -221,26 +225,97 @@ def command(args, inputs: str, output: str) -> list[str]:
             "--overwrite", *args.rest]
 
 
-def run_timed(argv: list[str], env: dict) -> dict:
+SPAN = "SPAN "  # a child's span as it ends: this prefix, then one line of JSON on its stderr
+
+
+def run_timed(argv: list[str], env: dict, timeout: float | None = None) -> dict:
     """`argv` in a fresh process: seconds from spawn to exit and to its first output byte (stdout or stderr),
-    and the child's RESULT (its timeline); its output is kept for an error message."""
+    and the child's RESULT (its timeline); its output is kept for an error message. Past `timeout` seconds
+    the child's process group is killed and the run comes back `timed_out`, with the spans that had ended
+    (the child prints each as it ends) and the last lines the command printed."""
+    import signal
     import subprocess
 
     start_wall, start = time.time(), time.perf_counter()
     proc = subprocess.Popen(argv, env={**os.environ, **env, "PROFILE_SPAWN": repr(start_wall)},
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
+    expired = threading.Event()
+
+    def expire():
+        expired.set()
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+
+    timer = threading.Timer(timeout, expire) if timeout else None
+    if timer:
+        timer.start()
     first, out = None, bytearray()
-    while chunk := proc.stdout.read1(65536):
-        first = first if first is not None else time.perf_counter() - start
-        out += chunk
-    rc = proc.wait()
+    try:
+        while chunk := proc.stdout.read1(65536):
+            first = first if first is not None else time.perf_counter() - start
+            out += chunk
+        rc = proc.wait()
+    finally:
+        if timer:
+            timer.cancel()
     wall = time.perf_counter() - start
     text = out.decode(errors="replace")
+    remat = [line for line in text.splitlines() if "rematerializ" in line]  # XLA's "Can't reduce memory use ..."
+    if expired.is_set():
+        import json
+
+        spans, said = [], []
+        for line in text.split("\n"):  # not splitlines: a progress line's carriage returns are one line's updates
+            if line.startswith(SPAN):
+                with contextlib.suppress(ValueError):  # a line cut by the kill
+                    spans.append(tuple(json.loads(line[len(SPAN):])))
+            elif line.strip() and "rematerializ" not in line:
+                said.append(line.rsplit("\r", 1)[-1])
+        return dict(wall=wall, first_output=first, remat=remat, spans=spans, spawn=start_wall, counts={},
+                    timed_out=True, tail=said[-12:])
     results = harness.read_results(text)
     if rc or not results:
         raise SystemExit(f"{' '.join(argv)} failed (exit status {rc}):\n{text[-4000:]}")
-    remat = [line for line in text.splitlines() if "rematerializ" in line]  # XLA's "Can't reduce memory use ..."
-    return dict(wall=wall, first_output=first, remat=remat, **results[-1])
+    return dict(wall=wall, first_output=first, remat=remat, timed_out=False, **results[-1])
+
+
+def program_options(specs: list[str]) -> dict:
+    """`--program-options` → {program name: {XLA option: value}}: `NAME:OPTION=VALUE[,OPTION=VALUE]`, NAME
+    as the timeline shows it (`jit(_sample_loop)` or `_sample_loop`; `*` for every program)."""
+    out = {}
+    for spec in specs:
+        name, _, options = spec.partition(":")
+        pairs = [o.partition("=") for o in options.split(",") if o]
+        if not name or not pairs or any(not k or not sep for k, sep, _ in pairs):
+            raise SystemExit(f"--program-options {spec!r}: expected NAME:OPTION=VALUE[,OPTION=VALUE], e.g. "
+                             "_decode_strip:xla_gpu_autotune_level=0")
+        name = name if name == "*" or name.startswith("jit(") else f"jit({name})"
+        out.setdefault(name, {}).update({k: _option_value(v) for k, _, v in pairs})
+    return out
+
+
+def _option_value(text: str):
+    if text.lower() in ("true", "false"):
+        return text.lower() == "true"
+    try:
+        return int(text)
+    except ValueError:
+        return text
+
+
+def use_program_options(options: dict) -> None:
+    """Compile every program named in `options` with its XLA options added (`jax.stages.Lowered.compile`:
+    the path of every program compiled ahead or through the executable cache)."""
+    import jax
+
+    original = jax.stages.Lowered.compile
+
+    def compile_(self, compiler_options=None, **kw):
+        name = getattr(getattr(self, "_lowering", None), "_name", "")
+        extra = {**options.get("*", {}), **options.get(name, {})}
+        return original(self, {**(compiler_options or {}), **extra} or None, **kw)
+
+    jax.stages.Lowered.compile = compile_
 
 
 def child(what: str, argv: list[str]) -> None:
@@ -254,7 +329,22 @@ def child(what: str, argv: list[str]) -> None:
 
     if os.environ.get("PROFILE_DECODE_BEFORE_DENOISE"):
         compile_ahead.WAIT_FOR_DEVICE_AUTOTUNING = True  # Wan: a GPU's first step waits for the decode's compiles
+    if os.environ.get("PROFILE_PROGRAM_OPTIONS"):
+        import json
+
+        use_program_options(json.loads(os.environ["PROFILE_PROGRAM_OPTIONS"]))
     spans, counts = [], collections.Counter()
+    live = os.environ.get("PROFILE_LIVE") == "1"
+
+    def add(span):
+        spans.append(span)
+        if live:  # the parent reads these back when it kills a run past --timeout
+            import json
+
+            # One write (print's two can interleave between threads), on a line of its own (progress lines
+            # end in a carriage return).
+            sys.__stderr__.write(f"\n{SPAN}{json.dumps(list(span))}\n")
+            sys.__stderr__.flush()
     names = {"jaxpr_trace_duration": "trace", "jaxpr_to_mlir_module_duration": "lower",
              "backend_compile_duration": "XLA compile"}
 
@@ -262,12 +352,12 @@ def child(what: str, argv: list[str]) -> None:
         kind = names.get(event.rsplit("/", 1)[1]) if event.startswith("/jax/core/compile/") else (
             event[len(TIMELINE):] if event.startswith(TIMELINE) else None)
         if kind:
-            spans.append((start, end, threading.current_thread().name, kind, kw.get("fun_name", "")))
+            add((start, end, threading.current_thread().name, kind, kw.get("fun_name", "")))
 
     def on_duration(event, seconds, **kw):
         if event == "/jax/compilation_cache/cache_retrieval_time_sec":
             now = time.time()
-            spans.append((now - seconds, now, threading.current_thread().name, "compile-cache read", ""))
+            add((now - seconds, now, threading.current_thread().name, "compile-cache read", ""))
 
     jax.monitoring.register_event_time_span_listener(on_span)
     jax.monitoring.register_event_duration_secs_listener(on_duration)
@@ -281,7 +371,7 @@ def child(what: str, argv: list[str]) -> None:
             with stage(timer, name):
                 yield
         finally:
-            spans.append((start, time.time(), "MainThread", STAGE, name))
+            add((start, time.time(), "MainThread", STAGE, name))
 
     profiling.StageTimer.stage = recorded
     sys.argv = [FAMILIES[what]["module"], *argv]
@@ -297,7 +387,8 @@ def first_result(run: dict, stage_name: str) -> float | None:
 
 
 def print_timeline(title: str, run: dict, min_seconds: float) -> None:
-    print(f"\n### {title}: {run['wall']:.2f} s whole command; persistent-cache events {run['counts']}")
+    stopped = " (stopped at --timeout: the spans that had ended)" if run.get("timed_out") else ""
+    print(f"\n### {title}: {run['wall']:.2f} s whole command{stopped}; persistent-cache events {run['counts']}")
     rows, small = [], collections.defaultdict(lambda: [0, 0.0])
     for start, end, thread, kind, name in sorted(run["spans"]):
         thread = "main" if thread == "MainThread" else thread.removeprefix("wan_tpu-")
@@ -321,33 +412,42 @@ def print_timeline(title: str, run: dict, min_seconds: float) -> None:
 
 
 def cold_start(args) -> None:
+    import json
     import statistics
     import tempfile
 
     harness.print_env()
+    extra = {"PROFILE_LIVE": "1"}
+    if args.decode_before_denoise:
+        extra["PROFILE_DECODE_BEFORE_DENOISE"] = "1"
+    if args.program_options:
+        extra["PROFILE_PROGRAM_OPTIONS"] = json.dumps(program_options(args.program_options))
+        print(f"program options: {extra['PROFILE_PROGRAM_OPTIONS']}")
     with tempfile.TemporaryDirectory(prefix="profile-cold-") as tmp:
         write_inputs(tmp, args.what, args.device)
         argv = command(args, tmp, os.path.join(tmp, "out.mp4"))
         print("command: " + " ".join(argv[5:]), flush=True)
         cold, warm_cache = [], os.path.join(tmp, "cache-0")
-        before = {"PROFILE_DECODE_BEFORE_DENOISE": "1"} if args.decode_before_denoise else {}
+        run = lambda cache, env=None: run_timed(argv, {"WAN_TPU_CACHE_DIR": cache, **extra, **(env or {})},  # noqa: E731
+                                                args.timeout)
         for i in range(args.runs):
-            cold.append(run_timed(argv, {"WAN_TPU_CACHE_DIR": os.path.join(tmp, f"cache-{i}"), **before}))
-            print(f"cold run {i + 1}: {cold[-1]['wall']:.2f} s", flush=True)
+            cold.append(run(os.path.join(tmp, f"cache-{i}")))
+            print(f"cold run {i + 1}: {said(cold[-1])}", flush=True)
         warm = []
         for i in range(args.runs):
-            warm.append(run_timed(argv, {"WAN_TPU_CACHE_DIR": warm_cache, **before}))
-            print(f"warm run {i + 1}: {warm[-1]['wall']:.2f} s", flush=True)
+            warm.append(run(warm_cache))
+            print(f"warm run {i + 1}: {said(warm[-1])}", flush=True)
         split = None
         if args.autotune_split:
-            split = run_timed(argv, {"WAN_TPU_CACHE_DIR": os.path.join(tmp, "cache-noautotune"),
-                                     "XLA_FLAGS": f"{os.environ.get('XLA_FLAGS', '')} --xla_gpu_autotune_level=0"})
+            split = run(os.path.join(tmp, "cache-noautotune"),
+                        {"XLA_FLAGS": f"{os.environ.get('XLA_FLAGS', '')} --xla_gpu_autotune_level=0"})
     first = FAMILIES[args.what]["first"]
     rows = []
     for label, runs in (("cold", cold), ("warm", warm)):
         for key, what in (("wall", "whole command"), ("first_output", "first output line")):
-            values = [r[key] for r in runs]
-            rows.append((label, what, " ".join(f"{v:.2f}" for v in values), f"{statistics.median(values):.2f}"))
+            values = [r["wall"] if r[key] is None else r[key] for r in runs]
+            rows.append((label, what, " ".join(seconds(v, r) for v, r in zip(values, runs)),
+                         seconds(statistics.median(values), *runs)))
         results = [first_result(r, first) for r in runs]
         if None not in results:
             rows.append((label, f"first result (end of {first!r})", " ".join(f"{v:.2f}" for v in results),
@@ -361,10 +461,23 @@ def cold_start(args) -> None:
     if split is not None:
         xla = lambda run: sum(end - start for start, end, _, kind, _ in run["spans"] if kind == "XLA compile")
         print(f"\nautotuning: XLA compile {xla(cold[0]):.2f} s cold, {xla(split):.2f} s with "
-              f"--xla_gpu_autotune_level=0 (whole command {split['wall']:.2f} s): {xla(cold[0]) - xla(split):.2f} s")
+              f"--xla_gpu_autotune_level=0 (whole command {said(split)}): {xla(cold[0]) - xla(split):.2f} s")
     median = lambda runs: sorted(runs, key=lambda r: r["wall"])[len(runs) // 2]
     print_timeline("cold (median run)", median(cold), args.min_seconds)
     print_timeline("warm (median run)", median(warm), args.min_seconds)
+    if split is not None and split["timed_out"]:
+        print_timeline("without autotuning", split, args.min_seconds)
+
+
+def said(run: dict) -> str:
+    if not run["timed_out"]:
+        return f"{run['wall']:.2f} s"
+    return f"timed out after {run['wall']:.2f} s; its last lines:\n    " + "\n    ".join(run["tail"])
+
+
+def seconds(value: float, *runs: dict) -> str:
+    """`value` in seconds, marked `>` where a run it comes from was stopped at --timeout."""
+    return f"{'>' if any(r['timed_out'] for r in runs) else ''}{value:.2f}"
 
 
 def main(argv=None) -> None:
@@ -388,6 +501,11 @@ def main(argv=None) -> None:
     p.add_argument("--decode-before-denoise", action="store_true",
                    help="wan, GPU: the first step waits for the decode's compiles instead of their overlapping the "
                         "denoise: the other side of that choice")
+    p.add_argument("--timeout", type=float, default=None,
+                   help="families: seconds a run may take; past it the run is killed and what had ended is shown")
+    p.add_argument("--program-options", action="append", default=[], metavar="NAME:OPTION=VALUE[,...]",
+                   help="families: XLA options for one program, named as in the timeline (`_sample_loop`, "
+                        "`jit(_decode_strip)`, `*` for all), e.g. _decode_strip:xla_gpu_autotune_level=0; repeatable")
     args = p.parse_args(argv)
     args.rest = rest
     if args.what in FAMILIES:
