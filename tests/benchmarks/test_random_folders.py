@@ -53,3 +53,35 @@ def test_unifolm_tiny_folder_loads(tmp_path):
     stored, dtype = _stored(str(folder / "unet.safetensors"), "out.2.weight")  # (out, in, kh, kw) as the authors'
     assert dtype == "torch.float32" and stored.std() > 0
     np.testing.assert_array_equal(np.asarray(conv.kernel[...]), torch_to_kernel(stored, conv.out_first))
+
+
+@pytest.mark.slow  # compiles the tiny stage programs (about 15 s on 2 cores)
+def test_unifolm_folder_compiles_its_stages_before_the_encoders_load(tmp_path, backend_compiles):
+    """A converted folder's `prepare` compiles the stage programs for the CLIP towers built from their
+    configs: with the towers' loads held back, the stage programs still compile; the towers then load with the
+    abstract ones' structure, and `decide` runs the programs compiled ahead (none compiled on its thread)."""
+    import threading
+
+    from flax import nnx
+
+    from wan_tpu.unifolm.pipeline import UnifolmPipeline
+
+    folder = tmp_path / "uf"
+    random_folders.write("unifolm-tiny", str(folder), log=lambda _: None)
+    pipe = UnifolmPipeline.from_pretrained(str(folder), compile_cache=False)
+    gate = threading.Event()
+    for name in ("image_encoder", "text_encoder"):
+        load = pipe._loaders[name]
+        pipe._loaders[name] = lambda load=load: (gate.wait(60), load())[1]
+    with pipe.prepare("decision", num_steps=2) as warmup:
+        warmup.compiles["stages"].result(timeout=300)
+        assert not gate.is_set() and not warmup.loads["image_encoder"].done()
+        gate.set()
+    for name in ("image_encoder", "text_encoder"):
+        assert nnx.graphdef(pipe._abstracts[name]().model) == nnx.graphdef(pipe.component(name).model)
+    start = len(backend_compiles)
+    images = np.zeros((2, pipe.height, pipe.width, 3), np.uint8)
+    out = pipe.decide("pick up the cup", images, np.zeros((2, 16), np.float32), num_steps=2)
+    assert out.actions.shape == (16, 16)
+    stages = {"jit(_prepare_program)", "jit(_sample_loop)", "jit(_decode_program)"}
+    assert not stages & {f for f, thread in backend_compiles[start:] if thread == "MainThread"}

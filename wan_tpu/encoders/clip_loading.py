@@ -76,6 +76,18 @@ def clip_vision_config(path, num_layers: int | None = None, num_heads: int | Non
     return _kept(path, CLIPVisionConfig.from_json(config, _config_where(path)), num_layers)
 
 
+def clip_text_config(path, num_layers: int | None = None) -> CLIPTextConfig:
+    """The config of the tower `load_clip_text(path, num_layers=...)` gives, from config.json alone."""
+    path = os.fspath(path)
+    return _kept(path, CLIPTextConfig.from_json(read_config(path, "text_encoder"), _config_where(path)), num_layers)
+
+
+def abstract_clip_text(config: CLIPTextConfig, dtype=jnp.float32):
+    """The tower `load_clip_text` fills for `config` (from `clip_text_config`), without weights: its graphdef
+    is the loaded one's."""
+    return nnx.eval_shape(lambda: CLIPTextTransformer(config, dtype))
+
+
 def _config_where(path: str) -> str:
     return path if is_weights_file(path) else os.path.join(path, "config.json")
 

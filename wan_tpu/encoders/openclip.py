@@ -148,6 +148,14 @@ class OpenCLIPImageEncoder:
         require_file(folder, "config.json", "image_encoder")
         return cls(load_clip_vision(folder, dtype=dtype, mesh=mesh, attention_impl=attention_impl))
 
+    @classmethod
+    def abstract(cls, folder, dtype=jnp.float32, attention_impl=None) -> OpenCLIPImageEncoder:
+        """The encoder `from_pretrained` gives, without weights (its config alone): `encode` under
+        `jax.eval_shape` gives the loaded one's output shape and dtype before its weights are read."""
+        from wan_tpu.encoders.clip_loading import abstract_clip_vision, clip_vision_config
+
+        return cls(abstract_clip_vision(clip_vision_config(folder), dtype, attention_impl))
+
     def encode(self, images) -> jax.Array:
         return _image_tokens(*nnx.split(self.model), jnp.asarray(images, jnp.float32))
 
@@ -186,6 +194,15 @@ class OpenCLIPTextEncoder:
         require_file(folder, "config.json", "text_encoder")
         require_file(tokenizer_folder, "tokenizer_config.json", "tokenizer")
         return cls(load_clip_text(folder, dtype=dtype, mesh=mesh), CLIPBPETokenizer.from_folder(tokenizer_folder))
+
+    @classmethod
+    def abstract(cls, folder, tokenizer_folder, dtype=jnp.float32) -> OpenCLIPTextEncoder:
+        """The encoder `from_pretrained` gives, without weights (its config and tokenizer alone), as
+        `OpenCLIPImageEncoder.abstract`."""
+        from wan_tpu.encoders.clip_loading import abstract_clip_text, clip_text_config
+        from wan_tpu.encoders.clip_tokenizer import CLIPBPETokenizer
+
+        return cls(abstract_clip_text(clip_text_config(folder), dtype), CLIPBPETokenizer.from_folder(tokenizer_folder))
 
     def tokenize(self, prompts: list[str]) -> np.ndarray:
         """(B, 77) int32 ids, exactly `open_clip.tokenize(prompts)`."""

@@ -232,11 +232,23 @@ class UnifolmPipeline:
             return OpenCLIPTextEncoder.from_pretrained(sub("text_encoder"), sub("tokenizer"), dtype=encoder_dtype,
                                                        mesh=mesh)
 
+        def abstract_image_encoder():
+            from wan_tpu.encoders.openclip import OpenCLIPImageEncoder
+
+            return OpenCLIPImageEncoder.abstract(sub("image_encoder"), dtype=encoder_dtype, attention_impl=attention)
+
+        def abstract_text_encoder():
+            from wan_tpu.encoders.openclip import OpenCLIPTextEncoder
+
+            return OpenCLIPTextEncoder.abstract(sub("text_encoder"), sub("tokenizer"), dtype=encoder_dtype)
+
         if table is None and os.path.isfile(sub(STATS_FILE)):
             table = MinMaxTable.from_file(sub(STATS_FILE))
         loaders = {"model": model, "vae": vae, "image_encoder": image_encoder, "text_encoder": text_encoder}
+        abstracts = {**abstract_builds(config, vae_config, dtype, attention), "image_encoder": abstract_image_encoder,
+                     "text_encoder": abstract_text_encoder}
         return cls(config, vae_config, loaders, stats=table, name=config.name, dtype=dtype, mesh=mesh,
-                   attention=attention, compile_cache=bool(compile_cache)).set_offload(offload)
+                   attention=attention, compile_cache=bool(compile_cache), abstracts=abstracts).set_offload(offload)
 
     def set_offload(self, offload: str = "auto") -> UnifolmPipeline:
         """What leaves the device between a call's stages: "auto" (the CLIP towers, where the components and
@@ -295,8 +307,9 @@ class UnifolmPipeline:
         manager, leaving it waits for the threads, cancelling what has not started).
 
         The stage programs (prepare, sampling, decode) are compiled for the model's and VAE's abstract
-        modules (from their configs: no wait for their weights) and the encoders' outputs' shapes, once
-        those are loaded, each program's outputs giving the next one's inputs: the calls' own code traced
+        modules (from their configs: no wait for their weights) and the encoders' outputs' shapes (from
+        abstract encoders for a folder; a preset's once loaded), each program's outputs giving the next one's
+        inputs: the calls' own code traced
         (`jax.eval_shape`) with `executable_cache.ahead` (which compiles them side by side, a thread each, once
         each is lowered), so nothing runs on the devices in these threads
         (the encoders' small programs compile on first use, as without `prepare`). The calls wait for them,
@@ -320,7 +333,10 @@ class UnifolmPipeline:
             if name not in self._loaded:
                 warmup.start(name, self._loaders[name])
         if self.program_key is not None and {"model", "vae"} <= set(self._abstracts):
-            encoders = [self._loaded[n] if n in self._loaded else warmup.loads[n] for n in ("image_encoder", "text_encoder")]
+            # The encoders' weights only matter here through their outputs' shapes: built from their configs
+            # where the pipeline can (no wait for their loads), else the loads themselves.
+            encoders = [functools.partial(self._loaded.get, n) if n in self._loaded else self._abstracts[n]
+                        if n in self._abstracts else warmup.loads[n].result for n in ("image_encoder", "text_encoder")]
             warmup.start("stages", self._compile_stages, warmup, encoders, mode, num_steps, eta, keep_action_tokens,
                          kind="compile")
         return warmup
@@ -328,11 +344,12 @@ class UnifolmPipeline:
     def _compile_stages(self, warmup, encoders, mode: str, num_steps: int, eta: float, keep_action_tokens: bool) -> None:
         """The stage programs of `prepare(mode)`, through the calls' own code (`_stages`) with
         `executable_cache.ahead`, traced by `jax.eval_shape` (nothing runs on the devices here): inputs of
-        the calls' shapes, the abstract model and VAE, the loaded encoders."""
+        the calls' shapes, the abstract model and VAE, and the encoders `encoders` (functions) give: abstract
+        ones, or the loaded ones."""
         from wan_tpu.runtime.compile_ahead import Cancelled
 
         model, vae = self._abstracts["model"](), self._abstracts["vae"]()
-        image_encoder, text_encoder = (e.result() if hasattr(e, "result") else e for e in encoders)
+        image_encoder, text_encoder = (get() for get in encoders)
         if warmup.cancelled.is_set():
             raise Cancelled()
         cfg, n, t = self.config, self.config.unet.n_obs_steps, self.config.unet.temporal_length
