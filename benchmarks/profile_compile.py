@@ -275,7 +275,8 @@ def run_timed(argv: list[str], env: dict, timeout: float | None = None) -> dict:
                     timed_out=True, tail=said[-12:])
     results = harness.read_results(text)
     if rc or not results:
-        raise SystemExit(f"{' '.join(argv)} failed (exit status {rc}):\n{text[-4000:]}")
+        said = "\n".join(line for line in text.split("\n") if not line.startswith(SPAN))
+        raise SystemExit(f"{' '.join(argv)} failed (exit status {rc}):\n{said[-4000:]}")
     return dict(wall=wall, first_output=first, remat=remat, timed_out=False, **results[-1])
 
 
