@@ -309,10 +309,9 @@ class UnifolmPipeline:
         The stage programs (prepare, sampling, decode) are compiled for the model's and VAE's abstract
         modules (from their configs: no wait for their weights) and the encoders' outputs' shapes (from
         abstract encoders for a folder; a preset's once loaded), each program's outputs giving the next one's
-        inputs: the calls' own code traced
-        (`jax.eval_shape`) with `executable_cache.ahead` (which compiles them side by side, a thread each, once
-        each is lowered), so nothing runs on the devices in these threads
-        (the encoders' small programs compile on first use, as without `prepare`). The calls wait for them,
+        inputs: the calls' own code traced (`jax.eval_shape`) with `executable_cache.ahead` (which compiles
+        them side by side, a thread each, once each is lowered), so nothing runs on the devices in these
+        threads (the encoders' small programs compile on first use, as without `prepare`). The calls wait for them,
         then run the very programs compiled here: the results are bit-identical with and without
         `prepare`. A compile that fails is a warning and the call compiles on use. With a mesh only the
         loads run ahead. The threads run in this pipeline's `compile_cache` choice."""
