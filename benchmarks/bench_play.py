@@ -56,7 +56,7 @@ def serve(args) -> None:
     from wan_tpu.serve.play import play_routes
 
     pipe = MatrixGamePipeline.from_pretrained(args.model, dtype=getattr(jnp, args.dtype))
-    with pipe.prepare():
+    with pipe.prepare(live=True):
         pass
     listener = socket.socket()
     listener.bind(("127.0.0.1", 0))

@@ -23,7 +23,7 @@ def tiny_pipeline():
     from wan_tpu.matrix_game import pipeline as mg
 
     pipe = mg.MatrixGamePipeline.from_pretrained(mg.PRESET, dtype=jnp.float32, attention="reference")
-    pipe.prepare()
+    pipe.prepare(live=True)
     return pipe
 
 

@@ -145,6 +145,10 @@ def test_stream_equals_the_python_api_and_bad_messages_leave_it_playing(play_ser
     assert applied[0] == 0 and applied[max(applied)] == 1
     sent = {0: play_pipe.action_row([]), 1: play_pipe.action_row(["w", "j"], [0.05, 0.0])}
     session = play_pipe.stream(example_image(), seed=3)
+    # `on_chunk` sees a chunk once it is whole; its first frames may have come before (live play's two parts).
+    deadline = time.monotonic() + 60
+    while len(play_chunks) <= max(applied) and time.monotonic() < deadline:
+        time.sleep(0.05)
     for k in sorted(applied):
         expected = session.step(*sent[applied[k]])
         got = np.stack([f for h, f in frames if h["chunk"] == k])
@@ -298,3 +302,20 @@ def test_the_benchmark_client_measures_fps_and_latency(play_server):
     assert result["variant"] == "matrix-game-tiny" and result["frames"] >= 30
     assert 20 < result["fps"] < 70 and result["actions"] >= 1
     assert 0 < result["latency_p50_ms"] <= result["latency_p95_ms"] <= result["latency_max_ms"]
+
+
+def test_a_chunk_in_two_parts_refuses_other_steps_until_it_is_whole(play_pipe):
+    """Live play's chunk in two parts (`begin_step`, `end_step`): the first latent frame's frames, then the
+    rest; nothing else runs on the stream between them, and the stream goes on after. Their frames are
+    `step`'s bit for bit (`test_stream_equals_the_python_api...`: the server makes its chunks this way)."""
+    session = play_pipe.stream(example_image(), seed=5)
+    with pytest.raises(WanInputError, match="no chunk is open: call begin_step first"):
+        session.end_step()
+    head = session.begin_step(*play_pipe.action_row(["w"]))
+    for refused in (session.step, session.begin_step):
+        with pytest.raises(WanInputError, match="a chunk is open: call end_step before the next chunk"):
+            refused(*play_pipe.action_row([]))
+    rest = session.end_step()
+    assert (len(head), len(rest), session.chunk, session.chunk_frames) == (1, 8, 1, [9])
+    head, rest = session.begin_step(*play_pipe.action_row([])), session.end_step()
+    assert (len(head), len(rest), session.chunk) == (4, 8, 2)

@@ -16,7 +16,9 @@ sizes), or else lowered from abstract modules (`nnx.eval_shape` of the very cons
     `gray_latents` (`gray-latents`), the normalisation (`normalized`);
   * `clip`: CLIP's encode of one image; `cache`: `cache_program` for its tokens; `key`: the stream's key;
   * `chunk`: `chunk_program`, which every chunk of a stream runs, the first included (its caches' shapes
-    are the cache program's outputs'). A later program takes an earlier one's output shapes (`out_info`)
+    are the cache program's outputs'); with `prepare(live=True)`, `chunk-head` and `chunk-tail` instead,
+    live play's two parts of a chunk (`chunk_head_program`, `chunk_tail_program`).
+    A later program takes an earlier one's output shapes (`out_info`)
     instead of tracing it again.
 The stream's programs are `wan_tpu.matrix_game.programs`' (this module does not import the pipeline's), and
 every thread runs in the pipeline's compile-cache choice (`compile_cache.selected(pipe.compile_cache)`).
@@ -42,14 +44,22 @@ import numpy as np
 from flax import nnx
 
 from wan_tpu.matrix_game.condition import CONDITION_FRAMES, ImageCondition
-from wan_tpu.matrix_game.programs import action_windows, cache_program, chunk_args, chunk_program, key_program
+from wan_tpu.matrix_game.programs import (
+    action_windows,
+    cache_program,
+    chunk_args,
+    chunk_head_program,
+    chunk_program,
+    chunk_tail_program,
+    key_program,
+)
 from wan_tpu.runtime import executable_cache
 from wan_tpu.runtime.compile_ahead import Cancelled
 
 COMPONENTS = ("transformer", "vae", "image_encoder")
 
 
-def compile_ahead(pipe, warmup) -> None:
+def compile_ahead(pipe, warmup, live: bool = False) -> None:
     """Start loading or compiling, in `warmup`'s threads, every program a stream of `pipe` runs (module
     docstring). Nothing starts for a pipeline without abstract components, or on a mesh (the programs
     follow the calls' shardings, which shapes alone do not give): its calls compile on use."""
@@ -70,8 +80,16 @@ def compile_ahead(pipe, warmup) -> None:
     warmup.start("cache", _program, pipe, "cache", lambda: _cache(pipe, abstract, _wait(visual, stop)), caches,
                  kind="compile")
     warmup.start("key", _program, pipe, "key", _key_lowered, key, kind="compile")
-    warmup.start("chunk", _program, pipe, "chunk", lambda: _chunk(pipe, abstract, stop, _wait(caches, stop),
-                                                                  _wait(key, stop)), kind="compile")
+    if not live:
+        warmup.start("chunk", _program, pipe, "chunk", lambda: _chunk(pipe, abstract, stop, _wait(caches, stop),
+                                                                      _wait(key, stop)), kind="compile")
+        return
+    head = concurrent.futures.Future()
+    warmup.start("chunk-head", _program, pipe, "chunk-head", lambda: _chunk(
+        pipe, abstract, stop, _wait(caches, stop), _wait(key, stop), chunk_head_program), head, kind="compile")
+    warmup.start("chunk-tail", _program, pipe, "chunk-tail", lambda: _chunk(
+        pipe, abstract, stop, _wait(caches, stop), _wait(key, stop), chunk_tail_program, _wait(head, stop)[1:3]),
+        kind="compile")
 
 
 def captures_graphs() -> bool:
@@ -175,8 +193,9 @@ def _key_lowered():
     return key_program.lower(jax.ShapeDtypeStruct((), np.uint32))
 
 
-def _chunk(pipe, abstract, stop, caches, key):
-    """`chunk_program` for the caches `cache_program` makes, lowered."""
+def _chunk(pipe, abstract, stop, caches, key, program=chunk_program, latents=()):
+    """`program` (`chunk_program`, or live play's head or tail) for the caches `cache_program` makes, lowered;
+    `latents`: the tail's (x0, x), the head's output shapes."""
     dit, vae = nnx.split(abstract("transformer")), nnx.split(abstract("vae"))
     z = abstract("vae").config.z_dim
     # `ImageCondition.encode`'s normalized float32 latents; the repeat scalars are traced.
@@ -185,4 +204,4 @@ def _chunk(pipe, abstract, stop, caches, key):
     index = jax.ShapeDtypeStruct((), jnp.int32)
     args, kwargs = chunk_args(pipe, dit, vae, *caches, condition, action_windows(pipe), index, key)
     _check(stop)
-    return chunk_program.lower(*args, **kwargs)
+    return program.lower(*args, *latents, **kwargs)

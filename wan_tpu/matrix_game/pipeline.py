@@ -43,6 +43,9 @@ included (its attention window, which holds only its own frames, and the VAE's s
 frame are chosen inside the program by the traced chunk index: `wan_tpu.matrix_game.programs`). A stream
 and a one-shot call with the same image, seed and actions give identical frames: the one-shot call
 is a stream. Noise: chunk k draws its initial noise and its re-noising from `fold_in(key(seed), k)`.
+Live play splits each chunk in two programs (`session.begin_step` / `end_step`, compiled ahead by
+`prepare(live=True)`): the denoising and the first latent frame's decode, then the cache pass and the other
+frames' decode; the first frames show that much sooner, and the frames are bitwise the same.
 
 Trace scopes (`--profile`) follow the authors' PROFILING_TAGS_GUIDE: host regions `1_Data_Preparation`
 (`1.1_Image_Loading_Resize`, `1.2_VAE_Encode_FirstFrame`, `1.4_CLIP_Visual_Context`,
@@ -70,7 +73,17 @@ from wan_tpu.configs.matrix_game import MATRIX_GAME_VARIANTS, MatrixGameVariant,
 from wan_tpu.errors import WanInputError
 from wan_tpu.matrix_game import actions
 from wan_tpu.matrix_game.condition import CONDITION_FRAMES, ImageCondition  # noqa: F401
-from wan_tpu.matrix_game.programs import MASK_CHANNELS, action_windows, cache_program, chunk_args, chunk_program, seed_of, stream_key  # noqa: F401
+from wan_tpu.matrix_game.programs import (  # noqa: F401
+    MASK_CHANNELS,
+    action_windows,
+    cache_program,
+    chunk_args,
+    chunk_head_program,
+    chunk_program,
+    chunk_tail_program,
+    seed_of,
+    stream_key,
+)
 from wan_tpu.runtime import compile_cache
 from wan_tpu.runtime.compile_cache import in_pipeline_choice
 from wan_tpu.runtime.profiling import scope
@@ -201,7 +214,7 @@ class MatrixGamePipeline:
                    configs=configs, attention=attention, compile_cache=bool(compile_cache), mesh=mesh)
 
     @in_pipeline_choice
-    def prepare(self):
+    def prepare(self, live: bool = False):
         """Start reading every component at once, and compiling every program a stream runs, in background
         threads; returns at once (a `wan_tpu.runtime.compile_ahead.Warmup`; as a context manager, leaving it waits for
         the threads). `component()` then waits for the one it needs only, and the first call that runs a
@@ -211,7 +224,7 @@ class MatrixGamePipeline:
         frame waits for the slowest load, not for their sum and the compiles after it
         (`wan_tpu.matrix_game.compile_ahead`). A program whose compile ahead fails is a warning and compiles on use.
         On a mesh only the components are read ahead. The threads run in this pipeline's `compile_cache`
-        choice."""
+        choice. `live`: the chunk's two programs of live play (`begin_step`, `end_step`) instead of its one."""
         from wan_tpu.matrix_game.compile_ahead import compile_ahead
         from wan_tpu.runtime.compile_ahead import Warmup
 
@@ -219,7 +232,7 @@ class MatrixGamePipeline:
         for name, loader in self._loaders.items():
             if name not in self._loaded:
                 warmup.start(name, loader)
-        compile_ahead(self, warmup)
+        compile_ahead(self, warmup, live=live)
         return warmup
 
     @functools.cached_property
@@ -408,6 +421,7 @@ class MatrixGameSession:
         self.mouse = np.zeros((0, 2), np.float32) if space.mouse else None
         self.chunk_seconds: list[float] = []
         self.chunk_frames: list[int] = []
+        self._open = self._head = None  # a chunk `begin_step` began: (start, args, kwargs, x0, x), its frames
         with scope("1.5_Noise_Sampling"):
             pipe._wait_compiled("key")
             self.key = pipe._programs.call("key", (seed_of(seed),), lambda: stream_key(seed))
@@ -432,11 +446,29 @@ class MatrixGameSession:
         with compile_cache.selected(self.pipe.compile_cache):
             return self._step(keyboard, mouse)
 
-    def _step(self, keyboard, mouse) -> np.ndarray:
+    def begin_step(self, keyboard, mouse=None) -> np.ndarray:
+        """`step` in two parts, for live play: the chunk's first frames (its first latent frame's: 1 for the
+        first chunk, 4 after) as soon as they are decoded; `end_step()` then gives the rest. Together they
+        are bitwise `step`'s frames, and the stream goes on as after `step`. The two programs
+        (`chunk_head_program`, `chunk_tail_program`) are compiled ahead by `prepare(live=True)`."""
+        with compile_cache.selected(self.pipe.compile_cache):
+            return self._begin(keyboard, mouse)
+
+    def end_step(self) -> np.ndarray:
+        """The rest of the chunk `begin_step` began (its cache pass and the decode of its other frames)."""
+        if self._open is None:
+            raise WanInputError("no chunk is open: call begin_step first")
+        with compile_cache.selected(self.pipe.compile_cache):
+            return self._end()
+
+    def _windows(self, keyboard, mouse):
+        """The chunk's action windows, its rows appended to the stream's; checks that the stream goes on."""
         from wan_tpu.matrix_game.action_module import chunk_action_window
 
         pipe, k = self.pipe, self.chunk
         f = pipe.frames_per_chunk
+        if self._open is not None:
+            raise WanInputError("a chunk is open: call end_step before the next chunk")
         if f * (k + 1) > self.max_latents:
             raise WanInputError(f"this stream is at its end ({self.max_latents} latent frames); start a new one")
         n = pipe.chunk_frames(k)
@@ -449,20 +481,57 @@ class MatrixGameSession:
                 windows.append(chunk_action_window(self.mouse, k, f)[None])
             else:
                 windows.append(None)
+        return windows
+
+    def _done(self, start: float, frames: np.ndarray) -> np.ndarray:
+        self.chunk_seconds.append(time.perf_counter() - start)
+        self.chunk_frames.append(len(frames))
+        self.chunk += 1
+        return frames
+
+    def _step(self, keyboard, mouse) -> np.ndarray:
+        pipe, k = self.pipe, self.chunk
+        windows = self._windows(keyboard, mouse)
         start = time.perf_counter()
         if k == 0:
             pipe._wait_compiled("chunk")
         with scope(f"2.3_Block_{k}"):
-            self.condition.cover(f * (k + 1))  # this chunk's gray frames, until they repeat
+            self.condition.cover(pipe.frames_per_chunk * (k + 1))  # this chunk's gray frames, until they repeat
             args, kwargs = self._chunk_args(*windows, np.int32(k))
             dynamic = (args[1], *args[3:])  # less the graphdefs (static, as `schedule` and `frames_per_chunk`)
             frames, self.cache, self.vae_caches = pipe._programs.call(
                 "chunk", dynamic, lambda: chunk_program(*args, **kwargs))
             with scope("3_Video_Postprocessing"):
-                frames = np.asarray(frames)[0, -n:]  # the first chunk's first 3 are padding
-        self.chunk_seconds.append(time.perf_counter() - start)
-        self.chunk_frames.append(n)
-        self.chunk += 1
+                frames = np.asarray(frames)[0, -pipe.chunk_frames(k):]  # the first chunk's first 3 are padding
+        return self._done(start, frames)
+
+    def _begin(self, keyboard, mouse) -> np.ndarray:
+        pipe, k = self.pipe, self.chunk
+        windows = self._windows(keyboard, mouse)
+        start = time.perf_counter()
+        if k == 0:
+            pipe._wait_compiled("chunk-head")
+        with scope(f"2.3_Block_{k}_head"):
+            self.condition.cover(pipe.frames_per_chunk * (k + 1))
+            args, kwargs = self._chunk_args(*windows, np.int32(k))
+            dynamic = (args[1], *args[3:])
+            frames, x0, x, self.cache, self.vae_caches = pipe._programs.call(
+                "chunk-head", dynamic, lambda: chunk_head_program(*args, **kwargs))
+            self._open = (start, args, kwargs, x0, x)
+            frames = np.asarray(frames)[0, 3 if k == 0 else 0:]  # the first chunk's first 3 are padding
+        self._head = frames
+        return frames
+
+    def _end(self) -> np.ndarray:
+        start, args, kwargs, x0, x = self._open
+        args = (*args[:4], self.cache, self.vae_caches, *args[6:], x0, x)  # the caches the head gave
+        with scope(f"2.3_Block_{self.chunk}_tail"):
+            dynamic = (args[1], *args[3:])
+            frames, self.cache, self.vae_caches = self.pipe._programs.call(
+                "chunk-tail", dynamic, lambda: chunk_tail_program(*args, **kwargs))
+            frames = np.asarray(frames)[0]
+        head, self._open, self._head = self._head, None, None
+        self._done(start, np.concatenate([head, frames]))
         return frames
 
 

@@ -77,8 +77,32 @@ def action_windows(pipe) -> list:
         (1, *chunk_action_window(np.zeros((frames, d), np.float32), 1, f).shape), jnp.float32) for d in dims]
 
 
-@functools.partial(jax.jit, static_argnums=(0, 2), static_argnames=("schedule", "frames_per_chunk"),
-                   donate_argnums=(4, 5))
+def _chunk_inputs(latents, chunk_index, key, repeat, f):
+    """A chunk's initial noise, its condition (mask ‖ image latents) and the key of its re-noising."""
+    b, z, _, h, w = latents.shape
+    k_noise, k_steps = jax.random.split(jax.random.fold_in(key, chunk_index))
+    noise = jax.random.normal(k_noise, (b, z, f, h, w), jnp.float32)
+    frame = chunk_index * f + jnp.arange(f)
+    condition = ImageCondition(latents, *repeat)
+    image = jnp.take(latents, condition.index(frame), axis=2)
+    mask = jnp.broadcast_to((frame == 0).astype(jnp.float32)[None, None, :, None, None], (b, MASK_CHANNELS, f, h, w))
+    return noise, jnp.concatenate([mask, image], axis=1), k_steps
+
+
+def _decode(vae_graph, vae_state, x0, vae_caches, start):
+    """The VAE's streaming decode of clean latents → (uint8 frames (B, T, H, W, 3), the VAE caches)."""
+    with jax.named_scope("2.3_VAE_Decode"):
+        vae = nnx.merge(vae_graph, vae_state)
+        video, vae_caches = vae.decode_chunk(vae.denormalize_latents(x0.astype(vae.dtype)), vae_caches, start=start)
+        with jax.named_scope("VAE_Decode_Postprocessing"):
+            frames = jnp.clip((video.astype(jnp.float32) + 1) * 127.5, 0, 255).astype(jnp.uint8)
+    return frames.transpose(0, 2, 3, 4, 1), vae_caches
+
+
+_CHUNK_JIT = dict(static_argnums=(0, 2), static_argnames=("schedule", "frames_per_chunk"), donate_argnums=(4, 5))
+
+
+@functools.partial(jax.jit, **_CHUNK_JIT)
 def chunk_program(dit_graph, dit_state, vae_graph, vae_state, cache, vae_caches, latents, keyboard, mouse,
                   chunk_index, key, repeat, *, schedule, frames_per_chunk):
     """One chunk: noise, condition, the DiT's denoising (`denoise_chunk`), the VAE's streaming decode and
@@ -88,21 +112,41 @@ def chunk_program(dit_graph, dit_state, vae_graph, vae_state, cache, vae_caches,
     the last 4·C − 3."""
     from wan_tpu.matrix_game.sampling import denoise_chunk
 
-    f = frames_per_chunk
-    b, z, _, h, w = latents.shape
-    k_noise, k_steps = jax.random.split(jax.random.fold_in(key, chunk_index))
-    noise = jax.random.normal(k_noise, (b, z, f, h, w), jnp.float32)
-    frame = chunk_index * f + jnp.arange(f)
-    condition = ImageCondition(latents, *repeat)
-    image = jnp.take(latents, condition.index(frame), axis=2)
-    mask = jnp.broadcast_to((frame == 0).astype(jnp.float32)[None, None, :, None, None], (b, MASK_CHANNELS, f, h, w))
+    noise, cond, k_steps = _chunk_inputs(latents, chunk_index, key, repeat, frames_per_chunk)
     with jax.named_scope("2.3_Denoise"):
-        x0, cache = denoise_chunk(dit_graph, dit_state, cache, noise, jnp.concatenate([mask, image], axis=1),
-                                  keyboard, mouse, chunk_index, k_steps, schedule=schedule)
-    with jax.named_scope("2.3_VAE_Decode"):
-        vae = nnx.merge(vae_graph, vae_state)
-        video, vae_caches = vae.decode_chunk(vae.denormalize_latents(x0.astype(vae.dtype)), vae_caches,
-                                             start=chunk_index == 0)
-        with jax.named_scope("VAE_Decode_Postprocessing"):
-            frames = jnp.clip((video.astype(jnp.float32) + 1) * 127.5, 0, 255).astype(jnp.uint8)
-    return frames.transpose(0, 2, 3, 4, 1), cache, vae_caches
+        x0, cache = denoise_chunk(dit_graph, dit_state, cache, noise, cond, keyboard, mouse, chunk_index, k_steps,
+                                  schedule=schedule)
+    frames, vae_caches = _decode(vae_graph, vae_state, x0, vae_caches, chunk_index == 0)
+    return frames, cache, vae_caches
+
+
+@functools.partial(jax.jit, **_CHUNK_JIT)
+def chunk_head_program(dit_graph, dit_state, vae_graph, vae_state, cache, vae_caches, latents, keyboard, mouse,
+                       chunk_index, key, repeat, *, schedule, frames_per_chunk):
+    """A chunk's first part, for live play: its denoising steps and the decode of its first latent frame
+    → (frames (1, 4, H, W, 3), x0, x, the DiT cache, the VAE caches); `chunk_tail_program` finishes the
+    chunk from x0 and x. The two together make bitwise `chunk_program`'s frames and caches, and the first
+    frames come a cache pass and two latent frames' decode sooner. The arguments are `chunk_program`'s."""
+    from wan_tpu.matrix_game.sampling import denoise_chunk
+
+    noise, cond, k_steps = _chunk_inputs(latents, chunk_index, key, repeat, frames_per_chunk)
+    with jax.named_scope("2.3_Denoise"):
+        x0, x, cache = denoise_chunk(dit_graph, dit_state, cache, noise, cond, keyboard, mouse, chunk_index, k_steps,
+                                     schedule=schedule, part="denoise")
+    frames, vae_caches = _decode(vae_graph, vae_state, x0[:, :, :1], vae_caches, chunk_index == 0)
+    return frames, x0, x, cache, vae_caches
+
+
+@functools.partial(jax.jit, **_CHUNK_JIT)
+def chunk_tail_program(dit_graph, dit_state, vae_graph, vae_state, cache, vae_caches, latents, keyboard, mouse,
+                       chunk_index, key, repeat, x0, x, *, schedule, frames_per_chunk):
+    """A chunk's second part: the decode of its other latent frames and the DiT's cache pass on x
+    (`chunk_head_program`'s outputs) → (frames (1, 4·C − 4, H, W, 3), the DiT cache, the VAE caches)."""
+    from wan_tpu.matrix_game.sampling import denoise_chunk
+
+    _, cond, k_steps = _chunk_inputs(latents, chunk_index, key, repeat, frames_per_chunk)
+    frames, vae_caches = _decode(vae_graph, vae_state, x0[:, :, 1:], vae_caches, False)
+    with jax.named_scope("2.3_Denoise"):
+        _, cache = denoise_chunk(dit_graph, dit_state, cache, x, cond, keyboard, mouse, chunk_index, k_steps,
+                                 schedule=schedule, part="context")
+    return frames, cache, vae_caches

@@ -119,9 +119,14 @@ def check_chunk_index(chunk_index: int, frames_per_chunk: int):
 
 
 def denoise_chunk(graphdef, state, cache, noise, cond_concat, keyboard, mouse, chunk_index, step_noise, *,
-                  schedule: ChunkSchedule, first_chunk: bool | None = None):
+                  schedule: ChunkSchedule, first_chunk: bool | None = None, part: str = "all"):
     """One chunk: every denoising step, the re-noising between them and the cache-update pass.
     Pure; see the module docstring for the arguments. Returns (x0 float32, cache).
+
+    `part` splits the chunk where its clean latents are known: "denoise" runs the denoising steps alone and
+    returns (x0, x, cache), x being what the cache pass takes; "context" runs the cache pass alone, on that x
+    (passed as `noise`), and returns (x0 of the pass, unused, cache). The two parts compute, step for step,
+    what "all" does in one loop.
 
     The attention window holds (k+1)·C frames at chunk k until it is full: each such size is a branch
     of every attention call, chosen by `chunk_index` (`Window`; static where `chunk_index` is a Python
@@ -149,6 +154,12 @@ def denoise_chunk(graphdef, state, cache, noise, cond_concat, keyboard, mouse, c
         eps = jnp.arange(n + 1)
     frame_offset = chunk_index * f
 
+    if part not in ("all", "denoise", "context"):
+        raise ValueError(f"part must be 'all', 'denoise' or 'context', got {part!r}")
+    xs = (temb, tproj, sigma, sigma_next, eps)
+    steps = {"all": slice(None), "denoise": slice(0, n), "context": slice(n, n + 1)}[part]
+    xs = jax.tree.map(lambda a: a[steps], xs)
+
     def run(valid_frames, cache):
         def body(carry, xs):
             x, cache = carry
@@ -160,8 +171,10 @@ def denoise_chunk(graphdef, state, cache, noise, cond_concat, keyboard, mouse, c
                 eps_i = _draw(step_noise, eps_i, x.shape)
             return (((1 - sigma_next_i) * x0 + sigma_next_i * eps_i), cache), x0
 
-        (_, cache), x0 = jax.lax.scan(body, (noise.astype(jnp.float32), cache), (temb, tproj, sigma, sigma_next, eps))
-        return x0[n - 1], cache
+        (x, cache), x0 = jax.lax.scan(body, (noise.astype(jnp.float32), cache), xs)
+        if part == "denoise":
+            return x0[n - 1], x, cache
+        return x0[n - 1 if part == "all" else 0], cache
 
     valid = Window.of(window, f, chunk_index)
     if first_chunk is not None and isinstance(valid, Window):

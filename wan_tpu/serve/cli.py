@@ -201,7 +201,7 @@ def load(args, family: str):
 
     pipe = MatrixGamePipeline.from_pretrained(args.model, mesh=mesh, dtype=dtype_of(args.dtype or "bfloat16"),
                                               attention=args.attention, compile_cache=cache, variant=args.variant)
-    return pipe, pipe.prepare
+    return pipe, lambda: pipe.prepare(live=True)  # the chunk's two programs of live play
 
 
 def wan_videos(pipe, name: str, loras: dict | None = None, steps: int | None = None, seed: int | None = None):

@@ -31,15 +31,18 @@ big-endian header length, a JSON header, then the payload: `{"kind": "frame", "s
 "t" (seconds into the video), "action" (the `seq` of the action the chunk was made with), "format"}` + the
 encoded frame, or `{"kind": "video", "frames", "name"}` + the mp4.
 
-Each chunk is made in a worker thread (JAX releases the GIL), never in the event loop, and as late as
-the frames already queued allow: a chunk starts when the queued frames' playing time falls to about
-the recent chunks' generation time, so the action it is made with is as fresh as the pace permits.
+Each chunk is made in a worker thread (JAX releases the GIL), never in the event loop, in two parts
+(`session.begin_step`: the denoising and its first latent frame's decode, whose frames are queued at
+once; `end_step`: the cache pass and the other frames' decode), and as late as the frames already queued
+allow: a chunk starts when the queued frames' playing time falls to about what the recent chunks took to
+give their first frames (or their rest, beyond what the first frames play for), so the action it is
+made with is as fresh as the pace permits.
 Frames are encoded one at a time, each while the one before it plays: a chunk's first frame does not
 wait for the others' encodes, and dropped frames are never encoded. By default an action shows one
-chunk's generation after it comes, plus the rest of the chunk being made then, if one is (made with
-the action before: a chunk in progress cannot be stopped); the new chunk's first frame goes out as
-soon as it is encoded. With `smooth` it shows after the frames queued when it came: on average half a
-chunk's playing time (12 frames ÷ fps) plus one chunk's generation.
+chunk's first part after it comes, plus the rest of the chunk being made then, if one is (made with the
+action before: a chunk in progress cannot be stopped); the new chunk's first frame goes out as soon as
+its first part is done and the frame encoded. With `smooth` it shows after the frames queued when it
+came: on average half a chunk's playing time (12 frames ÷ fps) plus one chunk's first part.
 A closed tab frees its place at once; its chunk in progress finishes in its thread and is dropped.
 """
 
@@ -91,7 +94,9 @@ def play_routes(pipeline, *, max_sessions: int = 2, on_chunk=None) -> list:
     """Starlette routes of the live page for a `MatrixGamePipeline` (see the module docstring).
 
     `on_chunk(chunk, frames, keyboard, mouse)`, if given, is called in the worker thread with each chunk's
-    uint8 frames (n, H, W, 3) and the action row it was made with, before the frames are sent."""
+    uint8 frames (n, H, W, 3) and the action row it was made with, once the chunk is whole (its first
+    frames may be sent before). The pipeline is best prepared with `prepare(live=True)`: each chunk is
+    made in two parts (`session.begin_step`, `end_step`), whose programs it compiles ahead."""
     if not isinstance(max_sessions, int) or max_sessions < 1:
         raise WanInputError(f"max_sessions must be a positive integer, got {max_sessions!r}")
     play = Play(pipeline, max_sessions, on_chunk)
@@ -562,28 +567,41 @@ class Player:
             applied = seq
             started = time.perf_counter()
             chunk = session.chunk
-            frames = await self.work(self._chunk, session, keyboard, mouse, self._recording)
-            if chunk >= 2:
-                seconds.append(time.perf_counter() - started)
+            head = await self.work(self._chunk_head, session, keyboard, mouse)
+            head_seconds = time.perf_counter() - started
             if early:  # the new action's frames go out now: what is still queued from before is dropped
                 self._outbox.clear()
                 self._due = time.monotonic()
-            for pixels in frames:
-                header = {"kind": "frame", "stream": self.stream, "index": index, "chunk": chunk,
-                          "t": round(index / request.fps, 6), "action": seq, "format": request.format}
-                self._outbox.append(QueuedFrame(self.stream, header, pixels))
-                index += 1
-            self._queued.set()
+            index = self._queue(head, index, chunk, seq, request)
+            rest = await self.work(self._chunk_tail, session, keyboard, mouse, head, self._recording)
+            if chunk >= 2:
+                # What the queue must cover when the next chunk starts: its first frames' wait, and then
+                # the rest's beyond what those first frames play for.
+                seconds.append(max(head_seconds, time.perf_counter() - started - len(head) / request.fps))
+            index = self._queue(rest, index, chunk, seq, request)
             await self.follow_recording()
 
-    def _chunk(self, session, keyboard, mouse, recording) -> np.ndarray:
+    def _queue(self, frames, index: int, chunk: int, seq: int, request: StartRequest) -> int:
+        for pixels in frames:
+            header = {"kind": "frame", "stream": self.stream, "index": index, "chunk": chunk,
+                      "t": round(index / request.fps, 6), "action": seq, "format": request.format}
+            self._outbox.append(QueuedFrame(self.stream, header, pixels))
+            index += 1
+        self._queued.set()
+        return index
+
+    def _chunk_head(self, session, keyboard, mouse) -> np.ndarray:
+        return session.begin_step(keyboard, mouse)
+
+    def _chunk_tail(self, session, keyboard, mouse, head, recording) -> np.ndarray:
         chunk = session.chunk
-        frames = session.step(keyboard, mouse)
+        rest = session.end_step()
+        frames = np.concatenate([head, rest])
         if self.play.on_chunk is not None:
             self.play.on_chunk(chunk, frames, keyboard, mouse)
         if recording is not None:
             recording.append(frames)
-        return frames
+        return rest
 
     # ---- recording -------------------------------------------------------------------
 
