@@ -115,3 +115,22 @@ def test_read_into(source, tmp_path):
     last = max(src, key=lambda n: src._entries[n].end)  # the tensor the cut falls in
     with pytest.raises(WanInputError, match=f"truncated.*|{last}"):
         src.read_into(last, np.empty(src.shape(last), src.dtype(last)))
+
+
+@pytest.mark.parametrize("stored", [np.float32, ml_dtypes.bfloat16])
+@pytest.mark.parametrize("stacked", [True, False])
+def test_host_transpose_in_bands_matches_numpy_bitwise(tmp_path, monkeypatch, stored, stacked):
+    """A torch Linear's (out, in) → (in, out) built on the host (the streamed stacks' and a mesh's path) in
+    bands of rows, in threads: the bits numpy's transpose and `astype` give, band edges off the rows' count."""
+    rng = np.random.default_rng(1)
+    tensors = {f"blocks.{i}.w": rng.standard_normal((37, 11)).astype(stored) for i in range(3 if stacked else 1)}
+    save_file(tensors, str(tmp_path / "t.safetensors"))
+    src = TensorSource([str(tmp_path / "t.safetensors")])
+    monkeypatch.setattr(param_loading, "HOST_TILED_BYTES", 0)
+    monkeypatch.setattr(param_loading, "HOST_TILE_ROWS", 8)
+    for dtype in (np.dtype(ml_dtypes.bfloat16), np.dtype(np.float32)):
+        p = StoredParam(src, list(tensors), TRANSPOSE, dtype, stacked=stacked)
+        got = p.read_host()
+        ref = host_reference(p, tensors)
+        assert got.dtype == ref.dtype and got.shape == ref.shape == ((3,) if stacked else ()) + (11, 37)
+        assert got.flags.c_contiguous and got.tobytes() == ref.tobytes()
