@@ -1,5 +1,6 @@
-"""A Wan 1.3B server's jobs beside the warm CLI's whole command: the server's second and later jobs should take
-within 5% of `python -m wan_tpu.generate` run with a filled compilation cache.
+"""A Wan 1.3B server's jobs beside the warm CLI: the server's second and later jobs should take within 5% of the
+denoise + decode of `python -m wan_tpu.generate` run with a filled compilation cache (a loaded server pays no
+start, load or compile; the CLI's whole command is shown beside).
 
     # one H100 or H200 (the random checkpoint is written with diffusers' own modules, so the device needs diffusers)
     python benchmarks/bench_serve_vs_cli.py --steps 10 --repeats 2 --jobs 3 --workdir outputs/bench_e2e
@@ -19,15 +20,17 @@ In order, all on the same settings (Wan 2.1 T2V 1.3B, random weights in the diff
    with the CLI's (same frames expected: the same programs on the same inputs);
 4. SIGTERM, and the server's exit status checked (143).
 
-The first job may still wait for the server's compile-ahead; the second and later ones are compared with the
-warm CLI's median (ratio; target ≤ 1.05). Exit status 1 when a command or a job failed or the server's exit
-status was not 143; a missed target is reported, not failed.
+The first job may still wait for the server's compile-ahead; the second and later ones (create → completed) are
+compared with the median of the warm CLI's denoise + decode, from its own timing table (ratio; target ≤ 1.05).
+Exit status 1 when a command or a job failed or the server's exit status was not 143; a missed target is
+reported, not failed.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import re
 import shutil
@@ -204,6 +207,9 @@ def main(argv=None) -> int:
                          f"{t.get('decode', float('nan')):.2f}", ""])
         walls = [r["wall"] for r in warm if not r["rc"]]
         base = statistics.median(walls) if walls else None
+        # What the warm CLI spends on the job itself, as the target reads: its denoise + decode.
+        works = [r["table"].get("denoise", math.nan) + r["table"].get("decode", math.nan) for r in warm if not r["rc"]]
+        work = statistics.median(works) if works else math.nan
         for row in rows:
             if base and len(row) > 2:
                 row.append(f"{float(row[1]) / base:.3f}")
@@ -249,7 +255,7 @@ def main(argv=None) -> int:
                 later.append(job["seconds"])
             served = ran.get(job["id"])
             rows.append((name, f"{job['seconds']:.2f}", "", "", "n/a" if served is None else f"{served:.2f}",
-                         f"{job['seconds'] / base:.3f}"))
+                         f"{job['seconds'] / base:.3f}", f"{job['seconds'] / work:.3f}"))
         frames = same_frames(cli_mp4, jobs[-1]["mp4"]) if jobs and "mp4" in jobs[-1] else "n/a (no job completed)"
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -258,15 +264,18 @@ def main(argv=None) -> int:
     steps = f"{args.steps} steps" if args.steps else "the model's steps"
     print(f"\n{where}, {args.size or 'its size'}, {args.frames or 'its'} frames, {steps}, CFG; the CLI's and the "
           "server's jobs on the same compilation cache:")
-    print(harness.table(("run", "seconds", "denoise", "decode", "server run", "vs warm CLI"), rows))
+    print(harness.table(("run", "seconds", "denoise", "decode", "server run", "vs warm CLI", "vs its denoise + decode"),
+                        rows))
     print("(CLI: spawn to exit, mp4 written; denoise / decode: the command's own table. Server jobs: create → "
           f"completed through the openai client, polled every {POLL_MS} ms; server run: the job's seconds in the "
-          "server's log. vs warm CLI: against the warm commands' median)")
+          "server's log. vs warm CLI: against the warm commands' median, spawn to exit; vs its denoise + decode: "
+          "against the median of the warm commands' denoise + decode, the job's own work)")
     if later:
-        ratio = statistics.median(later) / base
+        ratio = statistics.median(later) / work
         verdict = "met" if ratio <= TARGET else "NOT met"
-        print(f"server jobs 2..{len(jobs)}: median {statistics.median(later):.2f} s vs warm CLI median {base:.2f} s: "
-              f"ratio {ratio:.3f} (target ≤ {TARGET}): {verdict}")
+        print(f"server jobs 2..{len(jobs)}: median {statistics.median(later):.2f} s create → completed vs the warm CLI's "
+              f"denoise + decode {work:.2f} s: ratio {ratio:.3f} (target ≤ {TARGET}): {verdict}; the whole warm CLI "
+              f"command takes {base:.2f} s ({statistics.median(later) / base:.3f})")
     print(f"the last job's video = the CLI's (decoded frames): {frames}")
     print(f"SIGTERM: server exit status {status}")
     if problems:

@@ -56,7 +56,7 @@ def test_unifolm_python_snippet_runs_as_written(tmp_path):
 
 def test_matrix_game_python_snippet_runs_as_written(tmp_path):
     (snippet,) = blocks(section("Matrix-Game-2: playing from an image"), "python")
-    checks = "\nassert video.shape[0] == 21 and video.dtype == np.uint8 and frames.shape[0] == 9"
+    checks = "\nassert video.shape[0] == 21 and video.dtype == np.uint8 and frames.shape[0] == 9 and (len(first), len(rest)) == (4, 8)"
     proc = subprocess.run([sys.executable, "-c", snippet + checks], cwd=tmp_path, capture_output=True, text=True,
                           timeout=900)
     assert proc.returncode == 0, proc.stderr[-3000:]
