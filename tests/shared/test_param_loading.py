@@ -4,6 +4,8 @@ Reference: the same tensors converted in numpy (transpose, reshape, `astype` wit
 nearest even) — what the loaders did on the host before.
 """
 
+import threading
+
 import jax
 import ml_dtypes
 import numpy as np
@@ -134,3 +136,4 @@ def test_host_transpose_in_bands_matches_numpy_bitwise(tmp_path, monkeypatch, st
         ref = host_reference(p, tensors)
         assert got.dtype == ref.dtype and got.shape == ref.shape == ((3,) if stacked else ()) + (11, 37)
         assert got.flags.c_contiguous and got.tobytes() == ref.tobytes()
+    assert not [t for t in threading.enumerate() if t.name.startswith("wan_tpu-transpose")]  # none outlives it

@@ -44,15 +44,10 @@ from wan_tpu.loading.checkpoint import TensorSource
 
 READ_THREADS = 4
 DEVICE_LAYOUT_BYTES = 16 << 20  # at least this many stored bytes: layout and cast on the device
-HOST_TILED_BYTES = 1 << 20  # a transpose on the host of at least this many bytes goes in bands, in threads
+HOST_TILED_BYTES = 1 << 20  # a transpose on the host of at least this many bytes goes in bands
 HOST_TILE_ROWS = 256
+HOST_TILE_THREADS = 8  # a stack's layers, at most this many at once
 _UINT = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
-
-
-@functools.cache
-def _host_pool() -> concurrent.futures.ThreadPoolExecutor:
-    """Threads for host transposes: their own, as the callers already run in the read threads."""
-    return concurrent.futures.ThreadPoolExecutor(min(8, os.cpu_count() or 1), thread_name_prefix="wan_tpu-transpose")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -126,7 +121,8 @@ class StoredParam:
 
     def _read_transposed(self) -> np.ndarray:
         """`read_host` of a (stacked) 2-D transpose, the torch Linear's: each layer read and then transposed
-        a band of rows at a time, in threads. numpy's plain transpose of a large bf16 matrix walks the
+        a band of rows at a time, a stack's layers in threads of their own (the callers already run in the
+        read threads; they end with the call). numpy's plain transpose of a large bf16 matrix walks the
         source a column at a time and ran at 0.1–0.5 GB/s (a streamed 14B DiT's load took 49 s on an H200
         host); bands that fit the cache move it several times faster, and the copies release the GIL."""
         rows, cols = self.stored_shape[-2:]
@@ -144,7 +140,12 @@ class StoredParam:
                 dst[:, r:r + HOST_TILE_ROWS] = src[r:r + HOST_TILE_ROWS].T if same else \
                     src[r:r + HOST_TILE_ROWS].T.astype(self.dtype)
 
-        list(_host_pool().map(layer, range(len(layers))))
+        if len(layers) == 1:
+            layer(0)
+            return out
+        threads = min(HOST_TILE_THREADS, len(layers), os.cpu_count() or 1)
+        with concurrent.futures.ThreadPoolExecutor(threads, thread_name_prefix="wan_tpu-transpose") as pool:
+            list(pool.map(layer, range(len(layers))))
         return out
 
 
