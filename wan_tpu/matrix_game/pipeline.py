@@ -489,34 +489,33 @@ class MatrixGameSession:
         self.chunk += 1
         return frames
 
-    def _step(self, keyboard, mouse) -> np.ndarray:
-        pipe, k = self.pipe, self.chunk
+    def _opening(self, keyboard, mouse, name: str):
+        """A chunk's checks and action windows, the wait for program `name` (first chunk), its gray frames
+        → (chunk index, start time, the program's arguments, keywords)."""
+        k = self.chunk
         windows = self._windows(keyboard, mouse)
         start = time.perf_counter()
         if k == 0:
-            pipe._wait_compiled("chunk")
+            self.pipe._wait_compiled(name)
+        self.condition.cover(self.pipe.frames_per_chunk * (k + 1))  # this chunk's gray frames, until they repeat
+        return (k, start, *self._chunk_args(*windows, np.int32(k)))
+
+    def _call(self, name: str, program, args, kwargs):
+        dynamic = (args[1], *args[3:])  # less the graphdefs (static, as `schedule` and `frames_per_chunk`)
+        return self.pipe._programs.call(name, dynamic, lambda: program(*args, **kwargs))
+
+    def _step(self, keyboard, mouse) -> np.ndarray:
+        k, start, args, kwargs = self._opening(keyboard, mouse, "chunk")
         with scope(f"2.3_Block_{k}"):
-            self.condition.cover(pipe.frames_per_chunk * (k + 1))  # this chunk's gray frames, until they repeat
-            args, kwargs = self._chunk_args(*windows, np.int32(k))
-            dynamic = (args[1], *args[3:])  # less the graphdefs (static, as `schedule` and `frames_per_chunk`)
-            frames, self.cache, self.vae_caches = pipe._programs.call(
-                "chunk", dynamic, lambda: chunk_program(*args, **kwargs))
+            frames, self.cache, self.vae_caches = self._call("chunk", chunk_program, args, kwargs)
             with scope("3_Video_Postprocessing"):
-                frames = np.asarray(frames)[0, -pipe.chunk_frames(k):]  # the first chunk's first 3 are padding
+                frames = np.asarray(frames)[0, -self.pipe.chunk_frames(k):]  # the first chunk's first 3 are padding
         return self._done(start, frames)
 
     def _begin(self, keyboard, mouse) -> np.ndarray:
-        pipe, k = self.pipe, self.chunk
-        windows = self._windows(keyboard, mouse)
-        start = time.perf_counter()
-        if k == 0:
-            pipe._wait_compiled("chunk-head")
+        k, start, args, kwargs = self._opening(keyboard, mouse, "chunk-head")
         with scope(f"2.3_Block_{k}_head"):
-            self.condition.cover(pipe.frames_per_chunk * (k + 1))
-            args, kwargs = self._chunk_args(*windows, np.int32(k))
-            dynamic = (args[1], *args[3:])
-            frames, x0, x, self.cache, self.vae_caches = pipe._programs.call(
-                "chunk-head", dynamic, lambda: chunk_head_program(*args, **kwargs))
+            frames, x0, x, self.cache, self.vae_caches = self._call("chunk-head", chunk_head_program, args, kwargs)
             self._open = (start, args, kwargs, x0, x)
             frames = np.asarray(frames)[0, 3 if k == 0 else 0:]  # the first chunk's first 3 are padding
         self._head = frames
@@ -526,9 +525,7 @@ class MatrixGameSession:
         start, args, kwargs, x0, x = self._open
         args = (*args[:4], self.cache, self.vae_caches, *args[6:], x0, x)  # the caches the head gave
         with scope(f"2.3_Block_{self.chunk}_tail"):
-            dynamic = (args[1], *args[3:])
-            frames, self.cache, self.vae_caches = self.pipe._programs.call(
-                "chunk-tail", dynamic, lambda: chunk_tail_program(*args, **kwargs))
+            frames, self.cache, self.vae_caches = self._call("chunk-tail", chunk_tail_program, args, kwargs)
             frames = np.asarray(frames)[0]
         head, self._open, self._head = self._head, None, None
         self._done(start, np.concatenate([head, frames]))
