@@ -260,6 +260,9 @@ def run_timed(argv: list[str], env: dict, timeout: float | None = None) -> dict:
             timer.cancel()
     wall = time.perf_counter() - start
     text = out.decode(errors="replace")
+    if os.environ.get("PROFILE_CHILD_LOG"):  # --child-log: every run's own output, appended
+        with open(os.environ["PROFILE_CHILD_LOG"], "a") as f:
+            f.write(f"\n===== {' '.join(argv[5:])} ({env.get('WAN_TPU_CACHE_DIR')})\n{text}")
     remat = [line for line in text.splitlines() if "rematerializ" in line]  # XLA's "Can't reduce memory use ..."
     if expired.is_set():
         import json
@@ -507,8 +510,12 @@ def main(argv=None) -> None:
     p.add_argument("--program-options", action="append", default=[], metavar="NAME:OPTION=VALUE[,...]",
                    help="families: XLA options for one program, named as in the timeline (`_sample_loop`, "
                         "`jit(_decode_strip)`, `*` for all), e.g. _decode_strip:xla_gpu_autotune_level=0; repeatable")
+    p.add_argument("--child-log", default=None, metavar="FILE",
+                   help="families: append every run's own output (XLA's logs among it) to FILE")
     args = p.parse_args(argv)
     args.rest = rest
+    if args.child_log:
+        os.environ["PROFILE_CHILD_LOG"] = os.path.abspath(args.child_log)
     if args.what in FAMILIES:
         cold_start(args)
         return
