@@ -36,9 +36,14 @@ lowering to StableHLO, XLA's compile — autotuning included — and persistent-
 package's (`wan_tpu.runtime.executable_cache.TIMELINE`: whole programs loaded or compiled and stored,
 abstract modules, random weights, `prepare`'s background loads and compiles, and the main thread's
 waits for them), with the command's stages; spans shorter than `--min-seconds` are summed per kind.
-`--autotune-split` (GPUs) adds a cold run with `--xla_gpu_autotune_level=0`: the difference of XLA's
-compile seconds is the autotuning. `--decode-before-denoise` (Wan, GPUs): every run's first step waits for the VAE decode's
-compiles instead of their overlapping the denoise (`compile_ahead.WAIT_FOR_DEVICE_AUTOTUNING`).
+`--autotune-split` (GPUs) adds a cold run that loads the autotuning results the first cold run wrote
+(`--xla_gpu_dump_autotune_results_to`, then `--xla_gpu_load_autotune_results_from`): per program, the difference
+of XLA's compile seconds is its autotuning (level 0 instead picks untuned algorithms, which left 3-D convolutions
+too slow for a run to end). `--pass-times` (GPUs) turns on XLA's own timers in the cold runs
+(`TF_CPP_VMODULE=gpu_compiler=1,hlo_pass_pipeline=1`) and prints, per compiled module, the seconds of its HLO
+passes (autotuning among them) and of its backend (LLVM, PTX), with its longest passes; `--child-log FILE`
+keeps every run's own output. `--decode-before-denoise` (Wan, GPUs): every run's first step waits for the VAE
+decode's compiles instead of their overlapping the denoise (`compile_ahead.WAIT_FOR_DEVICE_AUTOTUNING`).
 `--timeout S` stops a run past S seconds and shows the spans that had ended and the command's last lines (a
 run that would not finish still says where it was). `--program-options NAME:OPTION=VALUE` compiles one program
 with XLA options of its own (`_sample_loop:xla_gpu_autotune_level=0`: that program without autotuning, the
@@ -57,6 +62,7 @@ import collections
 import contextlib
 import importlib
 import os
+import re
 import sys
 import threading
 import time
@@ -263,7 +269,7 @@ def run_timed(argv: list[str], env: dict, timeout: float | None = None) -> dict:
     if os.environ.get("PROFILE_CHILD_LOG"):  # --child-log: every run's own output, appended
         with open(os.environ["PROFILE_CHILD_LOG"], "a") as f:
             f.write(f"\n===== {' '.join(argv[5:])} ({env.get('WAN_TPU_CACHE_DIR')})\n{text}")
-    remat = [line for line in text.splitlines() if "rematerializ" in line]  # XLA's "Can't reduce memory use ..."
+    remat = [line for line in text.splitlines() if REMAT in line]
     if expired.is_set():
         import json
 
@@ -272,15 +278,57 @@ def run_timed(argv: list[str], env: dict, timeout: float | None = None) -> dict:
             if line.startswith(SPAN):
                 with contextlib.suppress(ValueError):  # a line cut by the kill
                     spans.append(tuple(json.loads(line[len(SPAN):])))
-            elif line.strip() and "rematerializ" not in line:
+            elif line.strip() and REMAT not in line and not XLA_LOG.search(line):
                 said.append(line.rsplit("\r", 1)[-1])
         return dict(wall=wall, first_output=first, remat=remat, spans=spans, spawn=start_wall, counts={},
-                    timed_out=True, tail=said[-12:])
+                    timed_out=True, tail=said[-12:], anatomy=compile_anatomy(text))
     results = harness.read_results(text)
     if rc or not results:
         said = "\n".join(line for line in text.split("\n") if not line.startswith(SPAN))
         raise SystemExit(f"{' '.join(argv)} failed (exit status {rc}):\n{said[-4000:]}")
-    return dict(wall=wall, first_output=first, remat=remat, timed_out=False, **results[-1])
+    return dict(wall=wall, first_output=first, remat=remat, timed_out=False, anatomy=compile_anatomy(text),
+                **results[-1])
+
+
+REMAT = "by rematerialization; only reduced to"  # XLA's "Can't reduce memory use below X by rematerialization; ..."
+# An XLA log line (glog format); a progress line's text, which ends in no newline, may come before it.
+XLA_LOG = re.compile(r"[IWEF]\d{4} \d\d:\d\d:\d\d\.\d+\s+(\d+) \S+\] (.*)$")
+PASS_TIMERS = {"TF_CPP_MIN_LOG_LEVEL": "0", "TF_CPP_VMODULE": "gpu_compiler=1,hlo_pass_pipeline=1"}
+
+
+def compile_anatomy(text: str) -> dict:
+    """XLA's own timers in a run's output (`PASS_TIMERS`) → {module: {"count", "passes", "backend" (seconds,
+    summed over its compiles), "longest" ({pass: its longest single run, s})}}. A pass is the module's that
+    its thread was last running the pipelines of (a module compiles in one thread; the nested pipelines a
+    pass runs on pieces of it, e.g. the Triton normalization rewriter's, count within that pass)."""
+    current, out = {}, {}
+    entry = lambda module: out.setdefault(module, {"count": 0, "passes": 0.0, "backend": 0.0, "longest": {}})  # noqa: E731
+    for line in text.split("\n"):
+        m = XLA_LOG.search(line)
+        if not m:
+            continue
+        thread, message = m.groups()
+        if (g := re.match(r"Running HLO pass pipeline on module (jit_\S+): ", message)):
+            current[thread] = g[1]
+        elif (g := re.match(r"HLO pass: (\S+) time: .*?\((\d+) us\)", message)) and thread in current:
+            longest = entry(current[thread])["longest"]
+            longest[g[1]] = max(longest.get(g[1], 0.0), int(g[2]) / 1e6)
+        elif (g := re.match(r"GpuCompiler::(RunHloPasses|RunBackend) for (\S+) time: .*?\((\d+) us\)", message)):
+            e = entry(g[2])
+            if g[1] == "RunHloPasses":
+                e["count"] += 1
+            e["passes" if g[1] == "RunHloPasses" else "backend"] += int(g[3]) / 1e6
+    return out
+
+
+def print_anatomy(title: str, anatomy: dict, min_seconds: float = 1.0, longest: int = 3) -> None:
+    rows = [(module, e["count"], f"{e['passes']:.2f}", f"{e['backend']:.2f}",
+             ", ".join(f"{name} {sec:.2f}" for name, sec in sorted(e["longest"].items(), key=lambda kv: -kv[1])[:longest]))
+            for module, e in sorted(anatomy.items(), key=lambda kv: -(kv[1]["passes"] + kv[1]["backend"]))
+            if e["passes"] + e["backend"] >= min_seconds]
+    print(f"\n{title}: XLA's timers per module compiled (≥ {min_seconds} s; passes include autotuning)")
+    print(harness.table(("module", "compiles", "HLO passes s", "backend s", "longest passes, s"), rows) if rows
+          else "no XLA timers in the output (GPUs only: --pass-times)")
 
 
 def program_options(specs: list[str]) -> dict:
@@ -434,17 +482,22 @@ def cold_start(args) -> None:
         cold, warm_cache = [], os.path.join(tmp, "cache-0")
         run = lambda cache, env=None: run_timed(argv, {"WAN_TPU_CACHE_DIR": cache, **extra, **(env or {})},  # noqa: E731
                                                 args.timeout)
+        timers = PASS_TIMERS if args.pass_times else {}
+        tuned = os.path.join(tmp, "autotune.textproto")  # .textproto: XLA writes and reads it as text
+        flags = lambda flag: {"XLA_FLAGS": f"{os.environ.get('XLA_FLAGS', '')} {flag}".strip()}  # noqa: E731
         for i in range(args.runs):
-            cold.append(run(os.path.join(tmp, f"cache-{i}")))
+            dump = flags(f"--xla_gpu_dump_autotune_results_to={tuned}") if args.autotune_split and i == 0 else {}
+            cold.append(run(os.path.join(tmp, f"cache-{i}"), {**timers, **dump}))
             print(f"cold run {i + 1}: {said(cold[-1])}", flush=True)
         warm = []
         for i in range(args.runs):
             warm.append(run(warm_cache))
             print(f"warm run {i + 1}: {said(warm[-1])}", flush=True)
         split = None
-        if args.autotune_split:
-            split = run(os.path.join(tmp, "cache-noautotune"),
-                        {"XLA_FLAGS": f"{os.environ.get('XLA_FLAGS', '')} --xla_gpu_autotune_level=0"})
+        if args.autotune_split and os.path.isfile(tuned):
+            split = run(os.path.join(tmp, "cache-tuned"), {**timers, **flags(f"--xla_gpu_load_autotune_results_from={tuned}")})
+        elif args.autotune_split:
+            print("--autotune-split: the first cold run wrote no autotuning results (no GPU, or it did not end)")
     first = FAMILIES[args.what]["first"]
     rows = []
     for label, runs in (("cold", cold), ("warm", warm)):
@@ -463,14 +516,38 @@ def cold_start(args) -> None:
     remat = [line for run in cold + warm for line in run["remat"]]
     print(f"\nXLA rematerialisation warnings: {len(remat)}" + (f"; the first: {remat[0].strip()[:300]}" if remat else ""))
     if split is not None:
-        xla = lambda run: sum(end - start for start, end, _, kind, _ in run["spans"] if kind == "XLA compile")
-        print(f"\nautotuning: XLA compile {xla(cold[0]):.2f} s cold, {xla(split):.2f} s with "
-              f"--xla_gpu_autotune_level=0 (whole command {said(split)}): {xla(cold[0]) - xla(split):.2f} s")
+        print_autotune_split(cold[0], split)
     median = lambda runs: sorted(runs, key=lambda r: r["wall"])[len(runs) // 2]
     print_timeline("cold (median run)", median(cold), args.min_seconds)
     print_timeline("warm (median run)", median(warm), args.min_seconds)
+    if args.pass_times:
+        print_anatomy("cold (median run)", median(cold)["anatomy"])
+        if split is not None:
+            print_anatomy("cold, autotuning results loaded", split["anatomy"])
     if split is not None and split["timed_out"]:
         print_timeline("without autotuning", split, args.min_seconds)
+
+
+def xla_seconds(run: dict) -> dict:
+    """{program: seconds of XLA compile} of a run, summed over its compiles."""
+    out = collections.Counter()
+    for start, end, _, kind, name in run["spans"]:
+        if kind == "XLA compile":
+            out[name] += end - start
+    return out
+
+
+def print_autotune_split(cold: dict, tuned: dict, min_seconds: float = 0.5) -> None:
+    """Per program, XLA's compile seconds in the first cold run and in the cold run that loaded its autotuning
+    results: the difference is that program's autotuning (programs compiled at once share the GPU, so
+    their autotuning also slows each other)."""
+    a, b = xla_seconds(cold), xla_seconds(tuned)
+    rows = [(name, f"{a[name]:.2f}", f"{b.get(name, 0.0):.2f}", f"{a[name] - b.get(name, 0.0):.2f}")
+            for name in sorted(a, key=lambda n: -a[n]) if a[name] >= min_seconds]
+    rows.append(("all", f"{sum(a.values()):.2f}", f"{sum(b.values()):.2f}", f"{sum(a.values()) - sum(b.values()):.2f}"))
+    print(f"\nautotuning: the cold run again with the first's autotuning results loaded: {said(tuned)} whole "
+          f"command (cold {said(cold)}); rematerialisation warnings {len(tuned['remat'])} (cold {len(cold['remat'])})")
+    print(harness.table(("program", "XLA compile s, cold", "results loaded", "autotuning s"), rows))
 
 
 def said(run: dict) -> str:
@@ -501,7 +578,10 @@ def main(argv=None) -> None:
     p.add_argument("--model", default=None, help="--device: the converted folder (UnifoLM, Matrix-Game) or Wan folder")
     p.add_argument("--workdir", default="outputs/bench_e2e", help="--device wan: where the random 1.3B checkpoint is")
     p.add_argument("--min-seconds", type=float, default=0.1, help="timeline: shorter spans are summed per kind")
-    p.add_argument("--autotune-split", action="store_true", help="GPU: one more cold run without autotuning")
+    p.add_argument("--autotune-split", action="store_true",
+                   help="GPU: one more cold run that loads the first cold run's autotuning results (see the docstring)")
+    p.add_argument("--pass-times", action="store_true",
+                   help="GPU: XLA's pass and backend timers in the cold runs, per compiled module")
     p.add_argument("--decode-before-denoise", action="store_true",
                    help="wan, GPU: the first step waits for the decode's compiles instead of their overlapping the "
                         "denoise: the other side of that choice")

@@ -1,6 +1,8 @@
 """`benchmarks/profile_compile.py`'s own parts: per-program XLA options (parsed, and applied to the named
-program only) and a run stopped at `--timeout` that still says where it was."""
+program only), a run stopped at `--timeout` that still says where it was, XLA's pass and backend timers read
+per module (`--pass-times`, lines as an H200 run printed them) and the autotuning split's table."""
 
+import pathlib
 import sys
 import textwrap
 
@@ -49,3 +51,41 @@ def test_timeout_keeps_the_spans_that_ended(tmp_path):
     assert run["timed_out"] and 3 <= run["wall"] < 30
     assert run["spans"] == [(1.0, 2.0, "MainThread", "stage", "load")]
     assert run["tail"] == ["load: 00:02"]
+
+
+# XLA's log lines from an H200 run (two compile threads; a progress line's text before two of them).
+XLA_LINES = (pathlib.Path(__file__).parents[1] / "data" / "xla_timer_lines.txt").read_text()
+
+
+def test_pass_timers_read_per_module(capsys):
+    got = profile_compile.compile_anatomy(XLA_LINES)
+    assert got == {
+        "jit__prepare_program": {"count": 1, "passes": 2.139373, "backend": 1.507358,
+                                 "longest": {"triton-softmax-rewriter": 0.329962}},
+        "jit__sample_loop": {"count": 1, "passes": 33.607074, "backend": 7.27003,
+                             "longest": {"priority-fusion": 12.670975, "triton-softmax-rewriter": 11.731514}},
+    }
+    profile_compile.print_anatomy("cold", got)
+    out = capsys.readouterr().out
+    assert out.index("jit__sample_loop") < out.index("jit__prepare_program")  # the longest first
+    assert "priority-fusion 12.67, triton-softmax-rewriter 11.73" in out
+    assert profile_compile.compile_anatomy("no timers here\n") == {}
+    # The warning counts; the rematerialization pass's own timer line does not.
+    said = XLA_LINES + ("I1128 07:38:01.0 1432 hlo_pass_pipeline.cc:206] HLO pass: rematerialization time: 244 ms "
+                        "(244198 us)\n")
+    assert [line for line in said.splitlines() if profile_compile.REMAT in line] == XLA_LINES.splitlines()[-1:]
+
+
+def test_autotune_split_table(capsys):
+    span = lambda start, end, name: (start, end, "t", "XLA compile", name)  # noqa: E731
+    cold = {"wall": 79.5, "timed_out": False, "remat": ["x"] * 3,
+            "spans": [span(0, 53.0, "jit(_sample_loop)"), span(1, 13.5, "jit(_prepare_program)"), span(2, 2.1, "jit(k)")]}
+    tuned = {"wall": 75.0, "timed_out": False, "remat": [],
+             "spans": [span(0, 45.5, "jit(_sample_loop)"), span(1, 5.5, "jit(_prepare_program)"), span(2, 2.1, "jit(k)")]}
+    profile_compile.print_autotune_split(cold, tuned)
+    out = capsys.readouterr().out
+    assert "75.00 s whole command (cold 79.50 s); rematerialisation warnings 0 (cold 3)" in out
+    assert "| jit(_sample_loop) | 53.00 | 45.50 | 7.50 |" in out
+    assert "| jit(_prepare_program) | 12.50 | 4.50 | 8.00 |" in out
+    assert "jit(k)" not in out  # under half a second
+    assert "| all | 65.60 | 50.10 | 15.50 |" in out
