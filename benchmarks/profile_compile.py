@@ -485,19 +485,23 @@ def cold_start(args) -> None:
         timers = PASS_TIMERS if args.pass_times else {}
         tuned = os.path.join(tmp, "autotune.textproto")  # .textproto: XLA writes and reads it as text
         flags = lambda flag: {"XLA_FLAGS": f"{os.environ.get('XLA_FLAGS', '')} {flag}".strip()}  # noqa: E731
+        # The first cold run writes its autotuning results; JAX keys its cache by XLA's flags too, so the warm
+        # runs, which read that run's cache, get the same flags (they compile nothing, so write nothing).
+        dump = flags(f"--xla_gpu_dump_autotune_results_to={tuned}") if args.autotune_split else {}
+        split = None
         for i in range(args.runs):
-            dump = flags(f"--xla_gpu_dump_autotune_results_to={tuned}") if args.autotune_split and i == 0 else {}
-            cold.append(run(os.path.join(tmp, f"cache-{i}"), {**timers, **dump}))
+            cold.append(run(os.path.join(tmp, f"cache-{i}"), {**timers, **(dump if i == 0 else {})}))
             print(f"cold run {i + 1}: {said(cold[-1])}", flush=True)
+            if i == 0 and args.autotune_split and os.path.isfile(tuned):
+                split = run(os.path.join(tmp, "cache-tuned"),
+                            {**timers, **flags(f"--xla_gpu_load_autotune_results_from={tuned}")})
+                print(f"cold run with its autotuning results loaded: {said(split)}", flush=True)
+            elif i == 0 and args.autotune_split:
+                print("--autotune-split: the first cold run wrote no autotuning results (no GPU, or it did not end)")
         warm = []
         for i in range(args.runs):
-            warm.append(run(warm_cache))
+            warm.append(run(warm_cache, dump))
             print(f"warm run {i + 1}: {said(warm[-1])}", flush=True)
-        split = None
-        if args.autotune_split and os.path.isfile(tuned):
-            split = run(os.path.join(tmp, "cache-tuned"), {**timers, **flags(f"--xla_gpu_load_autotune_results_from={tuned}")})
-        elif args.autotune_split:
-            print("--autotune-split: the first cold run wrote no autotuning results (no GPU, or it did not end)")
     first = FAMILIES[args.what]["first"]
     rows = []
     for label, runs in (("cold", cold), ("warm", warm)):

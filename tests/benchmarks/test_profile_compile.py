@@ -2,6 +2,7 @@
 program only), a run stopped at `--timeout` that still says where it was, XLA's pass and backend timers read
 per module (`--pass-times`, lines as an H200 run printed them) and the autotuning split's table."""
 
+import os
 import pathlib
 import sys
 import textwrap
@@ -89,3 +90,27 @@ def test_autotune_split_table(capsys):
     assert "| jit(_prepare_program) | 12.50 | 4.50 | 8.00 |" in out
     assert "jit(k)" not in out  # under half a second
     assert "| all | 65.60 | 50.10 | 15.50 |" in out
+
+
+def test_autotune_split_runs_after_the_first_cold_run_and_warm_runs_keep_its_flags(monkeypatch, tmp_path):
+    calls = []
+
+    def fake_run(argv, env, timeout=None):
+        flags = env.get("XLA_FLAGS", "")
+        calls.append((os.path.basename(env["WAN_TPU_CACHE_DIR"]), flags, env.get("TF_CPP_VMODULE")))
+        if "--xla_gpu_dump_autotune_results_to=" in flags:  # what XLA does on a GPU
+            pathlib.Path(flags.split("--xla_gpu_dump_autotune_results_to=")[1].split()[0]).write_text("results")
+        return dict(wall=2.0, first_output=1.0, remat=[], timed_out=False, anatomy={}, spans=[], spawn=0.0, counts={})
+
+    monkeypatch.setattr(profile_compile, "run_timed", fake_run)
+    monkeypatch.setattr(profile_compile, "write_inputs", lambda *a: None)
+    monkeypatch.setattr(profile_compile, "command", lambda *a: ["python"] * 6)
+    monkeypatch.delenv("XLA_FLAGS", raising=False)
+    profile_compile.main(["matrix-game", "--runs", "2", "--autotune-split", "--pass-times"])
+    caches = [c for c, _, _ in calls]
+    assert caches == ["cache-0", "cache-tuned", "cache-1", "cache-0", "cache-0"]
+    dump, load = calls[0][1], calls[1][1]
+    assert dump.startswith("--xla_gpu_dump_autotune_results_to=") and load.startswith(
+        "--xla_gpu_load_autotune_results_from=") and dump.split("=")[1] == load.split("=")[1]
+    assert calls[2][1] == "" and calls[3][1] == calls[4][1] == dump  # the warm runs read cache-0: its flags
+    assert [v for _, _, v in calls] == [profile_compile.PASS_TIMERS["TF_CPP_VMODULE"]] * 3 + [None] * 2
