@@ -91,6 +91,30 @@ def test_a_warm_start_loads_the_layout_programs_instead_of_lowering_them(source,
         np.testing.assert_array_equal(np.asarray(out).view(np.uint8), host_reference(p, tensors).view(np.uint8))
 
 
+def test_layout_programs_compile_without_autotuning_on_gpus(source, monkeypatch):
+    """A layout program runs once per load: on a GPU it compiles with autotuning off (and no CUDA graph). Here
+    the GPU's options are given on the CPU (XLA takes them, ignoring what concerns GPUs): the calls carry them
+    and the results stay the host's, bit for bit."""
+    from wan_tpu.runtime import executable_cache
+
+    src, tensors = source
+    assert executable_cache.run_once() is None  # on the CPU: no options, the programs as before
+    monkeypatch.setattr(param_loading, "DEVICE_LAYOUT_BYTES", 0)
+    monkeypatch.setattr(executable_cache, "run_once", lambda: executable_cache.RUN_ONCE)
+    monkeypatch.setattr(executable_cache, "_CALLED", {})
+    seen, original = [], executable_cache.cached_call
+
+    def cached_call(*args, compiler_options=None, **kwargs):
+        seen.append(compiler_options)
+        return original(*args, compiler_options=compiler_options, **kwargs)
+
+    monkeypatch.setattr(executable_cache, "cached_call", cached_call)
+    params = cases(src)[:4]
+    for p, out in zip(params, load_params(params)):
+        np.testing.assert_array_equal(np.asarray(out).view(np.uint8), host_reference(p, tensors).view(np.uint8))
+    assert seen == [{"xla_gpu_enable_command_buffer": "", "xla_gpu_autotune_level": 0}] * len(params)
+
+
 def test_place_gets_final_host_arrays_in_order(source):
     src, tensors = source
     params = cases(src)

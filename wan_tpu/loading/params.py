@@ -243,14 +243,15 @@ def _layout_program(layers: tuple, layout: Layout, stacked: bool, dtype):
     """`_to_ours(layers, ...)` through a program loaded whole from the executable cache when the compile
     cache holds it (`executable_cache.cached_call`): a warm start then traces and lowers
     nothing. Lowering the Matrix-Game DiT's 10 layout programs took 1.3 s of its 1.7 s warm load on an
-    H100 (its transfers 0.25 s). Without CUDA graphs (`executable_cache.GRAPHLESS`): the loads of several
-    components run theirs at once, each in its thread, beside the others' transfers."""
+    H100 (its transfers 0.25 s). Without CUDA graphs, since the loads of several components run theirs at
+    once, each in its thread, beside the others' transfers; and without autotuning, which a program run once
+    per load never repays (`executable_cache.RUN_ONCE`)."""
     from wan_tpu.runtime import executable_cache
 
     return executable_cache.cached_call("param-layout", "param-layout", _to_ours, (layers,),
                                         dict(layout=layout, stacked=stacked, dtype=np.dtype(dtype)),
                                         static_argnames=("layout", "stacked", "dtype"),
-                                        compiler_options=executable_cache.graphless())
+                                        compiler_options=executable_cache.run_once())
 
 
 def _ordered(pool, fn, items, ahead: int):

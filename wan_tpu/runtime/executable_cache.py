@@ -279,6 +279,18 @@ def graphless() -> dict | None:
     return GRAPHLESS if jax.devices()[0].platform == "gpu" else None
 
 
+# A program that runs once per load (a parameter's layout and cast: transposes, no product) gains nothing
+# from XLA's autotuning, which on a GPU times every fusion's emitters on the device: on an H200, a cold
+# Matrix-Game-2 start spent 20.0 of its layout programs' 23.1 s of XLA compile on it, beside the stream's
+# own programs' compiles and autotuning.
+RUN_ONCE = {**GRAPHLESS, "xla_gpu_autotune_level": 0}
+
+
+def run_once() -> dict | None:
+    """`RUN_ONCE` on NVIDIA GPUs (no CUDA graph, no autotuning), else None."""
+    return RUN_ONCE if jax.devices()[0].platform == "gpu" else None
+
+
 _CALLED: dict = {}  # (name, full key, cache folder or None) → compiled program, for `cached_call`, once per process
 _CALLED_LOCK = threading.Lock()
 _AHEAD = threading.local()
