@@ -529,7 +529,7 @@ def cold_start(args) -> None:
         if split is not None:
             print_anatomy("cold, autotuning results loaded", split["anatomy"])
     if split is not None and split["timed_out"]:
-        print_timeline("without autotuning", split, args.min_seconds)
+        print_timeline("cold, autotuning results loaded", split, args.min_seconds)
 
 
 def xla_seconds(run: dict) -> dict:
