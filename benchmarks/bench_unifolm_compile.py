@@ -1,0 +1,162 @@
+"""UnifoLM's sampling program compiled alone, on abstract weights, with nothing else compiling or loading:
+XLA's compile seconds, its pass and backend timers (GPUs), and the sampling's seconds on weights of a
+constant 0.01 (a rate, not a result), for variants of the UNet's graph.
+
+    python benchmarks/bench_unifolm_compile.py                                   # GPU: real size, 16 steps
+    python benchmarks/bench_unifolm_compile.py --variants base,barrier,scan,barrier+scan
+    python benchmarks/bench_unifolm_compile.py --config unifolm-tiny --steps 2   # CPU check of the script
+
+Variants (measured, not shipped: docs/TRIED.md):
+  * `base`: the shipped UNet;
+  * `barrier`: GroupNorm's and LayerNorm's statistics behind an optimization barrier on GPUs
+    (`own_pass_on_gpu`), so XLA's Triton normalization rewriter meets no reduction diamond;
+  * `scan`: a ResBlock's four temporal convolutions (GroupNorm, SiLU, conv) in a `lax.scan` over their
+    stacked weights (one copy of them to compile).
+
+Each variant runs in a fresh process (`XLA's timers`: `profile_compile.PASS_TIMERS`), as a whole command's
+compile would, but alone on the machine: beside a command's loads and other compiles the same passes take
+longer (`profile_compile.py unifolm --device --pass-times`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # harness.py, profile_compile.py, beside this script
+import harness  # noqa: E402
+
+VARIANTS = ("base", "barrier", "scan", "barrier+scan")
+
+
+def apply(variant: str) -> None:
+    """Patch the UNet's building blocks for `variant` (this process only)."""
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from wan_tpu.layers import norms
+    from wan_tpu.layers.fusion import own_pass_on_gpu
+    from wan_tpu.unifolm import blocks
+
+    parts = set(variant.split("+"))
+    if not parts <= {"base", *VARIANTS}:
+        raise SystemExit(f"unknown variant {variant!r}; choose from {', '.join(VARIANTS)}")
+    if "barrier" in parts:
+        def group_norm(self, x):
+            shape = x.shape
+            g = x.astype(jnp.float32).reshape(shape[0], -1, self.num_groups, shape[-1] // self.num_groups)
+            mean = own_pass_on_gpu(jnp.mean(g, axis=(1, 3), keepdims=True))
+            var = own_pass_on_gpu(jnp.mean(jnp.square(g - mean), axis=(1, 3), keepdims=True))
+            y = ((g - mean) * jax.lax.rsqrt(var + self.eps)).reshape(shape)
+            return (y * self.weight[...] + self.bias[...]).astype(x.dtype)
+
+        def layer_norm(x, eps, weight=None, bias=None):
+            x = x.astype(jnp.float32)
+            centered = x - own_pass_on_gpu(jnp.mean(x, axis=-1, keepdims=True))
+            y = centered * jax.lax.rsqrt(own_pass_on_gpu(jnp.mean(jnp.square(centered), axis=-1, keepdims=True)) + eps)
+            y = y if weight is None else y * weight.astype(jnp.float32)
+            return y if bias is None else y + bias.astype(jnp.float32)
+
+        norms.GroupNorm.__call__ = group_norm
+        norms.layer_norm = layer_norm
+    if "scan" in parts:
+        def temporal_conv(self, x):
+            b, t, hh, ww, c = x.shape
+            norm_def, conv_def = nnx.graphdef(self.norm1), nnx.graphdef(self.conv1)
+            stacked = lambda prefix: jax.tree.map(  # noqa: E731
+                lambda *a: jnp.stack(a), *[nnx.state(getattr(self, f"{prefix}{i}")) for i in range(1, 5)])
+
+            def layer(h, weights):
+                norm, conv = nnx.merge(norm_def, weights[0]), nnx.merge(conv_def, weights[1])
+                return conv(jax.nn.silu(norm(h)).reshape(b, t, hh * ww, c)).reshape(b, t, hh, ww, c), None
+
+            return x + jax.lax.scan(layer, x, (stacked("norm"), stacked("conv")))[0]
+
+        blocks.TemporalConvBlock.__call__ = temporal_conv
+
+
+def child(variant: str, config: str, steps: int, runs: int) -> None:
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+
+    apply(variant)
+    from wan_tpu.configs.unifolm import CONFIGS
+    from wan_tpu.unifolm.model import _prepare_jit, abstract_unifolm
+    from wan_tpu.unifolm.sampling import _sample_loop, schedule_tables
+
+    cfg = CONFIGS[config]
+    dtype = jnp.bfloat16 if jax.default_backend() == "gpu" else jnp.float32
+    model = abstract_unifolm(cfg, dtype)
+    h, w = cfg.latent_size
+    t, n_obs = cfg.unet.temporal_length, cfg.unet.n_obs_steps
+    f32 = lambda *s: jax.ShapeDtypeStruct(s, jnp.float32)  # noqa: E731
+    text = f32(1, cfg.unet.text_context_len, cfg.unet.context_dim)
+    clip = f32(1, 257, cfg.resampler.embedding_dim)
+    images, states = f32(1, 3, n_obs, h * 8, w * 8), f32(1, n_obs, cfg.agent_state_dim)
+    graphdef, state = nnx.split(model)
+    cond = jax.eval_shape(lambda s: _prepare_jit(graphdef, s, text, clip, f32(1, 4, h, w), images, states, None,
+                                                 jax.ShapeDtypeStruct((1,), jnp.int32), keep_action_tokens=True), state)
+    ugraph, ustate = nnx.split(model.diffusion_model)
+    tables = {k: jnp.asarray(v) for k, v in schedule_tables(cfg, steps, 1.0).items()}
+    horizon = cfg.head.horizon if cfg.head else t
+    shapes = ((1, cfg.unet.out_channels, t, h, w), (1, horizon, cfg.agent_action_dim), (1, horizon, cfg.agent_state_dim))
+    statics = (cfg.head_clip_sample, shapes, True)
+    start = time.perf_counter()
+    lowered = _sample_loop.lower(ugraph, ustate, cond, None, tables, jax.random.key(0), {}, jnp.float32(1),
+                                 jnp.float32(0), *statics)
+    lowered_at = time.perf_counter()
+    lowered.compile()
+    compiled_at = time.perf_counter()
+    const = lambda tree: jax.tree.map(lambda s: jnp.full(s.shape, 0.01, s.dtype), tree)  # noqa: E731
+    ustate, cond = const(ustate), const(cond)
+    seconds = []
+    for _ in range(runs):  # through the jitted function: the program compiled above, from its cache
+        begin = time.perf_counter()
+        jax.block_until_ready(_sample_loop(ugraph, ustate, cond, None, tables, jax.random.key(0), {}, jnp.float32(1),
+                                           jnp.float32(0), *statics))
+        seconds.append(time.perf_counter() - begin)
+    harness.emit_result(dict(variant=variant, lower=lowered_at - start, compile=compiled_at - lowered_at, runs=seconds))
+
+
+def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["--child"]:
+        child(argv[1], argv[2], int(argv[3]), int(argv[4]))
+        return 0
+    import profile_compile
+
+    p = argparse.ArgumentParser(prog="python benchmarks/bench_unifolm_compile.py", description=__doc__.split("\n\n")[0])
+    p.add_argument("--variants", default="base", help=f"comma-separated, of {', '.join(VARIANTS)}")
+    p.add_argument("--config", default="unifolm-wma-0")
+    p.add_argument("--steps", type=int, default=16)
+    p.add_argument("--runs", type=int, default=3, help="samplings timed after the compile (the first warms up)")
+    p.add_argument("--timeout", type=float, default=300, help="seconds a variant's process may take")
+    args = p.parse_args(argv)
+    harness.print_env()
+    rows = []
+    for variant in args.variants.split(","):
+        proc = harness.run_fresh([sys.executable, os.path.abspath(__file__), "--child", variant, args.config,
+                                  str(args.steps), str(args.runs)], env=profile_compile.PASS_TIMERS, timeout=args.timeout)
+        results = proc.results()
+        if proc.rc or not results:
+            raise SystemExit(f"variant {variant} failed (exit status {proc.rc}):\n{proc.output[-3000:]}")
+        r = results[-1]
+        xla = profile_compile.compile_anatomy(proc.output).get("jit__sample_loop", {})
+        longest = sorted(xla.get("longest", {}).items(), key=lambda kv: -kv[1])[:2]
+        rows.append((variant, f"{r['lower']:.2f}", f"{r['compile']:.2f}",
+                     f"{xla['passes']:.2f} / {xla['backend']:.2f}" if xla.get("count") else "—",
+                     ", ".join(f"{name} {sec:.2f}" for name, sec in longest) or "—",
+                     " ".join(f"{s:.3f}" for s in r["runs"])))
+        print(f"{variant}: compile {r['compile']:.2f} s", flush=True)
+    print(f"\n{args.config}, {args.steps} steps, sampling program compiled alone (XLA's timers: GPUs)")
+    print(harness.table(("variant", "lower s", "compile s", "passes / backend s", "longest passes, s",
+                         f"{args.steps}-step sampling s, each run"), rows))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,33 @@
+"""`benchmarks/bench_unifolm_compile.py`'s variants of the UNet's graph compute what the shipped blocks do:
+on the CPU the barrier is no barrier (bit for bit), and the scanned temporal convolutions match the unrolled
+ones within float32 rounding (relative 1e-6: another program, the same products)."""
+
+import bench_unifolm_compile
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from wan_tpu.layers import norms
+from wan_tpu.unifolm import blocks
+
+
+@pytest.fixture
+def restored(monkeypatch):
+    for owner, name in ((norms.GroupNorm, "__call__"), (norms, "layer_norm"), (blocks.TemporalConvBlock, "__call__")):
+        monkeypatch.setattr(owner, name, getattr(owner, name))  # undone after the test
+
+
+def test_variants_compute_the_shipped_blocks(restored):
+    block = blocks.TemporalConvBlock(32, dtype=jnp.float32, rngs=nnx.Rngs(0))
+    norm, layer = norms.GroupNorm(8, 32), norms.FP32LayerNorm(32, 1e-5)
+    x = jax.random.normal(jax.random.key(1), (2, 5, 3, 4, 32))
+    want = [np.asarray(f(x)) for f in (block, norm, layer)]
+    bench_unifolm_compile.apply("barrier")
+    np.testing.assert_array_equal(np.asarray(norm(x)), want[1])
+    np.testing.assert_array_equal(np.asarray(layer(x)), want[2])
+    bench_unifolm_compile.apply("scan")
+    np.testing.assert_allclose(np.asarray(block(x)), want[0], rtol=1e-6, atol=1e-6)
+    with pytest.raises(SystemExit, match="unknown variant"):
+        bench_unifolm_compile.apply("fast")
