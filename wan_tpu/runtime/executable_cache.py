@@ -274,11 +274,6 @@ class Programs:
 GRAPHLESS = {"xla_gpu_enable_command_buffer": ""}
 
 
-def graphless() -> dict | None:
-    """`GRAPHLESS` where XLA records first runs as CUDA graphs (NVIDIA GPUs), else None."""
-    return GRAPHLESS if jax.devices()[0].platform == "gpu" else None
-
-
 # A program that runs once per load (a parameter's layout and cast: transposes, no product) gains nothing
 # from XLA's autotuning, which on a GPU times every fusion's emitters on the device: on an H200, a cold
 # Matrix-Game-2 start spent 20.0 of its layout programs' 23.1 s of XLA compile on it, beside the stream's
