@@ -34,8 +34,11 @@ def _decoded(data: bytes, tmp_path, name: str, fps: int = 16) -> np.ndarray:
 
 
 def _idle(worker, timeout=60):
+    """Until no job runs (a deleted one runs on to its next step) and the store holds none queued or in progress:
+    a job goes from queued to in progress in one update before the worker names it `running`, so between the
+    two the name and the queue alone would both miss it."""
     deadline = time.monotonic() + timeout
-    while worker.running is not None or worker.store.counts()["queued"]:
+    while worker.running is not None or (counts := worker.store.counts())["queued"] or counts["in_progress"]:
         assert time.monotonic() < deadline
         time.sleep(0.02)
 
