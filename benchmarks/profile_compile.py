@@ -42,8 +42,8 @@ of XLA's compile seconds is its autotuning (level 0 instead picks untuned algori
 too slow for a run to end). `--pass-times` (GPUs) turns on XLA's own timers in the cold runs
 (`TF_CPP_VMODULE=gpu_compiler=1,hlo_pass_pipeline=1`) and prints, per compiled module, the seconds of its HLO
 passes (autotuning among them) and of its backend (LLVM, PTX), with its longest passes; `--child-log FILE`
-keeps every run's own output. `--decode-before-denoise` (Wan, GPUs): every run's first step waits for the VAE
-decode's compiles instead of their overlapping the denoise (`compile_ahead.WAIT_FOR_DEVICE_AUTOTUNING`).
+keeps every run's own output. `--decode-beside-denoise` (Wan, GPUs): the VAE decode's compiles overlap the
+denoise instead of the first step's waiting for them (`compile_ahead.WAIT_FOR_DEVICE_AUTOTUNING` off).
 `--timeout S` stops a run past S seconds and shows the spans that had ended and the command's last lines (a
 run that would not finish still says where it was). `--program-options NAME:OPTION=VALUE` compiles one program
 with XLA options of its own (`_sample_loop:xla_gpu_autotune_level=0`: that program without autotuning, the
@@ -379,8 +379,8 @@ def child(what: str, argv: list[str]) -> None:
     from wan_tpu.runtime.cli import exit_now
     from wan_tpu.runtime.executable_cache import TIMELINE
 
-    if os.environ.get("PROFILE_DECODE_BEFORE_DENOISE"):
-        compile_ahead.WAIT_FOR_DEVICE_AUTOTUNING = True  # Wan: a GPU's first step waits for the decode's compiles
+    if os.environ.get("PROFILE_DECODE_BESIDE_DENOISE"):
+        compile_ahead.WAIT_FOR_DEVICE_AUTOTUNING = False  # Wan: a GPU's decode compiles overlap the denoise
     if os.environ.get("PROFILE_PROGRAM_OPTIONS"):
         import json
 
@@ -470,8 +470,8 @@ def cold_start(args) -> None:
 
     harness.print_env()
     extra = {"PROFILE_LIVE": "1"}
-    if args.decode_before_denoise:
-        extra["PROFILE_DECODE_BEFORE_DENOISE"] = "1"
+    if args.decode_beside_denoise:
+        extra["PROFILE_DECODE_BESIDE_DENOISE"] = "1"
     if args.program_options:
         extra["PROFILE_PROGRAM_OPTIONS"] = json.dumps(program_options(args.program_options))
         print(f"program options: {extra['PROFILE_PROGRAM_OPTIONS']}")
@@ -586,9 +586,9 @@ def main(argv=None) -> None:
                    help="GPU: one more cold run that loads the first cold run's autotuning results (see the docstring)")
     p.add_argument("--pass-times", action="store_true",
                    help="GPU: XLA's pass and backend timers in the cold runs, per compiled module")
-    p.add_argument("--decode-before-denoise", action="store_true",
-                   help="wan, GPU: the first step waits for the decode's compiles instead of their overlapping the "
-                        "denoise: the other side of that choice")
+    p.add_argument("--decode-beside-denoise", action="store_true",
+                   help="wan, GPU: the decode's compiles overlap the denoise instead of the first step's waiting "
+                        "for them: the other side of that choice")
     p.add_argument("--timeout", type=float, default=None,
                    help="families: seconds a run may take; past it the run is killed and what had ended is shown")
     p.add_argument("--program-options", action="append", default=[], metavar="NAME:OPTION=VALUE[,...]",

@@ -21,8 +21,8 @@ What runs for `WanPipeline`, each in its own thread:
     step compiles once the DiT is in, through jit, as the call then runs it;
   * at once, from the VAE's abstract module (`abstract_vae`), its decode programs (`WanVAE.compile_decode`)
     and the uint8 conversion, lowered one after the other and compiled side by side (`SideBySide`);
-    while the DiT denoises (`WAIT_FOR_DEVICE_AUTOTUNING` makes a GPU's first step wait for them instead:
-    their compiles time kernels on the device, `autotunes_on_device`).
+    while the DiT denoises; on a GPU the first step waits for them instead (`WAIT_FOR_DEVICE_AUTOTUNING`: their
+    compiles time kernels on the device, `autotunes_on_device`, and beside a running denoise both slow down).
 On a device mesh only the reading runs ahead (the calls' shardings come from the previous stage, so
 programs compiled from shapes would not be theirs). `component()`, `denoise()` and `decode()` of the
 pipeline (and `encode_prompt`) wait for the piece they need and for nothing else; a compile that fails is reported
@@ -254,11 +254,12 @@ class SideBySide:
             raise self._errors[0]
 
 
-# Whether the first denoise step waits for the decode's compiles where those time kernels on the device. Off:
-# on an H100, waiting made a cold 1.3B command 2.5 s slower when the decode compiled one program at a time after
-# its weights (docs/TRIED.md); with its programs now compiled side by side from the abstract VAE, the
-# comparison is `benchmarks/profile_compile.py wan --device` with and without `--decode-before-denoise`.
-WAIT_FOR_DEVICE_AUTOTUNING = False
+# Whether the first denoise step waits for the decode's compiles where those time kernels on the device. On: on an
+# H200 (Wan 2.1 1.3B, 480p, 50 steps, `benchmarks/profile_compile.py wan --device` with and without
+# `--decode-beside-denoise`) the strips compiled in 10-11 s on the idle device and the step waited 2.3 s for them,
+# cold 65.2 s; beside the denoise they took 62-63 s, slowed it by 9 s and the run ended 3.8 s after the
+# denoise, cold 74.4 s (warm 56-58 s either way).
+WAIT_FOR_DEVICE_AUTOTUNING = True
 
 
 def autotunes_on_device() -> bool:
