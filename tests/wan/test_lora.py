@@ -147,6 +147,38 @@ def test_two_stacked_loras_with_scales_match_diffusers(base, tmp_path):
     assert rel_err(our_output(dit), ref) <= TOL
 
 
+def test_merge_programs_compile_without_autotuning_on_gpus(base, tmp_path, monkeypatch):
+    """The merge runs once per load: on a GPU its programs compile with autotuning off and no CUDA graph. Here
+    the GPU's options are given on the CPU (XLA takes them): the programs carry them and the merged weights are
+    those of the merge compiled without them, bit for bit."""
+    from wan_tpu.runtime import executable_cache
+    from wan_tpu.wan import lora as lora_lib
+
+    a = make_lora(tmp_path / "a.safetensors", "kohya", seed=5)
+    assert executable_cache.run_once() is None  # on the CPU: no options
+    lora_lib._add_fn.cache_clear()
+    plain = load_transformer(base, jnp.float32)
+    plain.load_lora(a, 0.6)
+    seen, jit = [], lora_lib.jax.jit
+
+    def recording_jit(fn, **kwargs):
+        if getattr(fn, "func", None) in (lora_lib._add, lora_lib._add_quantized):
+            seen.append(kwargs.get("compiler_options"))
+        return jit(fn, **kwargs)
+
+    monkeypatch.setattr(executable_cache, "run_once", lambda: executable_cache.RUN_ONCE)
+    monkeypatch.setattr(lora_lib.jax, "jit", recording_jit)
+    lora_lib._add_fn.cache_clear()
+    try:
+        tuned = load_transformer(base, jnp.float32)
+        tuned.load_lora(a, 0.6)
+    finally:
+        lora_lib._add_fn.cache_clear()
+    assert seen and all(options == executable_cache.RUN_ONCE for options in seen)
+    for k, v in flat(tuned).items():
+        np.testing.assert_array_equal(v, flat(plain)[k], err_msg=k)
+
+
 def test_unload_restores_the_weights_bit_exactly(base, tmp_path):
     a = make_lora(tmp_path / "a.safetensors", "kohya", seed=4)
     for dtype in (jnp.float32, jnp.bfloat16):

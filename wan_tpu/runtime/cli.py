@@ -159,6 +159,12 @@ def run_cli(run: Callable, parser: argparse.ArgumentParser, argv=None) -> int:
             from wan_tpu.runtime.profiling import process_start
 
             distributed.initialize_from_args(args)  # before any device use
+            if argv is None:
+                from wan_tpu.runtime.compile_ahead import start_transfers
+
+                # The accelerator's client starts now, in a thread, while this thread imports the family's
+                # modules and checks its inputs, instead of at the first device use.
+                start_transfers()
             # `startup` counts from the process start for a command line, from this call for a call from Python.
             args.started = process_start() if argv is None else called
             with distributed.stop_all_on_error(), distributed.writer_output(args):

@@ -59,7 +59,9 @@ def start_transfers() -> threading.Thread:
     The first transfer sets up the runtime's transfer path: 1.1 s on an H100 host (a 4-byte `device_put`;
     the next 64 MB took 0.04 s), which the first weights to load would otherwise wait for while the other
     loads, already read from disk, queue behind it. Started beside the loads' abstract builds and header
-    reads, it is off their path (the Matrix-Game DiT's warm load: 2.1 s → 0.9 s with it done beforehand)."""
+    reads, it is off their path (the Matrix-Game DiT's warm load: 2.1 s → 0.9 s with it done beforehand). A
+    command line starts it as soon as its arguments are parsed (`wan_tpu.runtime.cli.run_cli`), so that the
+    accelerator's client also starts (seconds on a GPU host) while the family's modules are imported."""
     import numpy as np
 
     def first_transfer():

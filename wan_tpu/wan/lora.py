@@ -86,6 +86,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from wan_tpu.errors import WanInputError
 from wan_tpu.layers.quantized import QuantizedLinear, quantize_weight
 from wan_tpu.loading.wan_names import diffusers_to_original_wan
+from wan_tpu.runtime import executable_cache
 from wan_tpu.wan.weights import checkpoint_origin, param_sources
 
 # Prefixes a key may carry before the module name: PEFT, ComfyUI / original Wan, diffusers, kohya and
@@ -347,6 +348,9 @@ def _add_fn(sharding, stacked: bool, fmt: str | None = None):
     # warns), so only accelerators update in place.
     donate = () if jax.default_backend() == "cpu" else (0,) if fmt is None else (0, 1)
     placed = {} if sharding is None else {"out_shardings": sharding}
+    # Run once per load, in the transformer's load thread beside the other loads: no autotuning (on an H200 the
+    # 14B merge's programs compiled for 2.5 s on the cold start's path) and no CUDA graph.
+    placed["compiler_options"] = executable_cache.run_once()
     if fmt is not None:
         return jax.jit(functools.partial(_add_quantized, fmt=fmt), donate_argnums=donate, **placed)
     return jax.jit(functools.partial(_add, stacked=stacked), donate_argnums=donate, **placed)
