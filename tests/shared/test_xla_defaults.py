@@ -45,3 +45,27 @@ def test_a_command_line_applies_them_and_a_python_call_does_not(monkeypatch):
             monkeypatch.delenv(name, raising=False)
         assert run_cli(lambda args: seen.append(os.environ.get("XLA_FLAGS", "")), argparse.ArgumentParser(), argv) == 0
         assert ("--xla_gpu_enable_triton_gemm=false" in seen[-1]) == applied, (argv, seen)
+
+
+def test_a_command_line_starts_the_device_client_before_its_work(monkeypatch):
+    """A command line starts the accelerator's client (`compile_ahead.start_transfers`, a thread) once its
+    arguments are parsed, before the family's work begins; a call from Python leaves its process alone."""
+    import argparse
+
+    from wan_tpu.runtime import compile_ahead
+    from wan_tpu.runtime.cli import CliParser, run_cli
+
+    monkeypatch.setattr(sys, "argv", ["generate"])
+    started, seen = [], []
+    monkeypatch.setattr(compile_ahead, "start_transfers", lambda: started.append(True))
+    for argv, starts in ((None, True), ([], False)):
+        for name in ("XLA_FLAGS", "XLA_PYTHON_CLIENT_MEM_FRACTION"):  # restored after the test
+            monkeypatch.delenv(name, raising=False)
+        started.clear()
+        assert run_cli(lambda args: seen.append(list(started)), argparse.ArgumentParser(), argv) == 0
+        assert seen[-1] == ([True] if starts else []), argv
+    bad = CliParser()
+    bad.add_argument("--x", type=int)
+    started.clear()
+    monkeypatch.setattr(sys, "argv", ["generate", "--x", "nope"])
+    assert run_cli(lambda args: None, bad) == 2 and started == []  # bad arguments: no device touched

@@ -257,10 +257,10 @@ class SideBySide:
 
 
 # Whether the first denoise step waits for the decode's compiles where those time kernels on the device. On: on an
-# H200 (Wan 2.1 1.3B, 480p, 50 steps, `benchmarks/profile_compile.py wan --device` with and without
-# `--decode-beside-denoise`) the strips compiled in 10-11 s on the idle device and the step waited 2.3 s for them,
-# cold 65.2 s; beside the denoise they took 62-63 s, slowed it by 9 s and the run ended 3.8 s after the
-# denoise, cold 74.4 s (warm 56-58 s either way).
+# H200 (Wan 2.1 1.3B, 480p, 50 steps, `benchmarks/profile_compile.py wan --device`, with and without
+# `--decode-beside-denoise`) cold commands took 65.2, 68.4 and 72.4 s waiting (the strips compiled in 10-18 s, the
+# first step waited 2.3-5.3 s for them) and 71.3 and 74.4 s beside the denoise (the strips compiled in 58-63 s on the
+# busy device, slowed the denoise by 6-9 s and ended 3-4 s after it); warm 56.3-58.4 s either way.
 WAIT_FOR_DEVICE_AUTOTUNING = True
 
 

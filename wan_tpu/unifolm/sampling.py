@@ -120,13 +120,26 @@ def ddim_step(unet, cond: Conditions, x, action, state, inp: dict, guidance_scal
     """One step of both samplers: the UNet (+ heads) once — on [cond ‖ uncond] when guided — then the
     video DDIM update and the heads' DDIM updates. `inp`: one step of `schedule_tables` plus `noise`
     (the video's DDIM noise, used when sigma > 0). Returns (x, action, state) at the previous step."""
+    outs = unet(*step_inputs(cond, x, action, state, inp, uncond))
+    return step_update(outs, x, action, state, inp, guidance_scale, guidance_rescale, clip, uncond is not None)
+
+
+def step_inputs(cond: Conditions, x, action, state, inp: dict, uncond: Conditions | None = None) -> tuple:
+    """The UNet's arguments for one step of `ddim_step` (the batch doubled to [cond ‖ uncond] when guided):
+    (x ‖ condition latent, timesteps, context, fs, actions, states, observations)."""
     b = x.shape[0]
-    guided = uncond is not None
-    full = _concat_cond(cond, uncond) if guided else cond
-    dup = (lambda a: jnp.concatenate([a, a], axis=0)) if guided else (lambda a: a)
+    full = _concat_cond(cond, uncond) if uncond is not None else cond
+    dup = (lambda a: jnp.concatenate([a, a], axis=0)) if uncond is not None else (lambda a: a)
     t = jnp.full((b,), inp["t"], jnp.int32)
     xin = jnp.concatenate([dup(x), full.concat.astype(x.dtype)], axis=1)
-    v, ea, es = unet(xin, dup(t), full.context, full.fs, dup(action), dup(state), full.obs)
+    return xin, dup(t), full.context, full.fs, dup(action), dup(state), full.obs
+
+
+def step_update(outs, x, action, state, inp: dict, guidance_scale=1.0, guidance_rescale=0.0, clip: bool = True,
+                guided: bool = False):
+    """`ddim_step` after the UNet: guidance on its outputs `outs` (v, action ε, state ε), then the updates."""
+    v, ea, es = outs
+    b = x.shape[0]
     if guided:
         outs = []
         for o in (v, ea, es):

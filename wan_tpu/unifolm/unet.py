@@ -147,14 +147,38 @@ class WMAModel(nnx.Module):
         (default_fs); x_action, x_state (B, T, 16) and obs from `encode_observations` for the heads.
         → (v (B, 4, T, H, W), action ε (B, T, 16), state ε (B, T, 16)); the heads' outputs are zeros
         for a base model, as theirs."""
+        carry = self.begin(x, timesteps, context, fs)
+        for unit in self.units():
+            carry = self.run_unit(unit, carry)
+        return self.end(carry, x_action, x_state, obs)
+
+    # The forward in pieces (`begin`, then each of `units()` through `run_unit`, then `end`), each taking and
+    # giving a carry of arrays only: what `__call__` runs in one program, and what a caller may run as
+    # several programs (compiled side by side) by cutting the units' list anywhere.
+    def units(self) -> list[tuple[str, int]]:
+        """The UNet's blocks in order: ("in", i), ("mid", 0), ("out", i)."""
+        return ([("in", i) for i in range(len(self.input_blocks))] + [("mid", 0)]
+                + [("out", i) for i in range(len(self.output_blocks))])
+
+    def begin(self, x, timesteps, context, fs=None) -> dict:
+        """The embeddings and the frames as channels-last activations: the carry the first unit takes."""
         u = self.config.unet
         b, _, t, hh, ww = x.shape
         if fs is None:
             fs = jnp.full((b,), u.default_fs, jnp.int32)
         emb = self.time_embed(timestep_embedding(timesteps, u.model_channels).astype(self.dtype))
         emb = emb + self.fps_embedding(timestep_embedding(fs, u.model_channels).astype(self.dtype))
-        emb = jnp.repeat(emb, t, axis=0)
-        context = context.astype(self.dtype)
+        h = jnp.transpose(x, (0, 2, 3, 4, 1)).reshape(b * t, hh, ww, -1).astype(self.dtype)
+        # `prev`: the previous output block's activations (a head feature map where an Upsample follows).
+        return dict(h=h, hs=[], maps=[], prev=None, emb=jnp.repeat(emb, t, axis=0), context=context.astype(self.dtype),
+                    timesteps=timesteps)
+
+    def run_unit(self, unit: tuple[str, int], carry: dict) -> dict:
+        """One of `units()` on the carry → the next carry (the skip activations and head maps in it)."""
+        kind, i = unit
+        h, hs, maps, prev = carry["h"], list(carry["hs"]), list(carry["maps"]), carry["prev"]
+        emb, context = carry["emb"], carry["context"]
+        t = emb.shape[0] // carry["timesteps"].shape[0]
         attn = dict(self_attn=self.self_attention, cross_attn=self.cross_attention)
 
         def run(block, h):
@@ -169,27 +193,33 @@ class WMAModel(nnx.Module):
                     h = layer(h)
             return h
 
-        h = jnp.transpose(x, (0, 2, 3, 4, 1)).reshape(b * t, hh, ww, -1).astype(self.dtype)
-        hs, maps = [], []
-        for i, block in enumerate(self.input_blocks):
+        if kind == "in":
+            block = self.input_blocks[i]
             h = run(block, h)
             if i == 0:
                 h = self.init_attn(h, t, **attn)
             if i and isinstance(block[0], Downsample):
                 maps.append(hs[-1])
             hs.append(h)
-        maps.append(h)
-        h = run(self.middle_block, h)
-        maps.append(h)
-        prev = None
-        for block in self.output_blocks:
+        elif kind == "mid":
+            maps.append(h)
+            h = run(self.middle_block, h)
+            maps.append(h)
+        else:
+            block = self.output_blocks[i]
             h = run(block, jnp.concatenate([h, hs.pop()], axis=-1))
             if isinstance(block[-1], Upsample):
                 maps.append(prev)
             prev = h
-        maps.append(h)
+        return dict(carry, h=h, hs=hs, maps=maps, prev=prev)
+
+    def end(self, carry: dict, x_action=None, x_state=None, obs=None):
+        """The output convolution (v in the authors' layout) and the heads on the carry's maps."""
+        h, maps, timesteps = carry["h"], [*carry["maps"], carry["h"]], carry["timesteps"]
+        b = timesteps.shape[0]
+        t = h.shape[0] // b
         y = self.out_conv(jax.nn.silu(self.out_norm(h))).astype(jnp.float32)
-        y = y.reshape(b, t, hh, ww, -1).transpose(0, 4, 1, 2, 3)
+        y = y.reshape(b, t, h.shape[1], h.shape[2], -1).transpose(0, 4, 1, 2, 3)
         if self.action_unet is None:
             zeros = lambda a: None if a is None else jnp.zeros(a.shape, jnp.float32)
             return y, zeros(x_action), zeros(x_state)
