@@ -25,6 +25,7 @@ Cold start of a whole command, one per family (`unifolm`, `matrix-game`, `wan`):
     python benchmarks/profile_compile.py unifolm --device --model /tmp/unifolm-bench      # real size (see --device)
     python benchmarks/profile_compile.py matrix-game --device --model /tmp/mg_bench/converted
     python benchmarks/profile_compile.py wan --device --workdir /tmp/be2e                 # Wan 2.1 1.3B, 480p
+    python benchmarks/profile_compile.py wan --device --workdir /tmp/be2e --config 14b --few-step --lora-rank 64
 
 Each runs the family's command line `--runs` times cold (every run with an empty compile-cache folder:
 `WAN_TPU_CACHE_DIR`) and `--runs` times warm (the folder the first cold run filled), each a fresh
@@ -51,8 +52,8 @@ others as they are), to weigh each program's compile seconds against its run's i
 `--device`: real sizes; `--model` is a converted folder with random
 weights (`random_folders.py unifolm DIR` / `random_folders.py matrix-game DIR` write one with our code
 alone; so do `bench_unifolm.py --size real --random --workdir DIR` and `bench_matrix_game.py --random
---parts prepare --workdir DIR`, the latter into `DIR/converted`); Wan writes its random 1.3B checkpoint
-under `--workdir` (`bench_e2e.py`'s). Arguments after `--` go to the command itself.
+--parts prepare --workdir DIR`, the latter into `DIR/converted`); Wan writes its random checkpoint (`--config`)
+and LoRA (`--lora-rank`) under `--workdir` (`bench_e2e.py`'s). Arguments after `--` go to the command itself.
 """
 
 from __future__ import annotations
@@ -219,15 +220,26 @@ def write_inputs(folder: str, family: str, device: bool) -> None:
 def command(args, inputs: str, output: str) -> list[str]:
     spec = FAMILIES[args.what]
     model = args.model
-    if args.device and args.what == "wan" and model is None:
-        sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    wan = []  # --config 14b: its size; --few-step, --lora-rank: bench_e2e.py's recipe and LoRA
+    if args.device and args.what == "wan":
         import bench_e2e
 
-        model = bench_e2e.ensure_checkpoint(args.workdir, "1.3b")
+        if model is None:
+            model = bench_e2e.ensure_checkpoint(args.workdir, args.config)
+        if args.config != "1.3b":
+            wan += ["--size", "1280*720"]
+        if args.few_step:
+            wan += ["--steps", str(len(bench_e2e.FEW_STEP_SIGMAS)), "--scheduler", "euler", "--sigmas",
+                    ",".join(map(str, bench_e2e.FEW_STEP_SIGMAS)), "--shift", str(bench_e2e.FEW_STEP_SHIFT), "--guidance", "1"]
+        if args.lora_rank:
+            variant = bench_e2e.CONFIGS[args.config].variant
+            wan += ["--lora", bench_e2e.write_lora(os.path.join(os.path.abspath(args.workdir),
+                                                                f"{variant}-lora-r{args.lora_rank}.safetensors"),
+                                                   args.config, args.lora_rank)]
     if args.device and model is None:
         raise SystemExit(f"--device {args.what} needs --model FOLDER (a converted folder; see the docstring)")
     argv = [a.format(inputs=inputs, model=model) for a in spec["device" if args.device else "cpu"]]
-    return [sys.executable, os.path.abspath(__file__), "--child", args.what, "--", *argv, "--output", output,
+    return [sys.executable, os.path.abspath(__file__), "--child", args.what, "--", *argv, *wan, "--output", output,
             "--overwrite", *args.rest]
 
 
@@ -580,7 +592,14 @@ def main(argv=None) -> None:
     p.add_argument("--runs", type=int, default=3, help="families: cold runs and warm runs, each (median)")
     p.add_argument("--device", action="store_true", help="families: real sizes (see the docstring)")
     p.add_argument("--model", default=None, help="--device: the converted folder (UnifoLM, Matrix-Game) or Wan folder")
-    p.add_argument("--workdir", default="outputs/bench_e2e", help="--device wan: where the random 1.3B checkpoint is")
+    p.add_argument("--workdir", default="outputs/bench_e2e",
+                   help="--device wan: where the random checkpoint (and LoRA) are written (bench_e2e.py's)")
+    p.add_argument("--config", choices=("1.3b", "14b"), default="1.3b",
+                   help="--device wan: the model (14b: at 1280*720)")
+    p.add_argument("--few-step", action="store_true",
+                   help="--device wan: bench_e2e.py's 4-step recipe (Euler, its sigmas and shift, guidance 1)")
+    p.add_argument("--lora-rank", type=int, default=None, metavar="R",
+                   help="--device wan: a random rank-R kohya LoRA merged (bench_e2e.py's)")
     p.add_argument("--min-seconds", type=float, default=0.1, help="timeline: shorter spans are summed per kind")
     p.add_argument("--autotune-split", action="store_true",
                    help="GPU: one more cold run that loads the first cold run's autotuning results (see the docstring)")

@@ -114,3 +114,24 @@ def test_autotune_split_runs_after_the_first_cold_run_and_warm_runs_keep_its_fla
         "--xla_gpu_load_autotune_results_from=") and dump.split("=")[1] == load.split("=")[1]
     assert calls[2][1] == "" and calls[3][1] == calls[4][1] == dump  # the warm runs read cache-0: its flags
     assert [v for _, _, v in calls] == [profile_compile.PASS_TIMERS["TF_CPP_VMODULE"]] * 3 + [None] * 2
+
+
+def test_wan_device_command_takes_bench_e2e_recipe(monkeypatch, tmp_path):
+    """`wan --device --config 14b --few-step --lora-rank 64`: bench_e2e.py's checkpoint, 720p size, 4-step recipe
+    and LoRA file on the command line (the checkpoint and LoRA writers stubbed: only the command is checked)."""
+    import argparse
+
+    import bench_e2e
+
+    written = []
+    monkeypatch.setattr(bench_e2e, "ensure_checkpoint", lambda workdir, config: f"{workdir}/{config}-random")
+    monkeypatch.setattr(bench_e2e, "write_lora", lambda path, config, rank: written.append((config, rank)) or path)
+    args = argparse.Namespace(what="wan", model=None, device=True, workdir=str(tmp_path), config="14b",
+                              few_step=True, lora_rank=64, rest=["--quiet"])
+    argv = profile_compile.command(args, str(tmp_path), "out.mp4")
+    line = " ".join(argv)
+    assert f"--model {tmp_path}/14b-random" in line and written == [("14b", 64)]
+    assert "--steps 4 --scheduler euler --sigmas 1.0,0.75,0.5,0.25 --shift 5.0 --guidance 1" in line
+    # The later flags win (argparse keeps the last): 720p and 4 steps over the 1.3B defaults; `--` args last.
+    assert argv.index("1280*720") > argv.index("832*480") and argv[-1] == "--quiet"
+    assert "--lora" in argv and argv[argv.index("--lora") + 1].endswith("-lora-r64.safetensors")
