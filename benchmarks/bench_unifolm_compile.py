@@ -7,16 +7,17 @@ constant 0.01 (a rate, not a result), for variants of the UNet's graph.
     python benchmarks/bench_unifolm_compile.py --variants base,split:3,split:4    # the step as 3 or 4 programs
     python benchmarks/bench_unifolm_compile.py --config unifolm-tiny --steps 2   # CPU check of the script
 
-Variants (measured, not shipped: docs/TRIED.md):
+Variants (`base` and `split:K` ship, the others were measured and left out: docs/TRIED.md):
   * `base`: the shipped UNet;
   * `barrier`: GroupNorm's and LayerNorm's statistics behind an optimization barrier on GPUs
     (`own_pass_on_gpu`), so XLA's Triton normalization rewriter meets no reduction diamond;
   * `scan`: a ResBlock's four temporal convolutions (GroupNorm, SiLU, conv) in a `lax.scan` over their
     stacked weights (one copy of them to compile);
-  * `split:K`: one step as K programs (the UNet's blocks cut into K runs of about equal layer counts,
-    `WMAModel.units`; the first also takes the step's inputs, the last also runs the heads and the DDIM
-    update), compiled side by side (`compile_ahead.SideBySide`) and run by a Python loop over the steps:
-    XLA compiles one module per thread, so the compile's wall is about its largest program's.
+  * `split:K`: one step as K programs (`sample(..., programs=K)`, `--sampling-programs K` of the command
+    lines: the UNet's blocks cut into K runs of about equal layer counts; the first also takes the step's
+    inputs, the last also runs the heads and the DDIM update), compiled side by side
+    (`compile_ahead.SideBySide`) and run by a loop over the steps: XLA compiles one module per thread, so the
+    compile's wall is about its largest program's.
 
 Each variant runs in a fresh process (`XLA's timers`: `profile_compile.PASS_TIMERS`), as a whole command's
 compile would, but alone on the machine: beside a command's loads and other compiles the same passes take
@@ -26,7 +27,6 @@ longer (`profile_compile.py unifolm --device --pass-times`).
 from __future__ import annotations
 
 import argparse
-import functools
 import os
 import sys
 import time
@@ -35,7 +35,6 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # harness.py, pr
 import harness  # noqa: E402
 
 VARIANTS = ("base", "barrier", "scan", "barrier+scan", "split:K")
-END_LAYERS = 4  # the output convolution and the two heads, in `split`'s layer count
 
 
 def apply(variant: str) -> None:
@@ -97,101 +96,39 @@ def split_count(variant: str) -> int | None:
     return int(k)
 
 
-def cut_units(unet, k: int) -> list[tuple]:
-    """`unet.units()` in k consecutive runs of about equal layer counts (the end's layers in the last run)."""
-    size = {"in": lambda i: len(unet.input_blocks[i]) + (i == 0), "mid": lambda i: len(unet.middle_block),
-            "out": lambda i: len(unet.output_blocks[i])}
-    units = unet.units()
-    weights = [size[kind](i) for kind, i in units]
-    total, runs, run, done = sum(weights) + END_LAYERS, [], [], 0
-    for unit, weight in zip(units, weights):
-        if run and len(runs) < k - 1 and done + weight / 2 > total * (len(runs) + 1) / k:
-            runs.append(tuple(run))
-            run = []
-        run.append(unit)
-        done += weight
-    return runs + [tuple(run)]
-
-
-@functools.cache
-def split_programs():
-    """The jitted programs of `split:K`: the first run of units (with the step's inputs), a middle run, the last
-    (with the heads and the DDIM update), and the starting noise (made once: each call meets their caches)."""
-    import jax
-    from flax import nnx
-
-    from wan_tpu.unifolm.sampling import _initial_noise, step_inputs, step_update
-
-    def step_of(tables, step_noise, i):
-        return dict({name: value[i] for name, value in tables.items()}, noise=step_noise[i])
-
-    def run_units(unet, units, carry):
-        for unit in units:
-            carry = unet.run_unit(unit, carry)
-        return carry
-
-    @functools.partial(jax.jit, static_argnames=("graphdef", "units"))
-    def seg_first(graphdef, state, cond, uncond, x, action, st, tables, step_noise, i, *, units):
-        unet = nnx.merge(graphdef, state)
-        args = step_inputs(cond, x, action, st, step_of(tables, step_noise, i), uncond)
-        return run_units(unet, units, unet.begin(*args[:4]))
-
-    @functools.partial(jax.jit, static_argnames=("graphdef", "units"))
-    def seg_mid(graphdef, state, carry, *, units):
-        return run_units(nnx.merge(graphdef, state), units, carry)
-
-    @functools.partial(jax.jit, static_argnames=("graphdef", "units", "clip"))
-    def seg_last(graphdef, state, carry, cond, uncond, x, action, st, tables, step_noise, i, guidance_scale,
-                 guidance_rescale, *, units, clip):
-        unet = nnx.merge(graphdef, state)
-        inp = step_of(tables, step_noise, i)
-        args = step_inputs(cond, x, action, st, inp, uncond)
-        outs = unet.end(run_units(unet, units, carry), *args[4:])
-        return step_update(outs, x, action, st, inp, guidance_scale, guidance_rescale, clip, uncond is not None)
-
-    noise = jax.jit(_initial_noise, static_argnames=("shapes", "num_steps", "stochastic"))
-    return seg_first, seg_mid, seg_last, noise
-
-
 def split_sampling(ugraph, ustate, cond, tables, key, shapes, clip: bool, k: int, compile_only: bool = False):
-    """`_sample_loop`'s sampling (guidance off) as `split:K`'s programs; `compile_only`: lower them one after the
-    other (each run's carry from the previous one's output shapes) and compile them side by side, running
-    nothing → (lower seconds, compile seconds); else → (x, action, state)."""
+    """The sampling (guidance off, eta 1) as `split:K`'s programs (`wan_tpu.unifolm.sampling`'s `programs=K`:
+    `tables`, `schedule_tables`' numpy arrays); `compile_only`: lower them one after the other (each run's
+    carry from the previous one's output shapes) and compile them side by side, running nothing → (lower
+    seconds, compile seconds); else → (x, action, state)."""
     import jax
     import jax.numpy as jnp
     from flax import nnx
 
     from wan_tpu.runtime.compile_ahead import SideBySide
+    from wan_tpu.unifolm import sampling
 
-    seg_first, seg_mid, seg_last, noise = split_programs()
-    runs = cut_units(nnx.merge(ugraph, ustate), k)
-    steps = tables["t"].shape[0]
+    runs = sampling.cut_units(nnx.merge(ugraph, ustate), k)
+    steps = len(tables["t"])
     one, zero = jnp.float32(1), jnp.float32(0)
-    if compile_only:
-        start = time.perf_counter()
-        x, action, st, step_noise = jax.eval_shape(lambda k_: noise(shapes, k_, {}, steps, True), key)
-        i = jax.ShapeDtypeStruct((), jnp.int32)
-        with SideBySide() as compiles:
-            compiles.add(noise.lower(shapes, key, {}, steps, True))
-            lowered = seg_first.lower(ugraph, ustate, cond, None, x, action, st, tables, step_noise, i, units=runs[0])
-            compiles.add(lowered)
-            for units in runs[1:-1]:
-                lowered = seg_mid.lower(ugraph, ustate, lowered.out_info, units=units)
-                compiles.add(lowered)
-            compiles.add(seg_last.lower(ugraph, ustate, lowered.out_info, cond, None, x, action, st, tables, step_noise,
-                                        i, one, zero, units=runs[-1], clip=clip))
-            lowered_at = time.perf_counter()
-        return lowered_at - start, time.perf_counter() - lowered_at
-    x, action, st, step_noise = noise(shapes, key, {}, steps, True)
-    for step in range(steps):
-        i = jnp.asarray(step, jnp.int32)
-        carry = seg_first(ugraph, ustate, cond, None, x, action, st, tables, step_noise, i, units=runs[0])
+    if not compile_only:
+        return sampling._sample_programs(ugraph, ustate, cond, None, tables, key, {}, one, zero, clip, shapes, True,
+                                         runs, None)
+    start = time.perf_counter()
+    x, action, st, _ = jax.eval_shape(lambda k_: sampling._noise_program(k_, {}, shapes, steps, True), key)
+    inp = {name: jax.ShapeDtypeStruct((), jnp.int32 if name == "t" else jnp.float32) for name in tables}
+    inp["noise"] = x
+    with SideBySide() as compiles:
+        compiles.add(sampling._noise_program.lower(key, {}, shapes, steps, True))
+        lowered = sampling._first_program.lower(ugraph, ustate, cond, None, x, action, st, inp, units=runs[0])
+        compiles.add(lowered)
         for units in runs[1:-1]:
-            carry = seg_mid(ugraph, ustate, carry, units=units)
-        x, action, st = seg_last(ugraph, ustate, carry, cond, None, x, action, st, tables, step_noise, i, one, zero,
-                                 units=runs[-1], clip=clip)
-    return x, action, st
-
+            lowered = sampling._middle_program.lower(ugraph, ustate, lowered.out_info, units=units)
+            compiles.add(lowered)
+        compiles.add(sampling._last_program.lower(ugraph, ustate, lowered.out_info, cond, None, x, action, st, inp,
+                                                  one, zero, units=runs[-1], clip=clip))
+        lowered_at = time.perf_counter()
+    return lowered_at - start, time.perf_counter() - lowered_at
 
 def child(variant: str, config: str, steps: int, runs: int) -> None:
     import jax
@@ -222,9 +159,10 @@ def child(variant: str, config: str, steps: int, runs: int) -> None:
     statics = (cfg.head_clip_sample, shapes, True)
     k = split_count(variant)
     if k is not None:
-        lower, compile_ = split_sampling(ugraph, ustate, cond, tables, jax.random.key(0), shapes, cfg.head_clip_sample,
-                                         k, compile_only=True)
-        sample = lambda u, c: split_sampling(ugraph, u, c, tables, jax.random.key(0), shapes,  # noqa: E731
+        host_tables = schedule_tables(cfg, steps, 1.0)
+        lower, compile_ = split_sampling(ugraph, ustate, cond, host_tables, jax.random.key(0), shapes,
+                                         cfg.head_clip_sample, k, compile_only=True)
+        sample = lambda u, c: split_sampling(ugraph, u, c, host_tables, jax.random.key(0), shapes,  # noqa: E731
                                              cfg.head_clip_sample, k)
     else:
         start = time.perf_counter()

@@ -52,10 +52,12 @@ def test_unifolm_serve_flag_starts_the_server(tmp_path):
     from wan_tpu.unifolm.cli import build_parser
     from wan_tpu.unifolm.server import serve_argv
 
-    args = build_parser().parse_args(["--serve", "8123", "--steps", "2", "--fs", "5", "--eta", "0.5"])
+    args = build_parser().parse_args(["--serve", "8123", "--steps", "2", "--fs", "5", "--eta", "0.5",
+                                      "--sampling-programs", "3"])
     served = serve_cli.build_parser().parse_args(serve_argv(args))
     assert (served.family, served.model, served.port, served.steps, served.fs, served.eta, served.seed, served.dtype,
-            served.host) == ("unifolm", "unifolm-tiny", 8123, 2, 5, 0.5, 123, "float32", "127.0.0.1")
+            served.host, served.sampling_programs) == ("unifolm", "unifolm-tiny", 8123, 2, 5, 0.5, 123, "float32",
+                                                       "127.0.0.1", 3)
 
     proc = subprocess.Popen([sys.executable, "-m", "wan_tpu.unifolm", "--serve", "0", "--steps", "2"], cwd=tmp_path,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)

@@ -139,6 +139,33 @@ def test_prepare_compiles_the_stage_programs_ahead_and_changes_no_bit(monkeypatc
         np.testing.assert_array_equal(getattr(outputs["prepare"], field), getattr(outputs["plain"], field))
 
 
+
+@pytest.mark.slow
+def test_prepare_compiles_a_split_step_side_by_side(monkeypatch):
+    """With `sampling_programs=3` `prepare` compiles the step's programs (and the noise's) each in a thread of its
+    own, beside the stage programs; `decide` then runs them without compiling any on its thread."""
+    import jax
+
+    from wan_tpu.runtime import executable_cache
+
+    images, states = observation(seed=4)
+    compiles = []
+    jax.monitoring.register_event_duration_secs_listener(lambda event, duration, **kw: compiles.append(
+        (threading.current_thread().name, str(kw.get("fun_name"))))
+        if event == "/jax/core/compile/backend_compile_duration" else None)
+    monkeypatch.setattr(executable_cache, "_CALLED", {})
+    jax.clear_caches()
+    run = UnifolmPipeline.from_pretrained("unifolm-tiny", compile_cache=False, sampling_programs=3)
+    with run.prepare("decision", num_steps=2):
+        out = run.decide("pick up the cup", images, states / 10, num_steps=2, seed=3)
+    assert out.actions.shape == (16, DOF) and np.isfinite(out.actions_raw).all()
+    step = {"jit(_noise_program)", "jit(_first_program)", "jit(_middle_program)", "jit(_last_program)"}
+    ahead = {(thread, f) for thread, f in compiles if thread.startswith("wan_tpu-compile-") and f in step}
+    assert {f for _, f in ahead} == step and len({thread for thread, _ in ahead}) == len(step)
+    assert not {f for thread, f in compiles if thread == "MainThread"} & step
+    with pytest.raises(WanInputError, match="sampling programs must be a whole number from 1 to"):
+        UnifolmPipeline.from_pretrained("unifolm-tiny", sampling_programs=0)
+
 def test_prepare_checks_its_mode():
     pipe = UnifolmPipeline.from_pretrained("unifolm-tiny")
     with pytest.raises(WanInputError, match="mode must be one of"):

@@ -22,6 +22,7 @@ from unifolm_golden import CLIP_DIM, IMG, LAT, A, D, T, assert_close, golden
 from unifolm_weights import det
 
 from wan_tpu.configs.unifolm import CONFIGS
+from wan_tpu.errors import WanInputError
 from wan_tpu.unifolm.loading import load_unifolm
 from wan_tpu.unifolm.sampling import ddim_step, ddim_timesteps, head_alphas_cumprod, sample, schedule_tables
 
@@ -119,6 +120,40 @@ def test_guided_sampling(tiny):
     assert_close(lat, g["sample_guided/latents"], 1e-4, "latents")
     assert_close(act, g["sample_guided/actions"], 1e-3, "actions")
     assert_close(st, g["sample_guided/states"], 1e-3, "states")
+
+
+@pytest.mark.slow
+def test_sampling_as_several_programs_meets_the_authors(tiny):
+    """`programs=K`: each step as K programs (the UNet's blocks cut in K runs) in a loop over the steps; the
+    same goldens and tolerances as the one-program loop, stochastic (decision, 3 programs) and guided (eta 0,
+    2 programs). The step programs take one step's constants: another step count runs them as they are."""
+    from wan_tpu.unifolm import sampling
+
+    g = golden("sampling")
+    cond = conditions(tiny, world=False)
+    lat, act, st = sample(tiny, cond, num_steps=4, eta=1.0, noise=authors_noise("sample_decision", 4), programs=3)
+    assert_close(lat, g["sample_decision/latents"], 1e-4, "latents")
+    assert_close(act, g["sample_decision/actions"], 1e-3, "actions")
+    assert_close(st, g["sample_decision/states"], 1e-3, "states")
+    programs = (sampling._first_program, sampling._middle_program, sampling._last_program)
+    compiled = [p._cache_size() for p in programs]
+    sample(tiny, cond, num_steps=3, eta=1.0, key=jax.random.key(0), programs=3)
+    assert [p._cache_size() for p in programs] == compiled
+    world = conditions(tiny, world=True)
+    uncond = conditions(tiny, world=True, clip_zero=True, text="in:empty_text")
+    noise = {k: v for k, v in authors_noise("sample_guided", 0).items() if k != "steps"}
+    lat, act, st = sample(tiny, world, num_steps=2, eta=0.0, noise=noise, guidance_scale=2.0, guidance_rescale=0.7,
+                          uncond=uncond, programs=2)
+    assert_close(lat, g["sample_guided/latents"], 1e-4, "latents")
+    assert_close(act, g["sample_guided/actions"], 1e-3, "actions")
+    assert_close(st, g["sample_guided/states"], 1e-3, "states")
+    runs = sampling.cut_units(tiny.diffusion_model, 5)
+    assert len(runs) == 5 and [u for run in runs for u in run] == tiny.diffusion_model.units()
+    from wan_tpu.unifolm.unet import unit_count
+
+    assert unit_count(tiny.config.unet) == len(tiny.diffusion_model.units())
+    with pytest.raises(WanInputError, match="sampling programs must be 1 to"):
+        sampling.cut_units(tiny.diffusion_model, unit_count(tiny.config.unet) + 1)
 
 
 @pytest.mark.slow

@@ -70,6 +70,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--fs", type=int, default=None, help="UnifoLM: frame-stride condition (default: the config's)")
     p.add_argument("--stats", default=None, help="UnifoLM: LeRobot stats.safetensors (default: the checkpoint's)")
     p.add_argument("--encoder-dtype", choices=("float32", "bfloat16"), default="float32", help="UnifoLM: CLIP towers' dtype")
+    p.add_argument("--sampling-programs", type=int, default=1, metavar="K",
+                   help="UnifoLM: each DDIM step as K programs compiled side by side (default 1: one program)")
     p.add_argument("--variant", default=None, help="Matrix-Game-2: universal, gta_drive or templerun")
     p.add_argument("--max-sessions", type=int, default=1, help="Matrix-Game-2: live sessions at once (default 1)")
     return p
@@ -112,7 +114,8 @@ def check_args(args) -> str | None:
     """Every flag that can be checked before loading; returns the API key."""
     if not 0 <= args.port <= 65535:
         raise WanInputError(f"--port must be 0..65535, got {args.port}")
-    for flag, value, low in (("--queue-size", args.queue_size, 1), ("--max-sessions", args.max_sessions, 1)):
+    for flag, value, low in (("--queue-size", args.queue_size, 1), ("--max-sessions", args.max_sessions, 1),
+                             ("--sampling-programs", args.sampling_programs, 1)):
         if value < low:
             raise WanInputError(f"{flag} must be at least {low}, got {value}")
     if not args.grace >= 0:
@@ -193,7 +196,8 @@ def load(args, family: str):
 
         pipe = UnifolmPipeline.from_pretrained(args.model, mesh=mesh, dtype=dtype_of(args.dtype or "float32"),
                                                attention=args.attention, stats=args.stats,
-                                               encoder_dtype=dtype_of(args.encoder_dtype), compile_cache=cache)
+                                               encoder_dtype=dtype_of(args.encoder_dtype), compile_cache=cache,
+                                               sampling_programs=args.sampling_programs)
         if not pipe.has_heads:
             raise WanInputError(f"{pipe.name} has no action head; serve a UnifoLM-WMA-0 checkpoint")
         return pipe, lambda: pipe.prepare("decision", num_steps=args.steps or 16, eta=args.eta, keep_action_tokens=False)

@@ -49,6 +49,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--iterations", type=int, default=1, help="interaction iterations (interact)")
     p.add_argument("--encoder-dtype", choices=("float32", "bfloat16"), default="float32",
                    help="the CLIP towers' dtype (bfloat16 halves their memory; the tiny presets' stay float32)")
+    p.add_argument("--sampling-programs", type=int, default=1, metavar="K",
+                   help="run each DDIM step as K programs, compiled side by side and shared by every step count "
+                        "(a shorter first compile; default 1: the whole sampling as one program)")
     p.add_argument("--serve", type=int, metavar="PORT", help="serve POST /predict_action on 127.0.0.1:PORT instead of one "
                    "run (the process becomes wan-serve with the same flags)")
     return p
@@ -111,6 +114,8 @@ def check_settings(args) -> None:
         raise WanInputError(f"--fs must be at least 1 (fps // frame stride), got {args.fs}")
     if args.mode != "world" and args.actions is not None:
         raise WanInputError("--actions is the chunk --mode world plays; drop it for other modes")
+    if args.sampling_programs < 1:
+        raise WanInputError(f"--sampling-programs must be at least 1, got {args.sampling_programs}")
 
 
 def output_paths(video: str, with_vectors: bool, overwrite: bool) -> list[str]:
@@ -161,7 +166,8 @@ def run(args) -> None:
     with timer.stage("load"):
         pipe = UnifolmPipeline.from_pretrained(args.model, mesh=mesh, dtype=dtype_of(args.dtype), attention=args.attention,
                                                stats=args.stats, encoder_dtype=dtype_of(args.encoder_dtype),
-                                               compile_cache=not args.no_compile_cache)
+                                               compile_cache=not args.no_compile_cache,
+                                               sampling_programs=args.sampling_programs)
     pipe.timer = timer
     steps = args.steps or pipe.default_steps[args.mode]
     common = dict(num_steps=steps, eta=args.eta, seed=args.seed, fs=args.fs)

@@ -163,6 +163,7 @@ class UnifolmPipeline:
         self._loaded: dict = {}
         self._warmup = None
         self.offload = "auto"  # `set_offload`'s choice
+        self.sampling_programs = 1  # `set_sampling_programs`' choice
         self._text_cache: dict[str, jax.Array] = {}
         self.timer = None  # a `wan_tpu.runtime.profiling.StageTimer` to time the stages of every sampling
         # What determines the stage programs short of tracing them (`wan_tpu.runtime.executable_cache` adds
@@ -175,7 +176,7 @@ class UnifolmPipeline:
     @classmethod
     def from_pretrained(cls, path_or_preset: str, *, mesh=None, dtype=jnp.float32, attention: str | None = None,
                         compile_cache: bool = True, stats: str | None = None,
-                        encoder_dtype=jnp.float32, offload: str = "auto") -> UnifolmPipeline:
+                        encoder_dtype=jnp.float32, offload: str = "auto", sampling_programs: int = 1) -> UnifolmPipeline:
         """A converted checkpoint folder (`wan-convert-unifolm` (`wan_tpu/unifolm/convert.py`)) or a preset name
         (`unifolm-tiny`, `unifolm-tiny-base`: random weights, seconds on a CPU).
 
@@ -187,13 +188,15 @@ class UnifolmPipeline:
         compiling it for minutes), or not; applied around its own work only. UnifoLM's options: `stats`, a
         LeRobot stats.safetensors (default: the folder's, when present); `encoder_dtype`: the CLIP towers'
         (float32 by default, as the authors; bfloat16 halves their memory; the presets' random towers stay
-        float32). `offload`: "auto", "none" or "encoders" (`set_offload`). The configs are read now (a bad
+        float32). `offload`: "auto", "none" or "encoders" (`set_offload`); `sampling_programs`: the programs each
+        sampling step runs as (`set_sampling_programs`). The configs are read now (a bad
         folder is a `WanInputError` at once); the components load on first use, or in the background after
         `prepare`."""
         table = None if stats is None else MinMaxTable.from_file(stats)
         if path_or_preset in PRESETS:
             return presets.PRESETS[path_or_preset](cls, dtype=dtype, mesh=mesh, attention=attention, stats=table,
-                                                   compile_cache=bool(compile_cache)).set_offload(offload)
+                                                   compile_cache=bool(compile_cache)).set_offload(
+                offload).set_sampling_programs(sampling_programs)
         path = os.fspath(path_or_preset)
         if not os.path.isdir(path):
             if os.path.isfile(path) and path.endswith((".ckpt", ".pt", ".pth", ".bin")):
@@ -248,7 +251,8 @@ class UnifolmPipeline:
         abstracts = {**abstract_builds(config, vae_config, dtype, attention), "image_encoder": abstract_image_encoder,
                      "text_encoder": abstract_text_encoder}
         return cls(config, vae_config, loaders, stats=table, name=config.name, dtype=dtype, mesh=mesh,
-                   attention=attention, compile_cache=bool(compile_cache), abstracts=abstracts).set_offload(offload)
+                   attention=attention, compile_cache=bool(compile_cache), abstracts=abstracts).set_offload(
+            offload).set_sampling_programs(sampling_programs)
 
     def set_offload(self, offload: str = "auto") -> UnifolmPipeline:
         """What leaves the device between a call's stages: "auto" (the CLIP towers, where the components and
@@ -257,6 +261,20 @@ class UnifolmPipeline:
         if offload not in ("auto", "none", "encoders"):
             raise WanInputError(f"offload {offload!r} is not one of auto, none, encoders; pass one of those")
         self.offload = offload
+        return self
+
+    def set_sampling_programs(self, programs: int = 1) -> UnifolmPipeline:
+        """The programs each DDIM step runs as (`wan_tpu.unifolm.sampling.sample`'s `programs`): 1 (default), the
+        whole sampling loop in one program; K > 1, the step's UNet blocks cut in K programs, which compile side
+        by side (a cold start waits for about the largest) and serve every step count, run by a loop over the
+        steps. Results agree within float32 rounding (other fusions), not bit for bit."""
+        from wan_tpu.unifolm.unet import unit_count
+
+        most = unit_count(self.config.unet)
+        if isinstance(programs, bool) or not isinstance(programs, int) or not 1 <= programs <= most:
+            raise WanInputError(f"sampling programs must be a whole number from 1 to {most} (the UNet's blocks), "
+                                f"got {programs!r}")
+        self.sampling_programs = programs
         return self
 
     def encoders_leave_device(self, device_bytes: int | None = None) -> bool:
@@ -457,7 +475,8 @@ class UnifolmPipeline:
     def _sample(self, model, cond, num_steps, eta, key, noise=None):
         from wan_tpu.unifolm.sampling import sample
 
-        return sample(model, cond, num_steps=num_steps, eta=eta, key=key, noise=noise, program_key=self.program_key)
+        return sample(model, cond, num_steps=num_steps, eta=eta, key=key, noise=noise, program_key=self.program_key,
+                      programs=self.sampling_programs)
 
     @in_pipeline_choice
     def decode(self, latents) -> jax.Array:

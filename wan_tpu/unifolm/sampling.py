@@ -1,6 +1,7 @@
 """UniFoLM sampling: the video DDIM (v-prediction, zero-terminal-SNR betas, dynamic x0 rescale) and the
 heads' own DDIM (diffusers `DDIMScheduler`, squaredcos_cap_v2, ε-prediction, clipped x0), stepped
-together in **one compiled loop** (`lax.scan` over the steps).
+together in **one compiled loop** (`lax.scan` over the steps), or with `programs=K` each step as K programs
+(the UNet's blocks cut in K) run by a loop over the steps.
 
     latents, actions, states = sample(model, cond, num_steps=50, eta=1.0, key=jax.random.key(123))
 
@@ -187,15 +188,104 @@ def _sample_loop(graphdef, state, cond, uncond, tables, key, noise, guidance_sca
     return x, action, st
 
 
+def cut_units(unet, programs: int) -> tuple[tuple[tuple[str, int], ...], ...]:
+    """`unet.units()` in `programs` consecutive runs of about equal layer counts (the output convolution and
+    the two heads counted as `END_LAYERS`, in the last run): the pieces of a step run as several programs."""
+    if programs < 1 or programs > len(unet.units()):
+        raise WanInputError(f"sampling programs must be 1 to {len(unet.units())} (the UNet's blocks), got {programs}")
+    size = {"in": lambda i: len(unet.input_blocks[i]) + (i == 0), "mid": lambda i: len(unet.middle_block),
+            "out": lambda i: len(unet.output_blocks[i])}
+    units = unet.units()
+    weights = [size[kind](i) for kind, i in units]
+    total, runs, run, done = sum(weights) + END_LAYERS, [], [], 0
+    for unit, weight in zip(units, weights):
+        if run and len(runs) < programs - 1 and done + weight / 2 > total * (len(runs) + 1) / programs:
+            runs.append(tuple(run))
+            run = []
+        run.append(unit)
+        done += weight
+    return tuple(runs) + (tuple(run),)
+
+
+END_LAYERS = 4  # `cut_units`' weight of the output convolution and the heads, in layers
+
+
+def _run_units(unet, units, carry):
+    for unit in units:
+        carry = unet.run_unit(unit, carry)
+    return carry
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "units"))
+def _first_program(graphdef, state, cond, uncond, x, action, st, inp, *, units):
+    """A step's first program: the UNet's inputs, its embeddings and the first run of blocks → the carry."""
+    unet = nnx.merge(graphdef, state)
+    return _run_units(unet, units, unet.begin(*step_inputs(cond, x, action, st, inp, uncond)[:4]))
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "units"))
+def _middle_program(graphdef, state, carry, *, units):
+    return _run_units(nnx.merge(graphdef, state), units, carry)
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "units", "clip"))
+def _last_program(graphdef, state, carry, cond, uncond, x, action, st, inp, guidance_scale, guidance_rescale, *,
+                  units, clip):
+    """A step's last program: the last run of blocks, the heads, guidance and both DDIM updates."""
+    unet = nnx.merge(graphdef, state)
+    heads = step_inputs(cond, x, action, st, inp, uncond)[4:]
+    outs = unet.end(_run_units(unet, units, carry), *heads)
+    return step_update(outs, x, action, st, inp, guidance_scale, guidance_rescale, clip, uncond is not None)
+
+
+@functools.partial(jax.jit, static_argnames=("shapes", "num_steps", "stochastic"))
+def _noise_program(key, noise, shapes, num_steps, stochastic):
+    """`_initial_noise` with the per-step noise as one array per step (the step programs take one step's)."""
+    x, action, st, steps = _initial_noise(shapes, key, noise, num_steps, stochastic)
+    return x, action, st, tuple(steps[i] for i in range(num_steps))
+
+
+def _sample_programs(graphdef, state, cond, uncond, tables, key, noise, guidance_scale, guidance_rescale, clip,
+                     shapes, stochastic, runs, program_key):
+    """`_sample_loop`'s sampling with each step as `len(runs)` programs (`runs` from `cut_units`), run by a Python
+    loop over the steps. The programs take one step's constants, not the schedule, so any step count runs
+    them; compiled ahead (`executable_cache.ahead`) they compile side by side, a thread each. The same noise
+    as `_sample_loop`; results within float32 rounding of it (other fusions)."""
+    num_steps = len(tables["t"])
+    key_of = lambda *extra: None if program_key is None else (*program_key, *extra)  # noqa: E731
+    x, action, st, step_noise = executable_cache.cached_call(
+        "unifolm-sample-noise", key_of(shapes, num_steps, stochastic), _noise_program,
+        (key, noise, shapes, num_steps, stochastic), static_argnums=(2, 3, 4))
+    for i in range(num_steps):
+        inp = {name: jnp.asarray(np.float32(v[i]) if name != "t" else np.int32(v[i])) for name, v in tables.items()}
+        inp["noise"] = step_noise[i]
+        carry = executable_cache.cached_call(
+            "unifolm-sample-first", key_of(runs[0]), _first_program,
+            (graphdef, state, cond, uncond, x, action, st, inp), dict(units=runs[0]), static_argnums=(0,),
+            static_argnames=("units",), key_names_statics=True)
+        for units in runs[1:-1]:
+            carry = executable_cache.cached_call(
+                "unifolm-sample-middle", key_of(units), _middle_program, (graphdef, state, carry), dict(units=units),
+                static_argnums=(0,), static_argnames=("units",), key_names_statics=True)
+        x, action, st = executable_cache.cached_call(
+            "unifolm-sample-last", key_of(runs[-1], clip), _last_program,
+            (graphdef, state, carry, cond, uncond, x, action, st, inp, guidance_scale, guidance_rescale),
+            dict(units=runs[-1], clip=clip), static_argnums=(0,), static_argnames=("units", "clip"),
+            key_names_statics=True)
+    return x, action, st
+
+
 def sample(model, cond: Conditions, *, num_steps: int = 50, eta: float = 1.0, key=None, noise: dict | None = None,
            guidance_scale: float = 1.0, guidance_rescale: float = 0.0, uncond: Conditions | None = None,
-           timestep_spacing: str = "uniform_trailing", program_key: tuple | None = None):
+           timestep_spacing: str = "uniform_trailing", program_key: tuple | None = None, programs: int = 1):
     """DDIM sampling of video latents (B, 4, T, h, w), actions and states (B, T, 16), all float32.
 
     `model`: a `UnifolmWMA`; `cond` (and `uncond` for guidance) from `model.prepare`. Guidance runs only
     when `guidance_scale != 1` and `uncond` is given (the authors' scripts pass neither). `program_key`
     (`UnifolmPipeline.program_key`): what determines the model's program; with it the compiled loop is
     kept whole on disk and a later process loads it without tracing (`wan_tpu.runtime.executable_cache`).
+    `programs` > 1: each step runs as that many programs (`_sample_programs`), which compile side by side and
+    serve every step count, instead of one program holding the whole loop.
     """
     cfg = model.config
     b, c, t, h, w = cond.concat.shape
@@ -214,9 +304,15 @@ def sample(model, cond: Conditions, *, num_steps: int = 50, eta: float = 1.0, ke
             injected[name] = jnp.asarray(noise[name], jnp.float32)
             if injected[name].shape != want:
                 raise WanInputError(f"noise[{name!r}] has shape {injected[name].shape}; expected {want}")
-    tables = {k: jnp.asarray(v) for k, v in schedule_tables(cfg, num_steps, eta, timestep_spacing).items()}
+    tables = schedule_tables(cfg, num_steps, eta, timestep_spacing)
     guided = uncond is not None and guidance_scale != 1.0
     graphdef, state = nnx.split(model.diffusion_model)
+    if programs != 1:
+        runs = cut_units(model.diffusion_model, programs)
+        return _sample_programs(graphdef, state, cond, uncond if guided else None, tables, key, injected,
+                                jnp.float32(guidance_scale), jnp.float32(guidance_rescale), cfg.head_clip_sample,
+                                (shape, act_shape, st_shape), stochastic, runs, program_key)
+    tables = {k: jnp.asarray(v) for k, v in tables.items()}
     args = (graphdef, state, cond, uncond if guided else None, tables, key, injected, jnp.float32(guidance_scale),
             jnp.float32(guidance_rescale), cfg.head_clip_sample, (shape, act_shape, st_shape), stochastic)
     key = None if program_key is None else (*program_key, cfg.head_clip_sample, stochastic)

@@ -98,7 +98,8 @@ def predict_action(pipe, payload: dict, num_steps: int = 16, eta: float = 1.0, s
 def serve_argv(args) -> list[str]:
     """`wan-unifolm --serve PORT ...` as the `wan-serve` command line that serves the same model, flags and port."""
     argv = ["--family", "unifolm", "--model", args.model, "--port", str(args.serve), "--eta", str(args.eta),
-            "--encoder-dtype", args.encoder_dtype, "--seed", str(args.seed), "--dtype", args.dtype]
+            "--encoder-dtype", args.encoder_dtype, "--seed", str(args.seed), "--dtype", args.dtype,
+            "--sampling-programs", str(args.sampling_programs)]
     for flag, value in (("--mesh", args.mesh), ("--attention", args.attention), ("--steps", args.steps),
                         ("--fs", args.fs), ("--stats", args.stats)):
         if value is not None:

@@ -34,6 +34,13 @@ from wan_tpu.unifolm.heads import ConditionalUnet1D
 from wan_tpu.unifolm.perceiver import Perceiver
 
 
+def unit_count(u) -> int:
+    """How many `WMAModel.units()` a UNet config (`UnifolmConfig.unet`) gives: the input convolution, each level's
+    res blocks and downsample, the middle, each level's output blocks."""
+    levels = len(u.channel_mult)
+    return 1 + levels * u.num_res_blocks + levels - 1 + 1 + levels * (u.num_res_blocks + 1)
+
+
 @functools.cache
 def default_attention(impl):
     return functools.partial(attention_lib.attention, impl=impl)
