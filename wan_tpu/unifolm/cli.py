@@ -50,8 +50,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--encoder-dtype", choices=("float32", "bfloat16"), default="float32",
                    help="the CLIP towers' dtype (bfloat16 halves their memory; the tiny presets' stay float32)")
     p.add_argument("--sampling-programs", type=int, default=1, metavar="K",
-                   help="run each DDIM step as K programs, compiled side by side and shared by every step count "
-                        "(a shorter first compile; default 1: the whole sampling as one program)")
+                   help="run each DDIM step as K programs, each compiled in a thread of its own and shared by every "
+                        "step count (default 1: the whole sampling as one program)")
     p.add_argument("--serve", type=int, metavar="PORT", help="serve POST /predict_action on 127.0.0.1:PORT instead of one "
                    "run (the process becomes wan-serve with the same flags)")
     return p

@@ -265,9 +265,9 @@ class UnifolmPipeline:
 
     def set_sampling_programs(self, programs: int = 1) -> UnifolmPipeline:
         """The programs each DDIM step runs as (`wan_tpu.unifolm.sampling.sample`'s `programs`): 1 (default), the
-        whole sampling loop in one program; K > 1, the step's UNet blocks cut in K programs, which compile side
-        by side (a cold start waits for about the largest) and serve every step count, run by a loop over the
-        steps. Results agree within float32 rounding (other fusions), not bit for bit."""
+        whole sampling loop in one program; K > 1, the step's UNet blocks cut in K programs, which `prepare`
+        compiles side by side (a thread each) and which serve every step count, run by a loop over the steps.
+        Results agree within float32 rounding (other fusions), not bit for bit."""
         from wan_tpu.unifolm.unet import unit_count
 
         most = unit_count(self.config.unet)
