@@ -189,6 +189,33 @@ def test_cached_call_serves_a_stored_program_and_its_options_are_part_of_the_key
     assert len(_entries(cache)) == 2
 
 
+
+def test_cached_program_finds_its_program_once_and_runs_it_for_new_values(cache, monkeypatch):
+    """`cached_program` builds the key and finds (here: compiles and stores) the program once; the function it
+    gives runs that program for other values of the same shapes, as `cached_call` would; within `ahead()` it
+    gives zeros of the outputs; a program refusing its arguments falls back to jit once, with one warning."""
+    monkeypatch.setattr(executable_cache, "_CALLED", {})
+    x = jnp.arange(4.0)
+    built = []
+    monkeypatch.setattr(executable_cache, "_lower", lambda *a: built.append(1) or _scaled.lower(x, scale=2.0))
+    run = executable_cache.cached_program("scaled", "key", _scaled, (x,), dict(scale=2.0), static_argnames=("scale",))
+    for y in (x, x + 10, x * 3):
+        np.testing.assert_array_equal(run(y, scale=2.0), y * 2 + 1)
+    assert built == [1] and len(_entries(cache)) == 1
+    np.testing.assert_array_equal(
+        executable_cache.cached_call("scaled", "key", _scaled, (x + 1,), dict(scale=2.0), static_argnames=("scale",)),
+        (x + 1) * 2 + 1)
+    assert built == [1]  # the same program, from this process's memo
+    with executable_cache.ahead():
+        zeros = executable_cache.cached_program("scaled", "key", _scaled, (x,), dict(scale=2.0),
+                                                static_argnames=("scale",))(x, scale=2.0)
+    np.testing.assert_array_equal(zeros, np.zeros(4))
+    with pytest.warns(UserWarning, match="stored program scaled does not take these arguments"):
+        np.testing.assert_array_equal(run(jnp.arange(3.0), scale=2.0), np.arange(3.0) * 2 + 1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the jitted path from then on: no second warning
+        np.testing.assert_array_equal(run(jnp.arange(3.0), scale=2.0), np.arange(3.0) * 2 + 1)
+
 def test_an_abstract_module_is_read_back_with_its_structure_and_shapes(cache, monkeypatch):
     """`cached_abstract`: the second call builds nothing (read from disk) and gives the same graphdef and
     parameter shapes and dtypes; an unreadable entry is dropped with a warning and built again."""

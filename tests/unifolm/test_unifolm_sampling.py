@@ -123,15 +123,22 @@ def test_guided_sampling(tiny):
 
 
 @pytest.mark.slow
-def test_sampling_as_several_programs_meets_the_authors(tiny):
+def test_sampling_as_several_programs_meets_the_authors(tiny, monkeypatch):
     """`programs=K`: each step as K programs (the UNet's blocks cut in K runs) in a loop over the steps; the
     same goldens and tolerances as the one-program loop, stochastic (decision, 3 programs) and guided (eta 0,
     2 programs). The step programs take one step's constants: another step count runs them as they are."""
+    from wan_tpu.runtime import executable_cache
     from wan_tpu.unifolm import sampling
 
     g = golden("sampling")
     cond = conditions(tiny, world=False)
+    found, cached_program = [], executable_cache.cached_program
+    monkeypatch.setattr(executable_cache, "cached_program", lambda name, *a, **kw: found.append(name) or cached_program(
+        name, *a, **kw))
     lat, act, st = sample(tiny, cond, num_steps=4, eta=1.0, noise=authors_noise("sample_decision", 4), programs=3)
+    # Each program found once (its key built once), then called at every step.
+    assert sorted(found) == ["unifolm-sample-first", "unifolm-sample-last", "unifolm-sample-middle",
+                             "unifolm-sample-noise"]
     assert_close(lat, g["sample_decision/latents"], 1e-4, "latents")
     assert_close(act, g["sample_decision/actions"], 1e-3, "actions")
     assert_close(st, g["sample_decision/states"], 1e-3, "states")

@@ -384,13 +384,29 @@ def cached_call(name: str, key, jitted, args: tuple, kwargs: dict | None = None,
     the jitted path. Within `ahead()`: loaded or compiled only, zeros of its outputs returned.
     `key_names_statics`: `key` determines the static arguments, whose text is then left out (a module's
     graphdef: megabytes of text holding function addresses, which no stored key may contain)."""
+    return cached_program(name, key, jitted, args, kwargs, static_argnums=static_argnums,
+                          static_argnames=static_argnames, compiler_options=compiler_options,
+                          key_names_statics=key_names_statics)(*args, **(kwargs or {}))
+
+
+def cached_program(name: str, key, jitted, args: tuple, kwargs: dict | None = None, *, static_argnums: tuple = (),
+                   static_argnames: tuple = (), compiler_options: dict | None = None, key_names_statics: bool = False):
+    """`cached_call`'s program for `args` and `kwargs` as a function `run(*args, **kwargs)` of arguments like them
+    (the same statics; dynamic ones of the same shapes, dtypes and placements), which runs it as `cached_call`
+    would: the key is built once (its text, for a model's weights, takes milliseconds), not at every call of a
+    loop that runs the program again and again (UnifoLM's sampling step programs)."""
     kwargs = kwargs or {}
+
+    def dynamic_of(call_args, call_kwargs):
+        return (tuple(a for i, a in enumerate(call_args) if i not in static_argnums),
+                {k: v for k, v in call_kwargs.items() if k not in static_argnames})
+
     if key is None:
         if getattr(_AHEAD, "on", False):  # nothing to load or compile ahead: its call compiles it
-            return _zeros(jitted.eval_shape(*args, **kwargs))
-        return jitted(*args, **kwargs)
-    dynamic = tuple(a for i, a in enumerate(args) if i not in static_argnums)
-    dynamic_kw = {k: v for k, v in kwargs.items() if k not in static_argnames}
+            shapes = jitted.eval_shape(*args, **kwargs)
+            return lambda *a, **kw: _zeros(shapes)
+        return jitted
+    dynamic, dynamic_kw = dynamic_of(args, kwargs)
     statics = [] if key_names_statics else (
         [a for i, a in enumerate(args) if i in static_argnums] + [kwargs[k] for k in static_argnames if k in kwargs])
     leaves, tree = jax.tree.flatten((dynamic, dynamic_kw))
@@ -398,8 +414,9 @@ def cached_call(name: str, key, jitted, args: tuple, kwargs: dict | None = None,
     for leaf in leaves:
         if isinstance(leaf, jax.Array) and not isinstance(leaf, jax.core.Tracer) and len(leaf.sharding.device_set) > 1:
             if getattr(_AHEAD, "on", False):
-                return _zeros(jitted.eval_shape(*args, **kwargs))
-            return jitted(*args, **kwargs)
+                shapes = jitted.eval_shape(*args, **kwargs)
+                return lambda *a, **kw: _zeros(shapes)
+            return jitted
         signature.append((tuple(getattr(leaf, "shape", ())), str(getattr(leaf, "dtype", type(leaf).__name__)),
                           bool(getattr(leaf, "weak_type", False))))
     full = (key, tuple(repr(s) for s in statics), repr(tree), tuple(signature),
@@ -410,23 +427,33 @@ def cached_call(name: str, key, jitted, args: tuple, kwargs: dict | None = None,
     with _CALLED_LOCK:
         compiled = _CALLED.get(memo)
     if compiled is None and getattr(_AHEAD, "pending", None) is not None:
-        return _zeros(_ahead_in_background(name, full, memo, jitted, args, kwargs, static_argnums, static_argnames,
-                                           compiler_options))
+        shapes = _ahead_in_background(name, full, memo, jitted, args, kwargs, static_argnums, static_argnames,
+                                      compiler_options)
+        return lambda *a, **kw: _zeros(shapes)
     if compiled is None:
         compiled = load(name, full) or store(name, full, _lower(jitted, args, kwargs, static_argnums, static_argnames),
                                              compiler_options)
         with _CALLED_LOCK:
             _CALLED[memo] = compiled
     if getattr(_AHEAD, "on", False):
-        return _zeros(compiled.out_info)
-    try:
-        return compiled(*dynamic, **dynamic_kw)
-    except TypeError as e:  # JAX checks the arguments before running anything
-        with _CALLED_LOCK:
-            _CALLED.pop(memo, None)
-        warnings.warn(f"the stored program {name} does not take these arguments ({str(e).splitlines()[0]}); "
-                      "it is compiled again", stacklevel=2)
-        return jitted(*args, **kwargs)
+        return lambda *a, **kw: _zeros(compiled.out_info)
+    refused = []
+
+    def run(*call_args, **call_kwargs):
+        if refused:
+            return jitted(*call_args, **call_kwargs)
+        call_dynamic, call_dynamic_kw = dynamic_of(call_args, call_kwargs)
+        try:
+            return compiled(*call_dynamic, **call_dynamic_kw)
+        except TypeError as e:  # JAX checks the arguments before running anything
+            refused.append(e)
+            with _CALLED_LOCK:
+                _CALLED.pop(memo, None)
+            warnings.warn(f"the stored program {name} does not take these arguments ({str(e).splitlines()[0]}); "
+                          "it is compiled again", stacklevel=3)
+            return jitted(*call_args, **call_kwargs)
+
+    return run
 
 
 def _lower(jitted, args, kwargs, static_argnums, static_argnames):

@@ -256,22 +256,26 @@ def _sample_programs(graphdef, state, cond, uncond, tables, key, noise, guidance
     x, action, st, step_noise = executable_cache.cached_call(
         "unifolm-sample-noise", key_of(shapes, num_steps, stochastic), _noise_program,
         (key, noise, shapes, num_steps, stochastic), static_argnums=(2, 3, 4))
+    programs: dict = {}  # (name, units) → the program, found once (`cached_program`), then called every step
+
+    def run(name, units, jitted, args, kwargs, static_argnames):
+        if (name, units) not in programs:
+            programs[name, units] = executable_cache.cached_program(
+                name, key_of(*kwargs.values()), jitted, args, kwargs, static_argnums=(0,),
+                static_argnames=static_argnames, key_names_statics=True)
+        return programs[name, units](*args, **kwargs)
+
     for i in range(num_steps):
         inp = {name: jnp.asarray(np.float32(v[i]) if name != "t" else np.int32(v[i])) for name, v in tables.items()}
         inp["noise"] = step_noise[i]
-        carry = executable_cache.cached_call(
-            "unifolm-sample-first", key_of(runs[0]), _first_program,
-            (graphdef, state, cond, uncond, x, action, st, inp), dict(units=runs[0]), static_argnums=(0,),
-            static_argnames=("units",), key_names_statics=True)
+        carry = run("unifolm-sample-first", runs[0], _first_program, (graphdef, state, cond, uncond, x, action, st, inp),
+                    dict(units=runs[0]), ("units",))
         for units in runs[1:-1]:
-            carry = executable_cache.cached_call(
-                "unifolm-sample-middle", key_of(units), _middle_program, (graphdef, state, carry), dict(units=units),
-                static_argnums=(0,), static_argnames=("units",), key_names_statics=True)
-        x, action, st = executable_cache.cached_call(
-            "unifolm-sample-last", key_of(runs[-1], clip), _last_program,
-            (graphdef, state, carry, cond, uncond, x, action, st, inp, guidance_scale, guidance_rescale),
-            dict(units=runs[-1], clip=clip), static_argnums=(0,), static_argnames=("units", "clip"),
-            key_names_statics=True)
+            carry = run("unifolm-sample-middle", units, _middle_program, (graphdef, state, carry), dict(units=units),
+                        ("units",))
+        x, action, st = run("unifolm-sample-last", runs[-1], _last_program,
+                            (graphdef, state, carry, cond, uncond, x, action, st, inp, guidance_scale,
+                             guidance_rescale), dict(units=runs[-1], clip=clip), ("units", "clip"))
     return x, action, st
 
 
