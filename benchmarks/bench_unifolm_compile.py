@@ -16,8 +16,8 @@ Variants (`base` and `split:K` ship, the others were measured and left out: docs
   * `split:K`: one step as K programs (`sample(..., programs=K)`, `--sampling-programs K` of the command
     lines: the UNet's blocks cut into K runs of about equal layer counts; the first also takes the step's
     inputs, the last also runs the heads and the DDIM update), compiled side by side
-    (`compile_ahead.SideBySide`) and run by a loop over the steps: XLA compiles one module per thread, so the
-    compile's wall is about its largest program's.
+    (`compile_ahead.SideBySide`) and run by a loop over the steps; XLA compiles one module per thread, so the
+    table gives the largest program's XLA seconds, then the others'.
 
 Each variant runs in a fresh process (`XLA's timers`: `profile_compile.PASS_TIMERS`), as a whole command's
 compile would, but alone on the machine: beside a command's loads and other compiles the same passes take
@@ -130,6 +130,7 @@ def split_sampling(ugraph, ustate, cond, tables, key, shapes, clip: bool, k: int
         lowered_at = time.perf_counter()
     return lowered_at - start, time.perf_counter() - lowered_at
 
+
 def child(variant: str, config: str, steps: int, runs: int) -> None:
     import jax
     import jax.numpy as jnp
@@ -208,7 +209,8 @@ def main(argv=None) -> int:
         r = results[-1]
         anatomy = profile_compile.compile_anatomy(proc.output)
         # split:K: its largest program's (the compiles run side by side), with the others' after it.
-        modules = sorted((m for m in anatomy if m.startswith(("jit__sample_loop", "jit_seg_"))),
+        programs = ("_sample_loop", "_noise_program", "_first_program", "_middle_program", "_last_program")
+        modules = sorted((m for m in anatomy if m.startswith(tuple(f"jit_{p}" for p in programs))),
                          key=lambda m: -(anatomy[m]["passes"] + anatomy[m]["backend"]))
         xla = anatomy[modules[0]] if modules else {}
         others = "".join(f" + {anatomy[m]['passes'] + anatomy[m]['backend']:.1f}" for m in modules[1:])
