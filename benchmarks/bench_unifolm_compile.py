@@ -15,9 +15,10 @@ Variants (`base` and `split:K` ship, the others were measured and left out: docs
     stacked weights (one copy of them to compile);
   * `split:K`: one step as K programs (`sample(..., programs=K)`, `--sampling-programs K` of the command
     lines: the UNet's blocks cut into K runs of about equal layer counts; the first also takes the step's
-    inputs, the last also runs the heads and the DDIM update), compiled side by side
-    (`compile_ahead.SideBySide`) and run by a loop over the steps; XLA compiles one module per thread, so the
-    table gives the largest program's XLA seconds, then the others'.
+    inputs, the last also runs the heads and the DDIM update), compiled side by side as `prepare` compiles them
+    (`executable_cache.ahead`) and run as a command runs them (the programs found once, then called at every
+    step); XLA compiles one module per thread, so the table gives the largest program's XLA seconds, then the
+    others'.
 
 Each variant runs in a fresh process (`XLA's timers`: `profile_compile.PASS_TIMERS`), as a whole command's
 compile would, but alone on the machine: beside a command's loads and other compiles the same passes take
@@ -97,36 +98,30 @@ def split_count(variant: str) -> int | None:
 
 
 def split_sampling(ugraph, ustate, cond, tables, key, shapes, clip: bool, k: int, compile_only: bool = False):
-    """The sampling (guidance off, eta 1) as `split:K`'s programs (`wan_tpu.unifolm.sampling`'s `programs=K`:
-    `tables`, `schedule_tables`' numpy arrays); `compile_only`: lower them one after the other (each run's
-    carry from the previous one's output shapes) and compile them side by side, running nothing → (lower
-    seconds, compile seconds); else → (x, action, state)."""
+    """The sampling (guidance off, eta 1) as `split:K`'s programs, through the shipped path: `_sample_programs`
+    with a program key (`tables`: `schedule_tables`' numpy arrays). `compile_only`: traced by `jax.eval_shape`
+    under `executable_cache.ahead`, which compiles the programs side by side, a thread each, as `prepare` does,
+    running nothing → (trace and lower seconds, then the compiles' seconds); else → (x, action, state), run by
+    the programs compiled ahead, each called as a command calls it."""
     import jax
     import jax.numpy as jnp
     from flax import nnx
 
-    from wan_tpu.runtime.compile_ahead import SideBySide
+    from wan_tpu.runtime import executable_cache
     from wan_tpu.unifolm import sampling
 
     runs = sampling.cut_units(nnx.merge(ugraph, ustate), k)
-    steps = len(tables["t"])
     one, zero = jnp.float32(1), jnp.float32(0)
+
+    def call(u, c, key_):
+        return sampling._sample_programs(ugraph, u, c, None, tables, key_, {}, one, zero, clip, shapes, True, runs,
+                                         ("bench_unifolm_compile", k))
+
     if not compile_only:
-        return sampling._sample_programs(ugraph, ustate, cond, None, tables, key, {}, one, zero, clip, shapes, True,
-                                         runs, None)
+        return call(ustate, cond, key)
     start = time.perf_counter()
-    x, action, st, _ = jax.eval_shape(lambda k_: sampling._noise_program(k_, {}, shapes, steps, True), key)
-    inp = {name: jax.ShapeDtypeStruct((), jnp.int32 if name == "t" else jnp.float32) for name in tables}
-    inp["noise"] = x
-    with SideBySide() as compiles:
-        compiles.add(sampling._noise_program.lower(key, {}, shapes, steps, True))
-        lowered = sampling._first_program.lower(ugraph, ustate, cond, None, x, action, st, inp, units=runs[0])
-        compiles.add(lowered)
-        for units in runs[1:-1]:
-            lowered = sampling._middle_program.lower(ugraph, ustate, lowered.out_info, units=units)
-            compiles.add(lowered)
-        compiles.add(sampling._last_program.lower(ugraph, ustate, lowered.out_info, cond, None, x, action, st, inp,
-                                                  one, zero, units=runs[-1], clip=clip))
+    with executable_cache.ahead():
+        jax.eval_shape(call, ustate, cond, key)
         lowered_at = time.perf_counter()
     return lowered_at - start, time.perf_counter() - lowered_at
 

@@ -216,23 +216,28 @@ def _run_units(unet, units, carry):
     return carry
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "units"))
-def _first_program(graphdef, state, cond, uncond, x, action, st, inp, *, units):
+def _merge(graphdef, treedef, leaves):
+    """The UNet from its weights as a flat tuple (`_sample_programs`)."""
+    return nnx.merge(graphdef, jax.tree.unflatten(treedef, leaves))
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "treedef", "units"))
+def _first_program(graphdef, treedef, leaves, cond, uncond, x, action, st, inp, *, units):
     """A step's first program: the UNet's inputs, its embeddings and the first run of blocks → the carry."""
-    unet = nnx.merge(graphdef, state)
+    unet = _merge(graphdef, treedef, leaves)
     return _run_units(unet, units, unet.begin(*step_inputs(cond, x, action, st, inp, uncond)[:4]))
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "units"))
-def _middle_program(graphdef, state, carry, *, units):
-    return _run_units(nnx.merge(graphdef, state), units, carry)
+@functools.partial(jax.jit, static_argnames=("graphdef", "treedef", "units"))
+def _middle_program(graphdef, treedef, leaves, carry, *, units):
+    return _run_units(_merge(graphdef, treedef, leaves), units, carry)
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "units", "clip"))
-def _last_program(graphdef, state, carry, cond, uncond, x, action, st, inp, guidance_scale, guidance_rescale, *,
-                  units, clip):
+@functools.partial(jax.jit, static_argnames=("graphdef", "treedef", "units", "clip"))
+def _last_program(graphdef, treedef, leaves, carry, cond, uncond, x, action, st, inp, guidance_scale,
+                  guidance_rescale, *, units, clip):
     """A step's last program: the last run of blocks, the heads, guidance and both DDIM updates."""
-    unet = nnx.merge(graphdef, state)
+    unet = _merge(graphdef, treedef, leaves)
     heads = step_inputs(cond, x, action, st, inp, uncond)[4:]
     outs = unet.end(_run_units(unet, units, carry), *heads)
     return step_update(outs, x, action, st, inp, guidance_scale, guidance_rescale, clip, uncond is not None)
@@ -257,24 +262,28 @@ def _sample_programs(graphdef, state, cond, uncond, tables, key, noise, guidance
         "unifolm-sample-noise", key_of(shapes, num_steps, stochastic), _noise_program,
         (key, noise, shapes, num_steps, stochastic), static_argnums=(2, 3, 4))
     programs: dict = {}  # (name, units) → the program, found once (`cached_program`), then called every step
+    # The weights go to the programs as one flat tuple, flattened once: a call given the UNet's state flattens
+    # its 2,198 leaves through nnx's nodes every time (2.4–2.5 ms a call vs 0.41 ms, 2-core CPU host).
+    leaves, treedef = jax.tree.flatten(state)
+    leaves = tuple(leaves)
 
     def run(name, units, jitted, args, kwargs, static_argnames):
         if (name, units) not in programs:
             programs[name, units] = executable_cache.cached_program(
-                name, key_of(*kwargs.values()), jitted, args, kwargs, static_argnums=(0,),
+                name, key_of(*kwargs.values()), jitted, args, kwargs, static_argnums=(0, 1),
                 static_argnames=static_argnames, key_names_statics=True)
         return programs[name, units](*args, **kwargs)
 
     for i in range(num_steps):
         inp = {name: jnp.asarray(np.float32(v[i]) if name != "t" else np.int32(v[i])) for name, v in tables.items()}
         inp["noise"] = step_noise[i]
-        carry = run("unifolm-sample-first", runs[0], _first_program, (graphdef, state, cond, uncond, x, action, st, inp),
-                    dict(units=runs[0]), ("units",))
+        carry = run("unifolm-sample-first", runs[0], _first_program,
+                    (graphdef, treedef, leaves, cond, uncond, x, action, st, inp), dict(units=runs[0]), ("units",))
         for units in runs[1:-1]:
-            carry = run("unifolm-sample-middle", units, _middle_program, (graphdef, state, carry), dict(units=units),
-                        ("units",))
+            carry = run("unifolm-sample-middle", units, _middle_program, (graphdef, treedef, leaves, carry),
+                        dict(units=units), ("units",))
         x, action, st = run("unifolm-sample-last", runs[-1], _last_program,
-                            (graphdef, state, carry, cond, uncond, x, action, st, inp, guidance_scale,
+                            (graphdef, treedef, leaves, carry, cond, uncond, x, action, st, inp, guidance_scale,
                              guidance_rescale), dict(units=runs[-1], clip=clip), ("units", "clip"))
     return x, action, st
 
