@@ -69,20 +69,3 @@ def test_a_command_line_starts_the_device_client_before_its_work(monkeypatch):
     started.clear()
     monkeypatch.setattr(sys, "argv", ["generate", "--x", "nope"])
     assert run_cli(lambda args: None, bad) == 2 and started == []  # bad arguments: no device touched
-
-
-def test_a_command_line_that_grows_its_memory_says_so_before_the_device_starts(monkeypatch):
-    """`run_cli(..., grow_device_memory=True)`: the process's GPU memory is taken as needed (the variable is set
-    before the command's work, which is where the device client starts)."""
-    import argparse
-
-    from wan_tpu.runtime.cli import run_cli
-
-    monkeypatch.setattr(sys, "argv", ["wan-unifolm"])
-    seen = []
-    for grow, want in ((True, "false"), (False, None)):
-        for name in ("XLA_FLAGS", "XLA_PYTHON_CLIENT_MEM_FRACTION", "XLA_PYTHON_CLIENT_PREALLOCATE"):
-            monkeypatch.delenv(name, raising=False)  # restored after the test
-        assert run_cli(lambda args: seen.append(os.environ.get("XLA_PYTHON_CLIENT_PREALLOCATE")),
-                       argparse.ArgumentParser(), None, grow_device_memory=grow) == 0
-        assert seen[-1] == want and os.environ["XLA_PYTHON_CLIENT_MEM_FRACTION"] == "0.9"

@@ -135,37 +135,3 @@ def test_a_command_line_claims_most_of_a_gpu_unless_told(monkeypatch):
     monkeypatch.setenv("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # allocating on demand: no fraction to set
     device_memory.claim_device_memory()
     assert "XLA_PYTHON_CLIENT_MEM_FRACTION" not in os.environ
-
-
-def test_growing_keeps_the_cap_and_the_users_choice(monkeypatch):
-    """`grow=True`: memory taken as needed, capped at the same fraction; a user who asked for preallocation
-    (or set a fraction) keeps it."""
-    for name in ("XLA_PYTHON_CLIENT_MEM_FRACTION", "XLA_PYTHON_CLIENT_PREALLOCATE"):
-        monkeypatch.delenv(name, raising=False)
-    device_memory.claim_device_memory(grow=True)
-    assert os.environ["XLA_PYTHON_CLIENT_PREALLOCATE"] == "false"
-    assert os.environ["XLA_PYTHON_CLIENT_MEM_FRACTION"] == device_memory.GPU_MEMORY_FRACTION
-    monkeypatch.delenv("XLA_PYTHON_CLIENT_MEM_FRACTION")
-    monkeypatch.setenv("XLA_PYTHON_CLIENT_PREALLOCATE", "true")  # the user's preallocation: reserved, 90%
-    device_memory.claim_device_memory(grow=True)
-    assert os.environ["XLA_PYTHON_CLIENT_PREALLOCATE"] == "true"
-    assert os.environ["XLA_PYTHON_CLIENT_MEM_FRACTION"] == device_memory.GPU_MEMORY_FRACTION
-    monkeypatch.delenv("XLA_PYTHON_CLIENT_PREALLOCATE")
-    monkeypatch.setenv("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.5")
-    device_memory.claim_device_memory(grow=True)
-    assert os.environ["XLA_PYTHON_CLIENT_MEM_FRACTION"] == "0.5"
-    assert os.environ["XLA_PYTHON_CLIENT_PREALLOCATE"] == "false"
-
-
-def test_the_world_models_grow_and_wan_reserves(monkeypatch):
-    """Matrix-Game-2's and UnifoLM's command lines take GPU memory as they need it (their warm starts);
-    Wan's reserve the cap up front (a 14B 720p run fills an 80 GB card to it)."""
-    import importlib
-
-    seen = {}
-    for module in ("wan_tpu.matrix_game.cli", "wan_tpu.unifolm.cli", "wan_tpu.wan.cli"):
-        cli = importlib.import_module(module)
-        monkeypatch.setattr(cli, "run_cli", lambda run, parser, argv, _m=module, **kw: seen.setdefault(_m, kw))
-        cli.main([])
-    assert seen == {"wan_tpu.matrix_game.cli": {"grow_device_memory": True},
-                    "wan_tpu.unifolm.cli": {"grow_device_memory": True}, "wan_tpu.wan.cli": {}}

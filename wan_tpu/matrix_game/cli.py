@@ -180,4 +180,4 @@ def report(timer, session) -> str:
 
 
 def main(argv=None) -> int:
-    return run_cli(play, build_parser(), argv, grow_device_memory=True)
+    return run_cli(play, build_parser(), argv)

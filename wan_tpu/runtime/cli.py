@@ -135,11 +135,9 @@ def dtype_of(name: str):
     return {"bfloat16": jnp.bfloat16, "float32": jnp.float32}[name]
 
 
-def run_cli(run: Callable, parser: argparse.ArgumentParser, argv=None, *, grow_device_memory: bool = False) -> int:
+def run_cli(run: Callable, parser: argparse.ArgumentParser, argv=None) -> int:
     """Run `run(args)` under the command contract (module docstring); `argv=None` means a command line
-    (the process is ours: device memory and XLA defaults are claimed), a list means a call from Python.
-    `grow_device_memory`: the command takes GPU memory as it needs it, up to the same cap
-    (`wan_tpu.runtime.memory.claim_device_memory`)."""
+    (the process is ours: device memory and XLA defaults are claimed), a list means a call from Python."""
     called = time.perf_counter()
     import warnings
 
@@ -155,7 +153,7 @@ def run_cli(run: Callable, parser: argparse.ArgumentParser, argv=None, *, grow_d
                 from wan_tpu.runtime.memory import claim_device_memory
                 from wan_tpu.runtime.xla_defaults import apply_xla_defaults
 
-                claim_device_memory(grow=grow_device_memory)
+                claim_device_memory()
                 apply_xla_defaults()
             from wan_tpu.runtime import distributed
             from wan_tpu.runtime.profiling import process_start

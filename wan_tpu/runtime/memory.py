@@ -47,22 +47,10 @@ def available_bytes() -> tuple[int | None, str]:
 GPU_MEMORY_FRACTION = "0.9"
 
 
-def claim_device_memory(grow: bool = False) -> None:
+def claim_device_memory() -> None:
     """For a command line, before the first device use: let XLA take `GPU_MEMORY_FRACTION` of each GPU
-    unless the user set `XLA_PYTHON_CLIENT_MEM_FRACTION` (or turned preallocation off) themselves.
-
-    `grow`: the same cap, but taken as the programs need it (`XLA_PYTHON_CLIENT_PREALLOCATE=false`) unless
-    the user chose preallocation. Reserving 90% of an H200 up front held the world models' warm starts back
-    (whole warm commands in fresh processes, in turns, median of 3, jax 0.11.2: Matrix-Game-2's first chunk
-    7.22 → 5.48 s, UnifoLM-WMA's first sampling 12.42 → 10.14 s; docs/PERFORMANCE.md). They peak far below the
-    cap, where an allocator that grows region by region has room to spare; Wan's 14B at 720p fills an 80 GB
-    card to the cap, and reserves it whole."""
+    unless the user set `XLA_PYTHON_CLIENT_MEM_FRACTION` (or turned preallocation off) themselves."""
     import os
 
-    if grow:
-        os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
-        if os.environ["XLA_PYTHON_CLIENT_PREALLOCATE"].lower() in ("false", "0"):
-            os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", GPU_MEMORY_FRACTION)  # the cap while growing
-            return
     if os.environ.get("XLA_PYTHON_CLIENT_PREALLOCATE", "").lower() not in ("false", "0"):
         os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", GPU_MEMORY_FRACTION)

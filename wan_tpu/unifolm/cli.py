@@ -233,4 +233,4 @@ def command(args) -> None:
 
 
 def main(argv=None) -> int:
-    return run_cli(command, build_parser(), argv, grow_device_memory=True)
+    return run_cli(command, build_parser(), argv)
