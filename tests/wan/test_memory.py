@@ -121,17 +121,3 @@ def test_mesh_divides_sharded_weights(sixteen_gib):
     whole = memory.stage_bytes(pipe, s, ("denoise",))["denoise"][0]
     pipe.mesh = jax.make_mesh((2, 2, 2), ("dp", "sp", "tp"))
     assert memory.stage_bytes(pipe, s, ("denoise",))["denoise"][0] < whole
-
-
-def test_a_command_line_claims_most_of_a_gpu_unless_told(monkeypatch):
-    for name in ("XLA_PYTHON_CLIENT_MEM_FRACTION", "XLA_PYTHON_CLIENT_PREALLOCATE"):
-        monkeypatch.delenv(name, raising=False)
-    device_memory.claim_device_memory()
-    assert os.environ["XLA_PYTHON_CLIENT_MEM_FRACTION"] == device_memory.GPU_MEMORY_FRACTION
-    monkeypatch.setenv("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.5")  # the user's choice stays
-    device_memory.claim_device_memory()
-    assert os.environ["XLA_PYTHON_CLIENT_MEM_FRACTION"] == "0.5"
-    monkeypatch.delenv("XLA_PYTHON_CLIENT_MEM_FRACTION")
-    monkeypatch.setenv("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # allocating on demand: no fraction to set
-    device_memory.claim_device_memory()
-    assert "XLA_PYTHON_CLIENT_MEM_FRACTION" not in os.environ

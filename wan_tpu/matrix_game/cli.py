@@ -180,4 +180,6 @@ def report(timer, session) -> str:
 
 
 def main(argv=None) -> int:
-    return run_cli(play, build_parser(), argv)
+    from wan_tpu.runtime.memory import world_model_need
+
+    return run_cli(play, build_parser(), argv, device_memory=world_model_need)

@@ -135,9 +135,12 @@ def dtype_of(name: str):
     return {"bfloat16": jnp.bfloat16, "float32": jnp.float32}[name]
 
 
-def run_cli(run: Callable, parser: argparse.ArgumentParser, argv=None) -> int:
+def run_cli(run: Callable, parser: argparse.ArgumentParser, argv=None, *,
+            device_memory: Callable[[argparse.Namespace], int | None] | None = None) -> int:
     """Run `run(args)` under the command contract (module docstring); `argv=None` means a command line
-    (the process is ours: device memory and XLA defaults are claimed), a list means a call from Python."""
+    (the process is ours: device memory and XLA defaults are claimed), a list means a call from Python.
+    `device_memory(args)`: the bytes the run needs on a device at most, which a command line reserves
+    instead of most of the GPU (`wan_tpu.runtime.memory.claim_device_memory`)."""
     called = time.perf_counter()
     import warnings
 
@@ -153,7 +156,7 @@ def run_cli(run: Callable, parser: argparse.ArgumentParser, argv=None) -> int:
                 from wan_tpu.runtime.memory import claim_device_memory
                 from wan_tpu.runtime.xla_defaults import apply_xla_defaults
 
-                claim_device_memory()
+                claim_device_memory(device_memory(args) if device_memory is not None else None)
                 apply_xla_defaults()
             from wan_tpu.runtime import distributed
             from wan_tpu.runtime.profiling import process_start

@@ -344,5 +344,12 @@ async def serve(app, sock, state, grace: float) -> int | None:
     return taken[0] if taken else None
 
 
+def device_memory(args) -> int | None:
+    """A world model's server reserves what its command would (`world_model_need`); Wan's the usual share."""
+    from wan_tpu.runtime.memory import world_model_need
+
+    return None if (args.family or detect_family(args.model)) == "wan" else world_model_need(args)
+
+
 def main(argv=None) -> int:
-    return run_cli(run, build_parser(), argv)
+    return run_cli(run, build_parser(), argv, device_memory=device_memory)

@@ -233,4 +233,6 @@ def command(args) -> None:
 
 
 def main(argv=None) -> int:
-    return run_cli(command, build_parser(), argv)
+    from wan_tpu.runtime.memory import world_model_need
+
+    return run_cli(command, build_parser(), argv, device_memory=world_model_need)
