@@ -109,7 +109,8 @@ def test_world_model_commands_pass_their_need(clean_env, module, tmp_path):
     need = got["need"]
     assert need is not None
     if module == "wan_tpu.serve.cli":
-        assert need(argparse.Namespace(model="tiny", family=None)) is None  # Wan: the usual share
-        assert need(argparse.Namespace(model="matrix-game-tiny", family=None)) == 16 * GiB
+        assert need(argparse.Namespace(model="tiny", family=None, max_sessions=1)) is None  # Wan: the usual share
+        assert need(argparse.Namespace(model="matrix-game-tiny", family=None, max_sessions=1)) == 16 * GiB
+        assert need(argparse.Namespace(model="matrix-game-tiny", family=None, max_sessions=3)) == 48 * GiB
     else:
         assert need(argparse.Namespace(model=str(tmp_path))) == 16 * GiB

@@ -116,10 +116,13 @@ def weights_on_disk(path) -> int:
     return total
 
 
+WORLD_MODEL_WORKING_SET = 16 * GiB  # a world model's run beside its weights (`world_model_need`)
+
+
 def world_model_need(args) -> int:
     """What a world model's command (`wan_tpu.matrix_game`, `wan_tpu.unifolm`) reserves on a GPU: its weights
     twice over (a folder stored in bfloat16 run in float32) plus 16 GiB of working set. Measured peaks on an
     H200 (jax 0.11.2): Matrix-Game-2 universal 14.0 GiB with 4.7 GB of weights (→ 25.3 GiB reserved), UnifoLM-WMA
     decision 20.9 GiB with 13.5 GB (→ 42.9 GiB): each about twice its peak, room for a cold run's autotuning
     buffers; a card smaller than that keeps `GPU_MEMORY_FRACTION`."""
-    return 2 * weights_on_disk(getattr(args, "model", None)) + 16 * GiB
+    return 2 * weights_on_disk(getattr(args, "model", None)) + WORLD_MODEL_WORKING_SET

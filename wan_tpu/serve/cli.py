@@ -345,10 +345,13 @@ async def serve(app, sock, state, grace: float) -> int | None:
 
 
 def device_memory(args) -> int | None:
-    """A world model's server reserves what its command would (`world_model_need`); Wan's the usual share."""
-    from wan_tpu.runtime.memory import world_model_need
+    """A world model's server reserves what its command would (`world_model_need`), plus a working set for each
+    further live session (`--max-sessions`, each its own stream); Wan's the usual share."""
+    from wan_tpu.runtime.memory import WORLD_MODEL_WORKING_SET, world_model_need
 
-    return None if (args.family or detect_family(args.model)) == "wan" else world_model_need(args)
+    if (args.family or detect_family(args.model)) == "wan":
+        return None
+    return world_model_need(args) + (max(args.max_sessions, 1) - 1) * WORLD_MODEL_WORKING_SET
 
 
 def main(argv=None) -> int:
