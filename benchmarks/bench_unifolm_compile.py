@@ -9,6 +9,8 @@ constant 0.01 (a rate, not a result), for variants of the UNet's graph.
 
 Variants (`base` and `split:K` ship, the others were measured and left out: docs/TRIED.md):
   * `base`: the shipped UNet;
+  * `taps`: the temporal (3, 1) convolutions and the heads' stride-1 1-D ones as one matrix product over
+    (taps × input channels) of the padded input's shifted views, instead of convolutions (cuDNN on GPUs);
   * `barrier`: GroupNorm's and LayerNorm's statistics behind an optimization barrier on GPUs
     (`own_pass_on_gpu`), so XLA's Triton normalization rewriter meets no reduction diamond;
   * `scan`: a ResBlock's four temporal convolutions (GroupNorm, SiLU, conv) in a `lax.scan` over their
@@ -35,7 +37,7 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # harness.py, profile_compile.py, beside this script
 import harness  # noqa: E402
 
-VARIANTS = ("base", "barrier", "scan", "barrier+scan", "split:K")
+VARIANTS = ("base", "taps", "barrier", "scan", "barrier+scan", "split:K")
 
 
 def apply(variant: str) -> None:
@@ -46,7 +48,7 @@ def apply(variant: str) -> None:
 
     from wan_tpu.layers import norms
     from wan_tpu.layers.fusion import own_pass_on_gpu
-    from wan_tpu.unifolm import blocks
+    from wan_tpu.unifolm import blocks, heads
 
     parts = set(variant.split("+"))
     if split_count(variant) is not None:
@@ -71,6 +73,31 @@ def apply(variant: str) -> None:
 
         norms.GroupNorm.__call__ = group_norm
         norms.layer_norm = layer_norm
+    if "taps" in parts:
+        import itertools
+
+        from wan_tpu.layers.conv import Conv
+
+        conv_call = Conv.__call__
+
+        def taps_matmul(self, x):
+            kernel = self.kernel[...]
+            taps = kernel.shape[1:-1] if self.out_first else kernel.shape[:-2]
+            if any(s != 1 for s in self.strides) or (len(taps) > 1 and taps != (3, 1)):
+                return conv_call(self, x)  # the heads' stride-2 downsampling, their keypoints' 1×1 convolutions
+            xp = jnp.pad(x.astype(self.dtype), ((0, 0), *self.padding, (0, 0)))
+            out = [n - k + 1 for n, k in zip(xp.shape[1:-1], taps)]
+            views = [xp[(slice(None), *(slice(i, i + o) for i, o in zip(at, out)), slice(None))]
+                     for at in itertools.product(*(range(k) for k in taps))]  # the kernel's own (row-major) tap order
+            stacked = jnp.stack(views, axis=-2)  # (N, *out, taps, in)
+            if self.out_first:
+                y = jnp.einsum("...tc,otc->...o", stacked, kernel.reshape(kernel.shape[0], -1, kernel.shape[-1]))
+            else:
+                y = jnp.einsum("...tc,tco->...o", stacked, kernel.reshape(-1, *kernel.shape[-2:]))
+            return y if self.bias is None else y + self.bias[...]
+
+        for module in (blocks.TemporalConvBlock, heads.ConditionalUnet1D):
+            module.__call__ = _with_conv(module.__call__, taps_matmul)
     if "scan" in parts:
         def temporal_conv(self, x):
             b, t, hh, ww, c = x.shape
@@ -85,6 +112,21 @@ def apply(variant: str) -> None:
             return x + jax.lax.scan(layer, x, (stacked("norm"), stacked("conv")))[0]
 
         blocks.TemporalConvBlock.__call__ = temporal_conv
+
+
+def _with_conv(call, conv_call):
+    """`call` with every `Conv` it runs (its own and its children's) computed by `conv_call` instead."""
+    from wan_tpu.layers.conv import Conv
+
+    def wrapped(self, *args):
+        original = Conv.__call__
+        Conv.__call__ = conv_call
+        try:
+            return call(self, *args)
+        finally:
+            Conv.__call__ = original
+
+    return wrapped
 
 
 def split_count(variant: str) -> int | None:
@@ -213,11 +255,11 @@ def main(argv=None) -> int:
         rows.append((variant, f"{r['lower']:.2f}", f"{r['compile']:.2f}",
                      f"{xla['passes']:.2f} / {xla['backend']:.2f}{others}" if xla.get("count") else "—",
                      ", ".join(f"{name} {sec:.2f}" for name, sec in longest) or "—",
-                     " ".join(f"{s:.3f}" for s in r["runs"])))
+                     " ".join(f"{s:.3f}" for s in r["runs"]), str(proc.output.count(profile_compile.REMAT))))
         print(f"{variant}: compile {r['compile']:.2f} s", flush=True)
     print(f"\n{args.config}, {args.steps} steps, sampling program compiled alone (XLA's timers: GPUs)")
     print(harness.table(("variant", "lower s", "compile s", "largest: passes / backend s (+ others)", "longest passes, s",
-                         f"{args.steps}-step sampling s, each run"), rows))
+                         f"{args.steps}-step sampling s, each run", "remat warnings"), rows))
     return 0
 
 

@@ -1,7 +1,7 @@
 """`benchmarks/bench_unifolm_compile.py`'s variants of the UNet's graph compute what the shipped blocks do:
 on the CPU the barrier is no barrier (bit for bit), and the scanned temporal convolutions match the unrolled
-ones within float32 rounding (relative 1e-6: another program, the same products); `split:K` runs the shipped
-step programs."""
+ones within float32 rounding (relative 1e-6: another program, the same products), as do the convolutions as
+products over their taps; `split:K` runs the shipped step programs."""
 
 import bench_unifolm_compile
 import jax
@@ -10,13 +10,15 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from wan_tpu.configs.unifolm import CONFIGS
 from wan_tpu.layers import norms
-from wan_tpu.unifolm import blocks
+from wan_tpu.unifolm import blocks, heads
 
 
 @pytest.fixture
 def restored(monkeypatch):
-    for owner, name in ((norms.GroupNorm, "__call__"), (norms, "layer_norm"), (blocks.TemporalConvBlock, "__call__")):
+    for owner, name in ((norms.GroupNorm, "__call__"), (norms, "layer_norm"), (blocks.TemporalConvBlock, "__call__"),
+                        (heads.ConditionalUnet1D, "__call__")):
         monkeypatch.setattr(owner, name, getattr(owner, name))  # undone after the test
 
 
@@ -32,6 +34,24 @@ def test_variants_compute_the_shipped_blocks(restored):
     np.testing.assert_allclose(np.asarray(block(x)), want[0], rtol=1e-6, atol=1e-6)
     with pytest.raises(SystemExit, match="unknown variant"):
         bench_unifolm_compile.apply("fast")
+
+
+def test_taps_variant_computes_the_shipped_convolutions(restored):
+    cfg = CONFIGS["unifolm-tiny"]
+    block = blocks.TemporalConvBlock(32, dtype=jnp.float32, rngs=nnx.Rngs(0))
+    dims = tuple(cfg.unet.model_channels * m for m in cfg.unet.channel_mult)
+    head = heads.ConditionalUnet1D(cfg.head, dims, dtype=jnp.float32, rngs=nnx.Rngs(1))
+    keys = iter(jax.random.split(jax.random.key(2), 16))
+    x = jax.random.normal(next(keys), (2, 5, 3, 4, 32))
+    t, d = cfg.head.horizon, cfg.head.input_dim
+    obs = cfg.head.n_obs_steps * (2 * cfg.head.spatial_softmax_kp + cfg.head.agent_pos_dim)
+    maps = [jax.random.normal(next(keys), (t, 4, 4, c)) for c in (*dims, dims[-1], *dims[::-1])]
+    args = (jax.random.normal(next(keys), (1, t, d)), jnp.array([500]), maps, jax.random.normal(next(keys), (1, obs)))
+    want = np.asarray(block(x)), np.asarray(head(*args))
+    bench_unifolm_compile.apply("taps")
+    assert "conv_general_dilated" not in str(jax.make_jaxpr(block)(x))  # products now, not convolutions
+    np.testing.assert_allclose(np.asarray(block(x)), want[0], rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(np.asarray(head(*args)), want[1], rtol=1e-5, atol=1e-5)
 
 
 
