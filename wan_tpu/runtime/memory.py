@@ -81,11 +81,12 @@ def claim_device_memory(need_bytes: int | None = None) -> str | None:
     or preallocation off).
 
     `need_bytes`: what the run needs on a device at most (a world model's command: its weights plus a
-    working set, `weights_on_disk`); the reservation is that much, up to `GPU_MEMORY_FRACTION`. Without it
+    working set, `world_model_need`); the reservation is that much, up to `GPU_MEMORY_FRACTION`. Without it
     (Wan, whose 14B 720p run fills an 80 GB card) or where the card's size is unknown: that fraction.
     Reserving costs start time in proportion (an H200, jax 0.11.2, a fresh process's first transfer: 2.07–3.47 s
-    with 90% reserved, 0.76–0.88 s with 25%, 0.29–0.40 s growing on demand): Matrix-Game-2's whole
-    warm command 6.54–6.59 s → 5.17–5.21 s, in turns (docs/PERFORMANCE.md)."""
+    with 90% reserved, 0.76–0.88 s with 25%, 0.29–0.40 s growing on demand). Sized by `world_model_need`,
+    Matrix-Game-2's whole warm command took 5.30–5.68 s instead of 6.73–7.53 s, UnifoLM's 10.27–10.70 s instead of
+    11.61–11.66 s, in turns; their cold commands were no slower (docs/PERFORMANCE.md)."""
     if any(os.environ.get(name) for name in FRACTION_VARIABLES):
         return None
     if os.environ.get("XLA_PYTHON_CLIENT_PREALLOCATE", "").lower() in ("false", "0"):
