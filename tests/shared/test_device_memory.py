@@ -67,6 +67,7 @@ def test_a_world_models_need_from_its_weight_files(tmp_path):
     (tmp_path / "sub").mkdir()
     save_file({"v": np.zeros((1024,), np.float16)}, str(tmp_path / "sub" / "vae.safetensors"))
     (tmp_path / "config.json").write_text("{}")  # not weights
+    (tmp_path / "gone.safetensors").symlink_to(tmp_path / "blob-not-downloaded")  # a broken link counts 0
     weights = os.path.getsize(tmp_path / "model.safetensors") + os.path.getsize(tmp_path / "sub" / "vae.safetensors")
     assert weights > 256 * 1024 * 4
     assert memory.weights_on_disk(str(tmp_path)) == weights

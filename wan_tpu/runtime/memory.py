@@ -107,14 +107,18 @@ WEIGHT_SUFFIXES = (".safetensors", ".gguf", ".bin", ".pt", ".pth", ".ckpt", ".np
 def weights_on_disk(path) -> int:
     """Bytes of the weight files at `path` (a file, or a folder searched through): what a model folder
     will place on the devices at most when loaded in its stored dtypes; 0 for a preset's name."""
+    def size(file):
+        try:
+            return os.path.getsize(file)
+        except OSError:  # a broken link (a half-downloaded cache): the load names it, not this estimate
+            return 0
+
     if not path or not os.path.exists(path):
         return 0
     if os.path.isfile(path):
-        return os.path.getsize(path)
-    total = 0
-    for root, _, files in os.walk(path):
-        total += sum(os.path.getsize(os.path.join(root, f)) for f in files if f.endswith(WEIGHT_SUFFIXES))
-    return total
+        return size(path)
+    return sum(size(os.path.join(root, f)) for root, _, files in os.walk(path) for f in files
+               if f.endswith(WEIGHT_SUFFIXES))
 
 
 WORLD_MODEL_WORKING_SET = 16 * GiB  # a world model's run beside its weights (`world_model_need`)
