@@ -52,13 +52,14 @@ import dataclasses
 import functools
 import json
 import os
-import shutil
 import subprocess
 import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # harness.py, beside this script
 import harness  # noqa: E402
+
+from wan_tpu.runtime.memory import gpu_total_bytes  # noqa: E402  (the driver's figure: JAX not started)
 
 GiB = 2**30
 CONFIGS = {"14b": "wan2.1-t2v-14b", "1.3b": "wan2.1-t2v-1.3b", "tiny": "tiny"}
@@ -70,15 +71,6 @@ COMMAND_ROWS = [("1.3b", 8), ("14b", 24)]
 TINY_COMMAND_ROWS = [("tiny", 0)]  # 0: no cap (CPU), the blocks streamed by `--offload blocks:1`
 COMMAND_STEPS = {"1.3b": 50, "14b": 8, "tiny": 2}
 PROMPT = "a cat walks on the grass, realistic"
-
-
-def gpu_total_bytes() -> int | None:
-    """The first NVIDIA GPU's memory as the driver reports it (JAX not started: the cap must come first)."""
-    if not shutil.which("nvidia-smi"):
-        return None
-    out = subprocess.run(["nvidia-smi", "--query-gpu=memory.total", "--format=csv,noheader,nounits"],
-                         capture_output=True, text=True, timeout=60).stdout.split()
-    return int(out[0]) * 2**20 if out else None
 
 
 def cap_env(budget_gib: float | None) -> dict[str, str]:
