@@ -94,8 +94,8 @@ def test_a_command_line_reserves_what_its_family_names(clean_env, tmp_path):
 
 @pytest.mark.parametrize("module", ["wan_tpu.matrix_game.cli", "wan_tpu.unifolm.cli", "wan_tpu.serve.cli"])
 def test_world_model_commands_pass_their_need(clean_env, module, tmp_path):
-    """Each world model's command line (and a server of one) hands `run_cli` the need; parsing stops at a bad
-    flag, so nothing loads."""
+    """Each world model's command line (and a server of one) hands `run_cli` its need (`run_cli` stubbed: nothing
+    parses or loads)."""
     import importlib
 
     cli = importlib.import_module(module)
