@@ -520,7 +520,17 @@ def entry_ours(name: str, ckpt: str, args, s, cache: str) -> dict:
         argv += ["--lora", args.lora]
     if args.cache:
         argv += ["--cache", args.cache]
-    proc = harness.run_fresh(argv, env={"WAN_TPU_CACHE_DIR": cache})
+    if args.command_mesh:
+        argv += ["--mesh", args.command_mesh]
+    if args.processes > 1:
+        wall, rc, text = _run_processes(argv, args, cache)
+        proc = harness.Process(rc, wall, text)
+    else:
+        env = {"WAN_TPU_CACHE_DIR": cache}
+        if args.command_mesh and harness.device_kind() == "cpu":  # a CPU host: that many host devices
+            env["XLA_FLAGS"] = (f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count="
+                                f"{_mesh_devices(args.command_mesh)}").strip()
+        proc = harness.run_fresh(argv, env=env)
     wall, text = proc.wall, proc.output
     if proc.rc:
         return _failed(name, proc.rc, text)
@@ -532,6 +542,44 @@ def entry_ours(name: str, ckpt: str, args, s, cache: str) -> dict:
     print(f"    after the table (wall - its total): {wall - float(rows['total']):.2f} s", flush=True)
     return {"entry": name, "status": "ok", "wall": wall, "parts": parts,
             "s_per_step": float(rows["s/step (median)"]), "startup": float(rows.get("startup", "nan"))}
+
+
+def _run_processes(argv: list[str], args, cache: str) -> tuple[float, int, str]:
+    """`argv` as one run over `args.processes` processes (`--coordinator localhost:PORT`), spawned together, each
+    with its share of the devices (one GPU each; on a CPU host that many host devices each) → (seconds from the
+    spawn to the last exit, the worst exit status, process 0's output). Each process keeps its own cache folder:
+    a shared one would let a later process read what an earlier one wrote in the same run."""
+    import socket
+    import subprocess
+
+    with socket.socket() as sock:
+        sock.bind(("localhost", 0))
+        port = sock.getsockname()[1]
+    n = args.processes
+    gpus = harness.device_kind() != "cpu"
+    per = _mesh_devices(args.command_mesh) // n if args.command_mesh else 1
+    procs, logs = [], []
+    start = time.perf_counter()
+    for i in range(n):
+        env = {**os.environ, "WAN_TPU_CACHE_DIR": os.path.join(cache, f"process{i}")}
+        if gpus:
+            env["CUDA_VISIBLE_DEVICES"] = ",".join(str(i * per + k) for k in range(per))
+        else:
+            env["JAX_PLATFORMS"] = "cpu"
+            env["XLA_FLAGS"] = f"{env.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count={per}".strip()
+        log = tempfile.TemporaryFile(mode="w+")
+        logs.append(log)
+        procs.append(subprocess.Popen([*argv, "--coordinator", f"localhost:{port}", "--num-processes", str(n),
+                                       "--process-id", str(i)], env=env, stdout=log, stderr=subprocess.STDOUT,
+                                      text=True))
+    codes = [p.wait() for p in procs]
+    wall = time.perf_counter() - start
+    logs[0].seek(0)
+    return wall, max(codes, key=abs), logs[0].read()
+
+
+def _mesh_devices(mesh: str) -> int:
+    return math.prod(parse_mesh(mesh))
 
 
 def entry_diffusers(name: str, ckpt: str, args, s, compiled: bool) -> dict:
@@ -648,9 +696,12 @@ def run_peer(ckpt: str, args) -> list[dict]:
     """Every entry in `args.entries` once, in order, on one checkpoint and one set of settings."""
     variant, s = run_settings(ckpt, args)
     cache = tempfile.mkdtemp(prefix="bench_e2e_cache_", dir=os.path.abspath(args.workdir))  # empty: cold
+    where = ""
+    if args.command_mesh:
+        where = f", mesh {args.command_mesh}" + (f", {args.processes} processes" if args.processes > 1 else "")
     entries = {
-        "ours-cold": lambda: entry_ours("wan_tpu, empty cache (cold)", ckpt, args, s, cache),
-        "ours-warm": lambda: entry_ours("wan_tpu, cache filled (warm)", ckpt, args, s, cache),
+        "ours-cold": lambda: entry_ours(f"wan_tpu, empty cache (cold){where}", ckpt, args, s, cache),
+        "ours-warm": lambda: entry_ours(f"wan_tpu, cache filled (warm){where}", ckpt, args, s, cache),
         "diffusers-eager": lambda: entry_diffusers("diffusers eager", ckpt, args, s, False),
         "diffusers-compile": lambda: entry_diffusers("diffusers compile_repeated_blocks", ckpt, args, s, True),
     }
@@ -732,6 +783,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--cache", choices=("teacache", "magcache", "fbcache"), default=None,
                    help="with --peer: our step cache at its default threshold; diffusers runs its own FBCache / "
                         "MagCache (it has no TeaCache: its entries are then skipped)")
+    p.add_argument("--command-mesh", default=None, metavar="DP,SP,TP",
+                   help="with --peer: our commands run on this mesh (`generate --mesh`); diffusers stays on one GPU")
+    p.add_argument("--processes", type=int, default=1, metavar="N",
+                   help="with --peer and --command-mesh: our commands as N processes of one run (`--coordinator "
+                        "localhost:PORT`), each with its share of the GPUs; the wall is from the spawn to the last exit")
     p.add_argument("--lora-file", dest="lora", default=None, help=argparse.SUPPRESS)  # the peer's script: its LoRA
     p.add_argument("--result-json", default=None, help=argparse.SUPPRESS)  # a mesh's row, for the parent process
     p.add_argument("--diffusers-child", default=None, help=argparse.SUPPRESS)  # checkpoint: run the peer's script
@@ -786,6 +842,12 @@ def main(argv=None) -> int:
         harness.print_env()
     try:
         if args.peer:
+            if args.processes < 1 or (args.processes > 1 and (
+                    not args.command_mesh or _mesh_devices(args.command_mesh) % args.processes)):
+                raise WanInputError(f"--processes {args.processes} needs --command-mesh with a multiple of "
+                                    f"{args.processes} devices; pass e.g. --command-mesh 1,4,1 --processes 4")
+            if args.command_mesh:
+                parse_mesh(args.command_mesh)
             ckpt = ensure_checkpoint(args.workdir, args.config)
             if args.lora_rank:
                 args.lora = write_lora(os.path.join(os.path.abspath(args.workdir), f"{CONFIGS[args.config].variant}"

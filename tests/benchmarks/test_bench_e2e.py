@@ -154,3 +154,35 @@ def test_peer_cache_diffusers_lacks_is_skipped(workdir, capsys):
             "--steps", "2", "--size", "32*32", "--frames", "5", "--workdir", str(workdir)]
     assert bench.main(argv) == 0
     assert "skipped: diffusers has no teacache" in capsys.readouterr().out
+
+
+def test_processes_spawn_one_run(monkeypatch, tmp_path):
+    """`--command-mesh 1,4,1 --processes 2`: every process gets the same command plus its place in the run, its
+    share of the devices and its own cache folder; the wall spans them all, process 0's output is kept."""
+    import argparse
+    import json
+    import sys
+
+    probe = ("import json, os, sys; print(json.dumps({'argv': sys.argv[1:], 'cache': os.environ['WAN_TPU_CACHE_DIR'], "
+             "'flags': os.environ.get('XLA_FLAGS', ''), 'gpus': os.environ.get('CUDA_VISIBLE_DEVICES')}))")
+    monkeypatch.setattr(bench.harness, "device_kind", lambda devices=None: "cpu")
+    args = argparse.Namespace(processes=2, command_mesh="1,4,1")
+    wall, rc, out = bench._run_processes([sys.executable, "-c", probe, "--mesh", "1,4,1"], args, str(tmp_path))
+    seen = json.loads(out)
+    assert rc == 0 and wall > 0
+    assert seen["argv"][:2] == ["--mesh", "1,4,1"] and seen["argv"][-4:] == ["--num-processes", "2", "--process-id", "0"]
+    assert seen["argv"][2] == "--coordinator" and seen["argv"][3].startswith("localhost:")
+    assert seen["cache"] == os.path.join(str(tmp_path), "process0") and seen["gpus"] is None
+    assert seen["flags"].endswith("--xla_force_host_platform_device_count=2")
+
+    monkeypatch.setattr(bench.harness, "device_kind", lambda devices=None: "4× NVIDIA H200")
+    wall, rc, out = bench._run_processes([sys.executable, "-c", probe], args, str(tmp_path))
+    assert json.loads(out)["gpus"] == "0,1"
+
+
+def test_processes_need_a_mesh_they_divide(workdir, capsys):
+    argv = ["--config", "tiny", "--peer", "diffusers", "--processes", "3", "--command-mesh", "1,4,1",
+            "--workdir", str(workdir)]
+    assert bench.main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: --processes 3 needs --command-mesh with a multiple of 3 devices") and "\n" not in err
