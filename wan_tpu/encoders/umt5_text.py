@@ -26,6 +26,7 @@ import numpy as np
 import regex
 
 from wan_tpu.errors import WanInputError
+from wan_tpu.runtime.compile_ahead import abstract
 
 try:  # diffusers and the official Wan code fix mojibake with ftfy when it is installed; so do we.
     import ftfy
@@ -99,8 +100,9 @@ class UMT5TextEncoder:
         return _embed(self.graphdef, self.state, self.embed_tokens(input_ids), attention_mask)
 
     def compile(self, batch: int) -> None:
-        """Compile (without running) the program `encode` runs for `batch` prompts, from shapes alone."""
-        _lower(self.graphdef, _abstract(self.state), self.config, self.model.dtype, batch,
+        """Compile (without running) the program `encode` runs for `batch` prompts, from shapes alone (the
+        lookup gives host rows: its output has no placement; the weights' placements are the loader's)."""
+        _lower(self.graphdef, abstract(self.state), self.config, self.model.dtype, batch,
                self.max_sequence_length).compile()
 
 
@@ -113,18 +115,7 @@ def compile_encode(config, dtype, batch: int, max_sequence_length: int = MAX_SEQ
     from wan_tpu.encoders.umt5 import UMT5Encoder
 
     graphdef, state = nnx.split(nnx.eval_shape(lambda: UMT5Encoder(config, dtype)))
-    _lower(graphdef, _abstract(state), config, dtype, batch, max_sequence_length).compile()
-
-
-def _abstract(state):
-    """Shapes, dtypes and placements of `state` (concrete or abstract): what a program is compiled for.
-    Arrays put on the default device without naming one (uncommitted) get no placement, as jit sees them."""
-    def one(x):
-        if isinstance(x, jax.Array):
-            return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding if x.committed else None)
-        return x
-
-    return jax.tree.map(one, state)
+    _lower(graphdef, abstract(state), config, dtype, batch, max_sequence_length).compile()
 
 
 def _lower(graphdef, state, config, dtype, batch: int, length: int):

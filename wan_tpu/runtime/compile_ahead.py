@@ -23,8 +23,11 @@ What runs for `WanPipeline`, each in its own thread:
     and the uint8 conversion, lowered one after the other and compiled side by side (`SideBySide`);
     while the DiT denoises; on a GPU the first step waits for them instead (`WAIT_FOR_DEVICE_AUTOTUNING`: their
     compiles time kernels on the device, `autotunes_on_device`, and beside a running denoise both slow down).
-On a device mesh only the reading runs ahead (the calls' shardings come from the previous stage, so
-programs compiled from shapes would not be theirs). `component()`, `denoise()` and `decode()` of the
+On a device mesh the programs compile once their module is loaded (the weights' placements are the
+loader's and go into the programs): the text encoder's for the lookup's output placement, the step for
+latents, scheduler state and conditioning that `denoise` lays out whole on every device before the first
+step (so every step runs one program), and the decode one program after the other (each program's output
+placements, which XLA's partitioner picks, are the next one's inputs). `component()`, `denoise()` and `decode()` of the
 pipeline (and `encode_prompt`) wait for the piece they need and for nothing else; a compile that fails is reported
 as a warning and the call compiles as it always did. Leaving the
 `with` block (or `close()`) cancels what has not started and waits for what runs, so that no thread
@@ -270,6 +273,18 @@ def autotunes_on_device() -> bool:
     strip program took 48 s to compile beside a 1.3B denoise, its second 4.5 s on the idle device, and the
     denoise took 9% longer. TPU and CPU compiles leave the device alone."""
     return jax.devices()[0].platform == "gpu"
+
+
+def abstract(tree):
+    """Shapes, dtypes and placements of `tree`'s arrays (concrete or abstract): what a program is compiled
+    for. Arrays put on the default device without naming one (uncommitted) get no placement, as jit sees
+    them: a call moves them to its other arguments' devices."""
+    def one(x):
+        if isinstance(x, jax.Array):
+            return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding if x.committed else None)
+        return x
+
+    return jax.tree.map(one, tree)
 
 
 def serves(module, abstract) -> bool:

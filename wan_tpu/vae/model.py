@@ -112,16 +112,18 @@ class WanVAE(nnx.Module):
 
         wmesh = width_mesh(mesh or self.mesh)
         z = jax.ShapeDtypeStruct(tuple(shape), self.dtype)
+        if wmesh is not None:  # placed as `decode` places its input
+            z = jax.ShapeDtypeStruct(z.shape, z.dtype, sharding=_placement(z, wmesh))
         if strips is None:
             strips = 1 if wmesh is not None else self._auto_strips(z, free_bytes)
         if wmesh is None and self._needs_tiling(z, strips, free_bytes):
             return None
         if compiles is None:
             with SideBySide(stop) as own:
-                out = self._decode(z, wmesh, strips=strips, run=_Run(own))
+                out = self._decode(z, wmesh, strips=strips, run=_Run(own, wmesh))
         else:
-            out = self._decode(z, wmesh, strips=strips, run=_Run(compiles))
-        return jax.ShapeDtypeStruct(out.shape, out.dtype)
+            out = self._decode(z, wmesh, strips=strips, run=_Run(compiles, wmesh))
+        return jax.ShapeDtypeStruct(out.shape, out.dtype, sharding=getattr(out, "sharding", None))
 
     def encode_chunk(self, video, caches=None):
         """Streaming encode: the next frames of a video → (posterior mean of their latent frame
@@ -350,10 +352,13 @@ def _constrain(wmesh):
 
 def _place(x, wmesh):
     """Inputs: width-split (channels-first layouts put width last, hence the transpose-free spec)."""
-    if wmesh is None:
-        return x
-    spec = NamedSharding(wmesh, PartitionSpec(*[None] * (x.ndim - 1), "w")) if x.shape[-1] % wmesh.devices.size == 0 else None
-    return jax.device_put(x, spec or NamedSharding(wmesh, PartitionSpec()))
+    return x if wmesh is None else jax.device_put(x, _placement(x, wmesh))
+
+
+def _placement(x, wmesh) -> NamedSharding:
+    if x.shape and x.shape[-1] % wmesh.devices.size == 0:
+        return NamedSharding(wmesh, PartitionSpec(*[None] * (len(x.shape) - 1), "w"))
+    return NamedSharding(wmesh, PartitionSpec())
 
 
 def _zeros(shape, dtype, wmesh):
@@ -448,7 +453,7 @@ def _stem_start_caches(graphdef, state, z, wmesh, run):
     """The stem's caches before the first latent frame: zero rings, exactly what `_decode_stem` builds
     itself when given None. Passing them makes the first frame run the same program as the others."""
     caches, _ = _decode_stem.eval_shape(graphdef, state, z, None, wmesh)  # traced once per shape (jit's cache)
-    return [RingCache(run.zeros(c.frames.shape, c.frames.dtype, wmesh), run.full((), 2, jnp.int32)) for c in caches]
+    return [RingCache(run.zeros(c.frames.shape, c.frames.dtype, wmesh), run.full((), 2, jnp.int32, wmesh)) for c in caches]
 
 
 class _Run:
@@ -456,16 +461,30 @@ class _Run:
     (`_Run(compiles)`, a `compile_ahead.SideBySide`: each jitted call is lowered, its abstract outputs feed
     the next call at once, and its compile runs in `compiles`, beside the others')."""
 
-    def __init__(self, compiles=None):
+    def __init__(self, compiles=None, wmesh=None):
         self.compiles = compiles
         self.compile_only = compiles is not None
+        self.wmesh = wmesh
 
     def __call__(self, fn, *args):
         if not self.compile_only:
             return fn(*args)
+        if self.wmesh is not None:  # the weights as jit sees them: uncommitted ones follow the sharded input
+            from wan_tpu.runtime.compile_ahead import abstract
+
+            args = abstract(args)
         lowered = fn.lower(*args)
-        self.compiles.add(lowered)
-        return lowered.out_info
+        if self.wmesh is None:
+            self.compiles.add(lowered)
+            return lowered.out_info
+        # On a mesh the next call's inputs are this one's outputs, placed as XLA's partitioner chose: known
+        # only once this program is compiled, so the walk compiles one program after the other. A program
+        # given no placed argument gives uncommitted outputs (they follow their next call's other arguments).
+        compiled = lowered.compile()
+        if all(getattr(x, "sharding", None) is None for x in jax.tree.leaves(args)):
+            return lowered.out_info
+        return jax.tree.map(lambda info, sharding: jax.ShapeDtypeStruct(info.shape, info.dtype, sharding=sharding),
+                            lowered.out_info, compiled.output_shardings)
 
     def frames(self, count: int, distinct: int):
         """The frame indices to visit: all of them, or (compiling) the first `distinct` (the rest repeat one program)."""
@@ -475,10 +494,20 @@ class _Run:
         return self(_frame, z, i)
 
     def zeros(self, shape, dtype, wmesh):
-        return self(_filled, tuple(shape), 0, dtype) if self.compile_only else _zeros(shape, dtype, wmesh)
+        if not self.compile_only:
+            return _zeros(shape, dtype, wmesh)
+        info = self(_filled, tuple(shape), 0, dtype)
+        return info if wmesh is None else jax.ShapeDtypeStruct(info.shape, info.dtype, sharding=_placement(info, wmesh))
 
-    def full(self, shape, value, dtype):
-        return self(_filled, tuple(shape), value, dtype)
+    def full(self, shape, value, dtype, wmesh=None):
+        """`_filled`, placed on `wmesh` like `zeros`: then every frame's call gets the same placements (an
+        uncommitted counter would make the first frame's program differ from the rest's)."""
+        info = self(_filled, tuple(shape), value, dtype)
+        if wmesh is None:
+            return info
+        if not self.compile_only:
+            return jax.device_put(info, _placement(info, wmesh))
+        return jax.ShapeDtypeStruct(info.shape, info.dtype, sharding=_placement(info, wmesh))
 
 
 _RUN = _Run()

@@ -23,6 +23,7 @@ g ≤ 1 there is no unconditional pass (diffusers' `do_classifier_free_guidance 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import time
 from typing import NamedTuple
@@ -118,7 +119,32 @@ def _step(sched_cls, graphdef, patch_size, mesh, params, sched_fields, sched_sta
         noise = noise_uncond + guidance * (noise_cond - noise_uncond)
     with jax.named_scope("scheduler_step"):
         latents, sched_state = sched.step(sched_state, noise, latents, i)
+    if mesh is not None:  # placed as `denoise` places them before the first step: one program for every step
+        latents, sched_state = jax.lax.with_sharding_constraint((latents, sched_state), _replicated(mesh))
     return latents, sched_state, jnp.all(jnp.isfinite(latents)), cache
+
+
+def _replicated(mesh) -> NamedSharding:
+    return NamedSharding(mesh, PartitionSpec())
+
+
+@functools.lru_cache(maxsize=8)
+def _placer(mesh):
+    """A program that lays its arguments out whole on every device of `mesh` (also a mesh over several
+    processes, where `jax.device_put` of one process's array cannot)."""
+    return jax.jit(lambda tree: tree, out_shardings=_replicated(mesh))
+
+
+def _placed(mesh, tree, abstract: bool = False):
+    """`tree`'s arrays whole on every device of `mesh`: the step's latents, scheduler state and conditioning
+    then have the same placements at every step (the text encoder's output and the seeded noise come with
+    their own), so the first step runs the program the later ones run and `compile_steps` compiles ahead.
+    `abstract`: their shapes with that placement instead (what `compile_steps` lowers for)."""
+    if mesh is None:
+        return tree
+    if abstract:
+        return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=_replicated(mesh)), tree)
+    return _placer(mesh)(tree)
 
 
 _STATIC = (0, 1, 2, 3)
@@ -162,6 +188,7 @@ def denoise(
     latents = jnp.array(latents, dtype=jnp.float32, copy=True)
     # Copies, so that no two donated state leaves share a buffer.
     state = jax.tree.map(lambda a: jnp.array(a, copy=True), scheduler.init_state(latents))
+    latents, state, cond = _placed(mesh, (latents, state, cond))
     carry = _start_carry(cache, transformers, cond, n, switch, latents.shape)
     pending = None
     last = time.perf_counter()
@@ -217,6 +244,7 @@ def compile_steps(transformers, latent_shape, cond: Conditioning, scheduler, bou
     switch, experts, cond, fields, step_fn = _loop_setup(transformers, cond, scheduler, boundary_ratio)
     latents = jax.ShapeDtypeStruct(tuple(latent_shape), jnp.float32)
     state = jax.eval_shape(scheduler.init_state, latents)
+    latents, state, cond = _placed(mesh, (latents, state, cond), abstract=True)
     carry = _start_carry(cache, transformers, cond, n, switch, latents.shape)
     for e in sorted({0 if i < switch else 1 for i in range(n)}):
         graphdef, params = experts[e]

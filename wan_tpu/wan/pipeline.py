@@ -384,9 +384,18 @@ class WanPipeline:
             if ahead or name not in dits:
                 warmup.start(name, self._load, name)
         if self.mesh is not None:
-            # On a mesh the calls' arguments carry shardings that only the previous stage decides (the
-            # text encoder's output, the sharded latents): a program compiled ahead from shapes would
-            # not be the one they run. Loading ahead still helps.
+            # On a mesh the programs compile ahead from the loaded modules (their weights' placements are the
+            # loader's); the step and the decode place their inputs themselves, whatever the stage before gave.
+            if "text_encoder" in self._loaders and not streamed_text:
+                source = self._loaded.get("text_encoder") or warmup.loads["text_encoder"]
+                warmup.start("text", self._compile_loaded_text, source, 2 if s.do_cfg else 1, kind="compile")
+            if ahead and cache is None:  # a step cache's carry takes its placement from the first step
+                sources = [self._loaded[n] if n in self._loaded else warmup.loads[n] for n in dits]
+                warmup.start("denoise", self._compile_denoise, warmup, s, sampling, image, sources, kind="compile")
+            vae = self._loaded["vae"] if "vae" in self._loaded else warmup.loads["vae"]
+            warmup.start("decode", self._compile_decode, warmup, s, vae, kind="compile")
+            waits = compile_ahead.WAIT_FOR_DEVICE_AUTOTUNING and compile_ahead.autotunes_on_device()
+            self._decode_beside_denoise = decode_compiles_beside_denoise(self, s) and not waits
             return warmup
         if ahead:
             sources = [self._loaded[n] if n in self._loaded else warmup.loads[n] for n in dits]
@@ -409,6 +418,10 @@ class WanPipeline:
         from wan_tpu.encoders.umt5_text import compile_encode
 
         compile_encode(self.text_encoder_config, self.dtype, batch)
+
+    @staticmethod
+    def _compile_loaded_text(source, batch: int) -> None:
+        (source.result() if hasattr(source, "result") else source).compile(batch)
 
     def _compile_denoise(self, warmup, s: RunSettings, sampling, image: bool, sources) -> None:
         from wan_tpu.wan.denoise import compile_steps
@@ -496,7 +509,9 @@ class WanPipeline:
                     compiles.add(vae_lib.to_uint8.lower(video))
 
         # From the VAE's abstract module (`load_vae`'s own): the programs compile while the weights are read.
-        abstract = abstract_vae(self.vae_config, self.vae_dtype) if hasattr(source, "result") else None
+        # On a mesh the loaded VAE's replicated placement is part of the program: it waits for the load.
+        abstract = (abstract_vae(self.vae_config, self.vae_dtype)
+                    if hasattr(source, "result") and self.mesh is None else None)
         if abstract is not None:
             compile_for(abstract)
         vae = source.result() if hasattr(source, "result") else source
