@@ -81,10 +81,26 @@ def test_prepare_compiles_ahead_and_changes_no_bit(tmp_path, monkeypatch, backen
     assert np.array_equal(np.asarray(again), np.load(tmp_path / "l.npy"))
 
 
-def test_prepare_compiles_ahead_on_a_mesh(backend_compiles):
+@pytest.mark.parametrize("gpu", [False, True], ids=["cpu", "as-on-a-gpu"])
+def test_prepare_compiles_ahead_on_a_mesh(backend_compiles, monkeypatch, gpu):
     """On a 4-device mesh the text encoder's, the step's and the decode's programs compile in `prepare`'s
     threads from the loaded modules (the step's first call runs the program the later ones run); the
-    latents and frames equal, bit for bit, a run on the same mesh without `prepare`."""
+    latents and frames equal, bit for bit, a run on the same mesh without `prepare`. Where compiles time
+    kernels on the devices (GPUs), the first call waits until every compile ended: a program of
+    collectives must not start beside them."""
+    if gpu:
+        monkeypatch.setattr(warmup, "autotunes_on_device", lambda: True)
+        monkeypatch.setattr(warmup, "WAIT_FOR_DEVICE_AUTOTUNING", False)  # the decode compiles beside the steps
+        ended = []
+        for name, method in (("text", "_compile_loaded_text"), ("denoise", "_compile_denoise"),
+                             ("decode", "_compile_decode")):
+            noted = _noting(getattr(wan_tpu.WanPipeline, method), name, ended)
+            monkeypatch.setattr(wan_tpu.WanPipeline, method, staticmethod(noted) if name == "text" else noted)
+        from wan_tpu.encoders.umt5_text import UMT5TextEncoder
+
+        encode = UMT5TextEncoder.encode  # the run's first program of collectives
+        monkeypatch.setattr(UMT5TextEncoder, "encode", lambda self, p: (ended.append("encode"), encode(self, p))[1])
+    jax.clear_caches()  # the other parameter's run compiled these programs in this process
     run = dict(height=32, width=96, num_frames=5, num_inference_steps=2, guidance_scale=4.0, seed=3)
     mesh = wan_tpu.make_mesh(1, 4, 1, devices=jax.devices()[:4])
     pipe = wan_tpu.WanPipeline.from_pretrained("tiny", mesh=mesh)
@@ -100,10 +116,23 @@ def test_prepare_compiles_ahead_on_a_mesh(backend_compiles):
     assert {"jit(_embed)", "jit(_step)", "jit(_decode_stem)", "jit(_decode_strip)", "jit(to_uint8)"} <= ahead
     assert [f for f, _ in seen].count("jit(_step)") == 1  # one program for every step
 
+    if gpu:
+        assert ended.index("encode") == 3 and set(ended[:3]) == {"text", "denoise", "decode"}, ended
+
     plain = wan_tpu.WanPipeline.from_pretrained("tiny", mesh=mesh)
     again = plain("a red kite", **run, output_type="latent", progress=False)
     assert np.array_equal(np.asarray(again), np.asarray(latents))
     assert np.array_equal(plain.decode(again), frames)
+
+
+def _noting(fn, name, ended):
+    """`fn`, noting `name` in `ended` when it returns."""
+    def noted(*args, **kwargs):
+        out = fn(*args, **kwargs)
+        ended.append(name)
+        return out
+
+    return noted
 
 
 def _after_compile(program, loader, waits, timeout=300):

@@ -95,6 +95,7 @@ class WanPipeline:
         self.quantization = None  # "fp8"/"int8" once `quantize` was asked for
         self._warmup = None
         self._decode_beside_denoise = True  # set by `prepare` (`wan_tpu.wan.memory.decode_compiles_beside_denoise`)
+        self._calls_wait_for_all_compiles = False  # set by `prepare` on a GPU mesh
         self.offload = "auto"  # `set_offload`'s choice: "auto", None (none) or the resident DiT block count
         self.offload_plan = None  # `wan_tpu.wan.memory.OffloadPlan` of the last checked run
 
@@ -372,6 +373,7 @@ class WanPipeline:
         sampling = self.sampling(s, scheduler, sigmas, timesteps, cache, cache_threshold,
                                  with_image=image and self.variant.expand_timesteps)
         warmup = self._warmup = Warmup(compile_cache=self.compile_cache)
+        self._calls_wait_for_all_compiles = False
         dits = [n for n in ("transformer", "transformer_2") if n in self._loaders]
         encoders = ["text_encoder"] + (["image_encoder"] if image and "image_encoder" in self._loaders else [])
         todo = [n for n in (*encoders, *dits, "vae") if n not in self._loaded]
@@ -394,8 +396,10 @@ class WanPipeline:
                 warmup.start("denoise", self._compile_denoise, warmup, s, sampling, image, sources, kind="compile")
             vae = self._loaded["vae"] if "vae" in self._loaded else warmup.loads["vae"]
             warmup.start("decode", self._compile_decode, warmup, s, vae, kind="compile")
-            waits = compile_ahead.WAIT_FOR_DEVICE_AUTOTUNING and compile_ahead.autotunes_on_device()
-            self._decode_beside_denoise = decode_compiles_beside_denoise(self, s) and not waits
+            # A program of collectives first run while XLA autotunes on the same GPUs fails to set up its
+            # communicators ("Failed to synchronize device activity", 14B 720p on 4 H200s in one process):
+            # there, every call waits until all the compiles ended.
+            self._calls_wait_for_all_compiles = compile_ahead.autotunes_on_device()
             return warmup
         if ahead:
             sources = [self._loaded[n] if n in self._loaded else warmup.loads[n] for n in dits]
@@ -407,6 +411,13 @@ class WanPipeline:
         waits = compile_ahead.WAIT_FOR_DEVICE_AUTOTUNING and compile_ahead.autotunes_on_device()
         self._decode_beside_denoise = decode_compiles_beside_denoise(self, s) and not waits
         return warmup
+
+    def _wait_compiled(self, *names: str) -> None:
+        """Wait for `prepare`'s compiles `names` (all of them where calls must not run beside a compile)."""
+        if self._warmup is None:
+            return
+        for name in ("text", "denoise", "decode") if self._calls_wait_for_all_compiles else names:
+            self._warmup.wait_compiled(name)
 
     def _weight_bytes(self) -> dict[str, int]:
         """Component → device bytes of its weights (from the checkpoint's element counts; empty for presets)."""
@@ -534,8 +545,7 @@ class WanPipeline:
         check_prompts(prompt, negative_prompt, settings.do_cfg)
         prompts = [prompt, negative_prompt] if settings.do_cfg else [prompt]
         encoder = self.text_encoder
-        if self._warmup is not None:
-            self._warmup.wait_compiled("text")
+        self._wait_compiled("text")
         with scope("text_encode"):
             embeds = jax.block_until_ready(encoder.encode(prompts))
         interrupt.check("encode")
@@ -552,6 +562,7 @@ class WanPipeline:
         if self.variant.task == "t2v":
             raise WanInputError(f"{self.variant.name} is a text-to-video model and takes no image; drop --image")
         pixels = conditioning.preprocess_image(image, s.height, s.width)
+        self._wait_compiled()
         out = {}
         with scope("image_encode"):
             if self.variant.uses_clip_image:
@@ -596,12 +607,9 @@ class WanPipeline:
         sched, step = self.sampling(s, scheduler, sigmas, timesteps, cache, cache_threshold,
                                     with_image="first_frame" in embeds)
         shape = self.latent_shape(s.height, s.width, s.num_frames)
-        if self._warmup is not None:
-            # First: `prepare` compiles the initial noise's program with the step's; drawing it before
-            # that compile ends would compile it a second time here (seen under load).
-            self._warmup.wait_compiled("denoise")
-            if not self._decode_beside_denoise:
-                self._warmup.wait_compiled("decode")
+        # First: `prepare` compiles the initial noise's program with the step's; drawing it before that
+        # compile ends would compile it a second time here (seen under load).
+        self._wait_compiled("denoise", *(() if self._decode_beside_denoise else ("decode",)))
         if latents is None:
             latents = self.prepare_latents(seed, s.height, s.width, s.num_frames)
         elif tuple(latents.shape) != shape:
@@ -665,8 +673,7 @@ class WanPipeline:
     def decode(self, latents) -> np.ndarray:
         """uint8 frames `(T, H, W, 3)` from normalized latents `(1, z, F, h, w)`."""
         vae = self.vae
-        if self._warmup is not None:
-            self._warmup.wait_compiled("decode")
+        self._wait_compiled("decode")
         with scope("vae_decode"):
             z = vae.denormalize_latents(jnp.asarray(latents, jnp.float32)).astype(vae.dtype)
             video = jax.block_until_ready(vae.decode(z))
