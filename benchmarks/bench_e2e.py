@@ -6,6 +6,9 @@
     python benchmarks/bench_e2e.py --config tiny --steps 2 --size 32*32     # a smoke run on CPU
     python benchmarks/bench_e2e.py --config 1.3b --peer diffusers --workdir outputs/bench_e2e
     python benchmarks/bench_e2e.py --config 14b --steps 10 --peer diffusers --workdir outputs/bench_e2e
+    # our whole command on 4 GPUs: one process on mesh 2,2,1, or 4 processes of one run (1 GPU each)
+    python benchmarks/bench_e2e.py --config 14b --peer diffusers --entries ours-cold --command-mesh 2,2,1
+    python benchmarks/bench_e2e.py --config 14b --peer diffusers --entries ours-cold --command-mesh 1,4,1 --processes 4
     python benchmarks/bench_e2e.py --config tiny --peer diffusers --steps 2 --size 32*32 --frames 5   # CPU smoke
     # each side's step cache at its default threshold (diffusers: FirstBlockCacheConfig / MagCacheConfig)
     python benchmarks/bench_e2e.py --config 1.3b --peer diffusers --cache magcache --workdir outputs/bench_e2e
