@@ -108,6 +108,35 @@ def test_compile_decode_leaves_nothing_big_to_compile():
     assert not {"jit(_decode_stem)", "jit(_decode_strip)"} & set(compiled), compiled
 
 
+def test_compile_decode_on_a_mesh_leaves_nothing_to_compile_and_stops_when_asked():
+    """On a 4-device mesh `compile_decode` walks the programs one after the other with their output
+    placements: `decode` then compiles no stem or strip program, and gives what the walk said (shape,
+    dtype, placement) within float32 tolerance of one device's. With its stop set, the walk compiles nothing and
+    raises `Cancelled`."""
+    import threading
+
+    from wan_tpu.parallel.mesh import make_mesh
+    from wan_tpu.runtime.compile_ahead import Cancelled, SideBySide
+
+    mesh = make_mesh(1, 4, 1, devices=jax.devices()[:4])
+    vae = WanVAE(VAE_PRESETS["tiny"], dtype=jnp.float32, rngs=nnx.Rngs(5))
+    shape = (1, vae.config.z_dim, 3, 2, 4 * vae.decoder.halos[0])
+    stop = threading.Event()
+    stop.set()
+    with pytest.raises(Cancelled), SideBySide(stop) as compiles:
+        vae.compile_decode(shape, mesh=mesh, compiles=compiles)
+    out = vae.compile_decode(shape, mesh=mesh)
+    compiled = []
+    jax.monitoring.register_event_duration_secs_listener(
+        lambda event, seconds, **kw: compiled.append(kw.get("fun_name"))
+        if event == "/jax/core/compile/backend_compile_duration" else None)
+    video = vae.decode(jnp.full(shape, 0.1), mesh=mesh)
+    assert not {"jit(_decode_stem)", "jit(_decode_strip)"} & set(compiled), compiled
+    assert (out.shape, out.dtype, out.sharding) == (video.shape, video.dtype, video.sharding)
+    one = np.asarray(vae.decode(jnp.full(shape, 0.1)))  # one device: another partitioning of the same sums
+    assert np.max(np.abs(np.asarray(video) - one)) <= PARITY_TOL * np.max(np.abs(one))
+
+
 @pytest.mark.parametrize("frames", [1, 5, 9])
 def test_encode_and_decode_match_diffusers(pair, frames):
     name, ref, vae = pair

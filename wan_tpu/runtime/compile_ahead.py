@@ -24,12 +24,13 @@ What runs for `WanPipeline`, each in its own thread:
     while the DiT denoises; on a GPU the first step waits for them instead (`WAIT_FOR_DEVICE_AUTOTUNING`: their
     compiles time kernels on the device, `autotunes_on_device`, and beside a running denoise both slow down).
 On a device mesh the programs compile once their module is loaded (the weights' placements are the
-loader's and go into the programs): the text encoder's for the lookup's output placement, the step for
-latents, scheduler state and conditioning that `denoise` lays out whole on every device before the first
-step (so every step runs one program), and the decode one program after the other (each program's output
-placements, which XLA's partitioner picks, are the next one's inputs). `component()`, `denoise()` and `decode()` of the
-pipeline (and `encode_prompt`) wait for the piece they need and for nothing else; a compile that fails is reported
-as a warning and the call compiles as it always did. Leaving the
+loader's and go into the programs): the text encoder's; the step, for latents, scheduler state and
+conditioning that `denoise` lays out whole on every device before the first step (so every step runs one
+program); the decode one program after the other (each program's output placements, which XLA's
+partitioner picks, are the next one's inputs). On GPUs the calls then wait for every compile: a program of
+collectives first run beside on-device autotuning fails to set up its communicators. Otherwise
+`component()`, `denoise()` and `decode()` of the pipeline (and `encode_prompt`) wait for the piece they need and
+for nothing else. A compile that fails is reported as a warning and the call compiles as it always did. Leaving the
 `with` block (or `close()`) cancels what has not started and waits for what runs, so that no thread
 outlives it (an error or Ctrl-C then costs at most the loads and compiles under way). Compiling
 ahead of time runs the very programs the calls would compile (same functions, same arguments' shapes

@@ -470,8 +470,10 @@ class _Run:
         if not self.compile_only:
             return fn(*args)
         if self.wmesh is not None:  # the weights as jit sees them: uncommitted ones follow the sharded input
-            from wan_tpu.runtime.compile_ahead import abstract
+            from wan_tpu.runtime.compile_ahead import Cancelled, abstract
 
+            if self.compiles.stop is not None and self.compiles.stop.is_set():
+                raise Cancelled()
             args = abstract(args)
         lowered = fn.lower(*args)
         if self.wmesh is None:
@@ -487,8 +489,11 @@ class _Run:
                             lowered.out_info, compiled.output_shardings)
 
     def frames(self, count: int, distinct: int):
-        """The frame indices to visit: all of them, or (compiling) the first `distinct` (the rest repeat one program)."""
-        return range(min(count, distinct) if self.compile_only else count)
+        """The frame indices to visit: all of them, or (compiling) the first `distinct` (the rest repeat one
+        program). On a mesh all of them: a frame's caches are the previous call's outputs, placed as the
+        partitioner chose for that program, so the programs repeat only from where those placements do (a
+        repeated program is found in JAX's caches, not compiled again)."""
+        return range(min(count, distinct) if self.compile_only and self.wmesh is None else count)
 
     def frame(self, z, i: int):
         return self(_frame, z, i)

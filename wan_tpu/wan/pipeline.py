@@ -389,7 +389,7 @@ class WanPipeline:
             # On a mesh the programs compile ahead from the loaded modules (their weights' placements are the
             # loader's); the step and the decode place their inputs themselves, whatever the stage before gave.
             if "text_encoder" in self._loaders and not streamed_text:
-                source = self._loaded.get("text_encoder") or warmup.loads["text_encoder"]
+                source = self._loaded["text_encoder"] if "text_encoder" in self._loaded else warmup.loads["text_encoder"]
                 warmup.start("text", self._compile_loaded_text, source, 2 if s.do_cfg else 1, kind="compile")
             if ahead and cache is None:  # a step cache's carry takes its placement from the first step
                 sources = [self._loaded[n] if n in self._loaded else warmup.loads[n] for n in dits]
