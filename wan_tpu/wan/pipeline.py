@@ -362,8 +362,9 @@ class WanPipeline:
         `component()`, `denoise()` and `decode()` then wait for what they need only. `image`: the run
         conditions on an image (I2V/TI2V); `scheduler`, `sigmas`, `timesteps`, `cache`, `cache_threshold`:
         as the `denoise` call will get them (the step program depends on them). Results are bit-identical with and without it; see
-        `wan_tpu.runtime.compile_ahead` for what runs when and what it does to peak memory. With a mesh, components
-        are read ahead but compile on first use. The threads run in this pipeline's `compile_cache` choice.
+        `wan_tpu.runtime.compile_ahead` for what runs when and what it does to peak memory. With a mesh, the programs
+        compile once their component is read (on GPUs the first call then waits for all of them). The threads run in
+        this pipeline's `compile_cache` choice.
         """
         from wan_tpu.runtime import compile_ahead
         from wan_tpu.runtime.compile_ahead import Warmup
