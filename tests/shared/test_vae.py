@@ -111,8 +111,7 @@ def test_compile_decode_leaves_nothing_big_to_compile():
 def test_compile_decode_on_a_mesh_leaves_nothing_to_compile_and_stops_when_asked():
     """On a 4-device mesh `compile_decode` walks the programs one after the other with their output
     placements: `decode` then compiles no stem or strip program, and gives what the walk said (shape,
-    dtype, placement) within float32 tolerance of one device's. With its stop set, the walk compiles nothing and
-    raises `Cancelled`."""
+    dtype, placement). With its stop set, the walk compiles nothing and raises `Cancelled`."""
     import threading
 
     from wan_tpu.parallel.mesh import make_mesh
@@ -133,8 +132,7 @@ def test_compile_decode_on_a_mesh_leaves_nothing_to_compile_and_stops_when_asked
     video = vae.decode(jnp.full(shape, 0.1), mesh=mesh)
     assert not {"jit(_decode_stem)", "jit(_decode_strip)"} & set(compiled), compiled
     assert (out.shape, out.dtype, out.sharding) == (video.shape, video.dtype, video.sharding)
-    one = np.asarray(vae.decode(jnp.full(shape, 0.1)))  # one device: another partitioning of the same sums
-    assert np.max(np.abs(np.asarray(video) - one)) <= PARITY_TOL * np.max(np.abs(one))
+    assert np.isfinite(np.asarray(video)).all()  # values vs one device: test_width_sharded_decode_equals_unsharded
 
 
 @pytest.mark.parametrize("frames", [1, 5, 9])
