@@ -94,6 +94,9 @@ class Warmup:
         self.compile_cache = compile_cache
         self.loads: dict[str, concurrent.futures.Future] = {}
         self.compiles: dict[str, concurrent.futures.Future] = {}
+        # Set where no call may run beside a compile: `wait_compiled` then waits for every one (on GPUs a
+        # program of collectives first run beside on-device autotuning fails to set up its communicators).
+        self.exclusive = False
         self.cancelled = threading.Event()
         self._threads: list[threading.Thread] = []
         self._lock = threading.Lock()
@@ -185,20 +188,22 @@ class Warmup:
             yield futures[future]
 
     def wait_compiled(self, name: str) -> None:
-        """Wait for the compile `name` if one was started; a failure becomes a warning (the call compiles)."""
+        """Wait for the compile `name` if one was started (for all of them where `exclusive`); a failure becomes
+        a warning (the call compiles)."""
         from wan_tpu.runtime.executable_cache import span
 
-        future = self.compiles.pop(name, None)
-        if future is None:
-            return
-        try:
-            with span("wait", name):
-                future.result()
-        except Cancelled:
-            pass
-        except Exception as e:  # noqa: BLE001 - compiling ahead is an optimisation only
-            warnings.warn(f"compiling {name} ahead of time failed ({type(e).__name__}: {e}); it compiles on use",
-                          stacklevel=3)
+        for one in list(self.compiles) if self.exclusive else [name]:
+            future = self.compiles.pop(one, None)
+            if future is None:
+                continue
+            try:
+                with span("wait", one):
+                    future.result()
+            except Cancelled:
+                pass
+            except Exception as e:  # noqa: BLE001 - compiling ahead is an optimisation only
+                warnings.warn(f"compiling {one} ahead of time failed ({type(e).__name__}: {e}); it compiles on use",
+                              stacklevel=3)
 
 
 class Cancelled(Exception):

@@ -95,7 +95,6 @@ class WanPipeline:
         self.quantization = None  # "fp8"/"int8" once `quantize` was asked for
         self._warmup = None
         self._decode_beside_denoise = True  # set by `prepare` (`wan_tpu.wan.memory.decode_compiles_beside_denoise`)
-        self._calls_wait_for_all_compiles = False  # set by `prepare` on a GPU mesh
         self.offload = "auto"  # `set_offload`'s choice: "auto", None (none) or the resident DiT block count
         self.offload_plan = None  # `wan_tpu.wan.memory.OffloadPlan` of the last checked run
 
@@ -374,7 +373,6 @@ class WanPipeline:
         sampling = self.sampling(s, scheduler, sigmas, timesteps, cache, cache_threshold,
                                  with_image=image and self.variant.expand_timesteps)
         warmup = self._warmup = Warmup(compile_cache=self.compile_cache)
-        self._calls_wait_for_all_compiles = False
         dits = [n for n in ("transformer", "transformer_2") if n in self._loaders]
         encoders = ["text_encoder"] + (["image_encoder"] if image and "image_encoder" in self._loaders else [])
         todo = [n for n in (*encoders, *dits, "vae") if n not in self._loaded]
@@ -398,9 +396,8 @@ class WanPipeline:
             vae = self._loaded["vae"] if "vae" in self._loaded else warmup.loads["vae"]
             warmup.start("decode", self._compile_decode, warmup, s, vae, kind="compile")
             # A program of collectives first run while XLA autotunes on the same GPUs fails to set up its
-            # communicators ("Failed to synchronize device activity", 14B 720p on 4 H200s in one process):
-            # there, every call waits until all the compiles ended.
-            self._calls_wait_for_all_compiles = compile_ahead.autotunes_on_device()
+            # communicators ("Failed to synchronize device activity", 14B 720p on 4 H200s in one process).
+            warmup.exclusive = compile_ahead.autotunes_on_device()
             return warmup
         if ahead:
             sources = [self._loaded[n] if n in self._loaded else warmup.loads[n] for n in dits]
@@ -414,10 +411,8 @@ class WanPipeline:
         return warmup
 
     def _wait_compiled(self, *names: str) -> None:
-        """Wait for `prepare`'s compiles `names` (all of them where calls must not run beside a compile)."""
-        if self._warmup is None:
-            return
-        for name in ("text", "denoise", "decode") if self._calls_wait_for_all_compiles else names:
+        """Wait for `prepare`'s compiles `names` (`Warmup.exclusive`: for all of them)."""
+        for name in names if self._warmup is not None else ():
             self._warmup.wait_compiled(name)
 
     def _weight_bytes(self) -> dict[str, int]:
@@ -563,7 +558,7 @@ class WanPipeline:
         if self.variant.task == "t2v":
             raise WanInputError(f"{self.variant.name} is a text-to-video model and takes no image; drop --image")
         pixels = conditioning.preprocess_image(image, s.height, s.width)
-        self._wait_compiled()
+        self._wait_compiled("image")  # none of that name: waits only where no call may run beside a compile
         out = {}
         with scope("image_encode"):
             if self.variant.uses_clip_image:
