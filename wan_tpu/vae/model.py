@@ -520,24 +520,22 @@ class _Run:
 _RUN = _Run()
 
 
-# XLA's options for the decode's strip programs, the bulk of its compile. Untuned by default: a cold `generate`
-# of Wan 2.1 1.3B at 480p on an H200 compiled them in 6.6-7.7 s instead of 58-59 s beside the denoise (10-18 s
-# before it, where the first step waited for them), for a warm decode of 2.23 s instead of 1.81
+# XLA's options for the decode's programs (`decode`: the stem and the strips). Untuned by default: a cold
+# `generate` of Wan 2.1 1.3B at 480p on an H200 compiled the strips in 6.6-7.7 s instead of 58-59 s beside the
+# denoise (10-18 s before it, where the first step waited for them), for a warm decode of 2.23 s instead of 1.81
 # (`benchmarks/profile_compile.py wan --device`). Untuned, nothing of theirs runs on the device while they compile,
-# so they compile beside the denoise (`decode_autotunes`). The strips' convolutions after each temporal upsample
-# run one frame at a time, as 2-D convolutions, whose untuned algorithms stay close to the tuned ones; the stem's
-# 3-D ones do not (untuned, the same decode had not ended 43 s after the denoise), and it stays tuned: a short
-# compile at the latents' size, done before the first step. `WAN_TPU_TUNE_DECODE=1` tunes the strips too (a
-# long-lived server decoding many videos), at a cold start's cost.
+# so they compile beside the denoise (`decode_autotunes`). The decoder's convolutions after each temporal upsample
+# run one frame at a time, as 2-D convolutions, whose untuned algorithms stay close to the tuned ones.
+# `WAN_TPU_TUNE_DECODE=1` tunes them (a long-lived server decoding many videos), at a cold start's cost.
 DECODE_OPTIONS = {} if os.environ.get("WAN_TPU_TUNE_DECODE") == "1" else dict(UNTUNED)
 
 
 def decode_autotunes() -> bool:
-    """Whether the decode's strip programs (`DECODE_OPTIONS`) autotune where XLA does (GPUs)."""
+    """Whether the decode's programs (`DECODE_OPTIONS`) autotune where XLA does (GPUs)."""
     return DECODE_OPTIONS.get("xla_gpu_autotune_level") != 0
 
 
-@partial(jax.jit, static_argnums=(0, 4), donate_argnums=(3,))
+@partial(jax.jit, static_argnums=(0, 4), donate_argnums=(3,), compiler_options=DECODE_OPTIONS or None)
 def _decode_stem(graphdef, state, z, caches, wmesh):
     """One latent frame → (caches, the mid block's output (B, 1, h, w, C))."""
     model: WanVAE = nnx.merge(graphdef, state)
