@@ -7,7 +7,6 @@ read back through `load_vae`.
 """
 
 import dataclasses
-import os
 
 import jax
 import jax.numpy as jnp
@@ -107,34 +106,6 @@ def test_compile_decode_leaves_nothing_big_to_compile():
     video = vae.decode(jnp.full(shape, 0.1))
     assert (out.shape, out.dtype) == (video.shape, video.dtype)
     assert not {"jit(_decode_stem)", "jit(_decode_strip)"} & set(compiled), compiled
-
-
-def test_decode_programs_compile_untuned_unless_asked(monkeypatch):
-    """The stem's and the strips' programs carry `DECODE_OPTIONS` (XLA's autotuning off: a GPU's cold start
-    then times no kernel of theirs), also when compiled ahead; `WAN_TPU_TUNE_DECODE=1` leaves them tuned."""
-    import subprocess
-    import sys
-
-    from wan_tpu.runtime import compile_ahead
-
-    assert vae_module.DECODE_OPTIONS == {"xla_gpu_autotune_level": 0} and not vae_module.decode_autotunes()
-    seen, add = {}, compile_ahead.SideBySide.add
-
-    def noting(self, lowered):
-        lowering = lowered._lowering  # JAX keeps a jit's compiler options with its lowering
-        seen[lowering._name] = dict(lowering._compiler_options_kvs)
-        return add(self, lowered)
-
-    monkeypatch.setattr(compile_ahead.SideBySide, "add", noting)
-    vae = WanVAE(VAE_PRESETS["tiny"], dtype=jnp.float32, rngs=nnx.Rngs(5))
-    vae.compile_decode((1, vae.config.z_dim, 2, 3, 5 * vae.decoder.halos[0]))
-    assert seen["jit(_decode_stem)"] == seen["jit(_decode_strip)"] == vae_module.DECODE_OPTIONS, seen
-    assert seen["jit(_write)"] == {}, seen  # no convolution or product: nothing to tune either way
-    tuned = subprocess.run([sys.executable, "-c", "from wan_tpu.vae import model as m; "
-                            "print(m.DECODE_OPTIONS, m.decode_autotunes())"],
-                           env={**os.environ, "WAN_TPU_TUNE_DECODE": "1", "JAX_PLATFORMS": "cpu"},
-                           capture_output=True, text=True, check=True)
-    assert tuned.stdout.split() == ["{}", "True"], tuned.stdout
 
 
 def test_compile_decode_on_a_mesh_leaves_nothing_to_compile_and_stops_when_asked():

@@ -21,7 +21,6 @@ import wan_tpu
 from wan_tpu.errors import WanInputError
 from wan_tpu.runtime import compile_ahead as warmup
 from wan_tpu.runtime import compile_cache, executable_cache
-from wan_tpu.vae import model as vae_module
 from wan_tpu.wan import memory as wan_memory
 
 # A size no other test uses, so this process has compiled none of its programs before.
@@ -192,7 +191,7 @@ def test_weights_fit_against_free_device_memory(monkeypatch):
 def test_decode_compiles_before_the_denoise_where_both_do_not_fit(monkeypatch):
     """Where the memory holds the denoise's and the decode's working sets together the decode compiles
     while the DiT denoises; else `denoise()` waits for that compile first (the autotuner's buffers). Where
-    its compiles time kernels on the device (a GPU's autotuner, the decode tuned), the denoise waits for it too."""
+    compiles time kernels on the device (a GPU's autotuner), the denoise waits for it too."""
     from wan_tpu.wan.memory import stage_bytes
 
     pipe = wan_tpu.WanPipeline.from_pretrained("tiny")
@@ -219,13 +218,9 @@ def test_decode_compiles_before_the_denoise_where_both_do_not_fit(monkeypatch):
     monkeypatch.setattr(warmup.jax, "local_devices", local_devices)
     assert wan_memory.decode_compiles_beside_denoise(pipe, s)  # this CPU: no autotuner, nothing to wait for
 
-    # The decode's programs compile untuned by default (`DECODE_OPTIONS`): only tuned ones, on a device that
-    # times kernels while compiling, make the first step wait.
-    for on_device, tuned in ((True, False), (False, True), (True, True)):
-        beside = not (on_device and tuned)
+    for beside in (True, False):
         monkeypatch.setattr(warmup, "WAIT_FOR_DEVICE_AUTOTUNING", True)
-        monkeypatch.setattr(warmup, "autotunes_on_device", lambda: on_device)
-        monkeypatch.setattr(vae_module, "decode_autotunes", lambda: tuned)
+        monkeypatch.setattr(warmup, "autotunes_on_device", lambda: not beside)
         with pipe.prepare(s) as prepared:
             assert pipe._decode_beside_denoise == beside
             latents = pipe("a cat", height=32, width=32, num_frames=5, num_inference_steps=2, output_type="latent",

@@ -21,9 +21,8 @@ What runs for `WanPipeline`, each in its own thread:
     step compiles once the DiT is in, through jit, as the call then runs it;
   * at once, from the VAE's abstract module (`abstract_vae`), its decode programs (`WanVAE.compile_decode`)
     and the uint8 conversion, lowered one after the other and compiled side by side (`SideBySide`);
-    while the DiT denoises. They compile untuned (`wan_tpu.vae.model.DECODE_OPTIONS`); tuned, on a GPU the first
-    step waits for them instead (`WAIT_FOR_DEVICE_AUTOTUNING`: their compiles then time kernels on the device,
-    `autotunes_on_device`, and beside a running denoise both slow down).
+    while the DiT denoises; on a GPU the first step waits for them instead (`WAIT_FOR_DEVICE_AUTOTUNING`: their
+    compiles time kernels on the device, `autotunes_on_device`, and beside a running denoise both slow down).
 On a device mesh the programs compile once their module is loaded (the weights' placements are the
 loader's and go into the programs): the text encoder's; the step, for latents, scheduler state and
 conditioning that `denoise` lays out whole on every device before the first step (so every step runs one
@@ -266,8 +265,8 @@ class SideBySide:
             raise self._errors[0]
 
 
-# Whether the first denoise step waits for the decode's compiles where those time kernels on the device (the Wan
-# decode tuned: `WAN_TPU_TUNE_DECODE=1`). On: on an H200 (Wan 2.1 1.3B, 480p, 50 steps, `benchmarks/profile_compile.py wan --device`, with and without
+# Whether the first denoise step waits for the decode's compiles where those time kernels on the device. On: on an
+# H200 (Wan 2.1 1.3B, 480p, 50 steps, `benchmarks/profile_compile.py wan --device`, with and without
 # `--decode-beside-denoise`) cold commands took 65.2, 68.4 and 72.4 s waiting (the strips compiled in 10-18 s, the
 # first step waited 2.3-5.3 s for them) and 71.3 and 74.4 s beside the denoise (the strips compiled in 58-63 s on the
 # busy device, slowed the denoise by 6-9 s and ended 3-4 s after it); warm 56.3-58.4 s either way.

@@ -274,15 +274,11 @@ class Programs:
 GRAPHLESS = {"xla_gpu_enable_command_buffer": ""}
 
 
-# XLA's compiler option for a program compiled without autotuning, which on a GPU times every candidate
-# kernel of its convolutions, products and fusions on the device (no effect elsewhere).
-UNTUNED = {"xla_gpu_autotune_level": 0}
-
-
 # A program that runs once per load (a parameter's layout and cast: transposes, no product) gains nothing
-# from XLA's autotuning: on an H200, a cold Matrix-Game-2 start spent 20.0 of its layout programs' 23.1 s of
-# XLA compile on it, beside the stream's own programs' compiles and autotuning.
-RUN_ONCE = {**GRAPHLESS, **UNTUNED}
+# from XLA's autotuning, which on a GPU times every fusion's emitters on the device: on an H200, a cold
+# Matrix-Game-2 start spent 20.0 of its layout programs' 23.1 s of XLA compile on it, beside the stream's
+# own programs' compiles and autotuning.
+RUN_ONCE = {**GRAPHLESS, "xla_gpu_autotune_level": 0}
 
 
 def run_once() -> dict | None:

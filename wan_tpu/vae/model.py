@@ -20,7 +20,6 @@ approximate), chosen from free device memory or forced with `strips=` / `tiling=
 
 from __future__ import annotations
 
-import os
 from functools import partial
 
 import jax
@@ -32,7 +31,6 @@ from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
 from wan_tpu.configs.vae import WanVAEConfig
 from wan_tpu.errors import WanInputError
-from wan_tpu.runtime.executable_cache import UNTUNED
 from wan_tpu.vae.blocks import CausalConv3d, ChunkState, Decoder3d, Encoder3d, RingCache
 
 
@@ -520,22 +518,7 @@ class _Run:
 _RUN = _Run()
 
 
-# XLA's options for the decode's programs (`decode`: the stem and the strips). Untuned by default: a cold
-# `generate` of Wan 2.1 1.3B at 480p on an H200 compiled the strips in 6.6-7.7 s instead of 58-59 s beside the
-# denoise (10-18 s before it, where the first step waited for them), for a warm decode of 2.23 s instead of 1.81
-# (`benchmarks/profile_compile.py wan --device`). Untuned, nothing of theirs runs on the device while they compile,
-# so they compile beside the denoise (`decode_autotunes`). The decoder's convolutions after each temporal upsample
-# run one frame at a time, as 2-D convolutions, whose untuned algorithms stay close to the tuned ones.
-# `WAN_TPU_TUNE_DECODE=1` tunes them (a long-lived server decoding many videos), at a cold start's cost.
-DECODE_OPTIONS = {} if os.environ.get("WAN_TPU_TUNE_DECODE") == "1" else dict(UNTUNED)
-
-
-def decode_autotunes() -> bool:
-    """Whether the decode's programs (`DECODE_OPTIONS`) autotune where XLA does (GPUs)."""
-    return DECODE_OPTIONS.get("xla_gpu_autotune_level") != 0
-
-
-@partial(jax.jit, static_argnums=(0, 4), donate_argnums=(3,), compiler_options=DECODE_OPTIONS or None)
+@partial(jax.jit, static_argnums=(0, 4), donate_argnums=(3,))
 def _decode_stem(graphdef, state, z, caches, wmesh):
     """One latent frame → (caches, the mid block's output (B, 1, h, w, C))."""
     model: WanVAE = nnx.merge(graphdef, state)
@@ -544,7 +527,7 @@ def _decode_stem(graphdef, state, z, caches, wmesh):
     return st.out, model.decoder.stem(x, st)
 
 
-@partial(jax.jit, static_argnums=(0, 4, 5, 6), donate_argnums=(3,), compiler_options=DECODE_OPTIONS or None)
+@partial(jax.jit, static_argnums=(0, 4, 5, 6), donate_argnums=(3,))
 def _decode_strip(graphdef, state, mid, caches, wmesh, raw, widths, offsets):
     """The mid block's output for one latent frame, a strip's input columns → (caches, video frames
     (B, C, 1 or 4, H, strip width) clamped to [-1, 1]); `widths` (static) and `offsets` (traced: one

@@ -54,7 +54,6 @@ from wan_tpu.errors import WanInputError
 from wan_tpu.runtime import distributed, interrupt
 from wan_tpu.runtime.compile_cache import in_pipeline_choice
 from wan_tpu.runtime.profiling import scope
-from wan_tpu.vae import model as vae_model
 from wan_tpu.vae.model import frames_to_uint8
 from wan_tpu.wan import conditioning, presets
 from wan_tpu.wan.denoise import Conditioning, denoise
@@ -406,10 +405,8 @@ class WanPipeline:
         vae = self._loaded["vae"] if "vae" in self._loaded else warmup.loads["vae"]
         warmup.start("decode", self._compile_decode, warmup, s, vae, kind="compile")
         # The decode's programs start at once, from the VAE's shapes, beside the loads; they go on beside the
-        # denoise unless they would not fit it, or the first step is set to wait for a device's autotuning
-        # (untuned, `wan_tpu.vae.model.DECODE_OPTIONS`, they time nothing on the device).
-        waits = (compile_ahead.WAIT_FOR_DEVICE_AUTOTUNING and compile_ahead.autotunes_on_device()
-                 and vae_model.decode_autotunes())
+        # denoise unless they would not fit it, or the first step is set to wait for a device's autotuning.
+        waits = compile_ahead.WAIT_FOR_DEVICE_AUTOTUNING and compile_ahead.autotunes_on_device()
         self._decode_beside_denoise = decode_compiles_beside_denoise(self, s) and not waits
         return warmup
 
