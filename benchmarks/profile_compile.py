@@ -368,18 +368,23 @@ def _option_value(text: str):
 
 
 def use_program_options(options: dict) -> None:
-    """Compile every program named in `options` with its XLA options added (`jax.stages.Lowered.compile`:
-    the path of every program compiled ahead or through the executable cache)."""
-    import jax
+    """Compile every program named in `options` with its XLA options added, on every path: a jitted call's own
+    compile, `jax.stages.Lowered.compile` (programs compiled ahead), the executable cache's. The options go into
+    the lowering itself (JAX's `MeshComputation`), as `jax.jit(..., compiler_options=...)` puts them: passed to
+    `Lowered.compile` alone they reached only a program compiled ahead, and a plain jitted call of the same
+    function compiled its own program without them."""
+    from jax._src.interpreters import pxla
 
-    original = jax.stages.Lowered.compile
+    original = pxla.MeshComputation.compile
 
-    def compile_(self, compiler_options=None, **kw):
-        name = getattr(getattr(self, "_lowering", None), "_name", "")
-        extra = {**options.get("*", {}), **options.get(name, {})}
-        return original(self, {**(compiler_options or {}), **extra} or None, **kw)
+    def compile_(self, *args, **kw):
+        extra = {**options.get("*", {}), **options.get(getattr(self, "_name", ""), {})}
+        if extra and not getattr(self, "_profile_options_added", False):
+            self._compiler_options_kvs = tuple(self._compiler_options_kvs) + tuple(extra.items())
+            self._profile_options_added = True
+        return original(self, *args, **kw)
 
-    jax.stages.Lowered.compile = compile_
+    pxla.MeshComputation.compile = compile_
 
 
 def child(what: str, argv: list[str]) -> None:

@@ -24,8 +24,11 @@ def test_program_options_parse():
 
 
 def test_program_options_reach_only_the_named_program(monkeypatch):
-    # An option XLA does not know fails that compile: the named program gets it, the other does not.
-    monkeypatch.setattr(jax.stages.Lowered, "compile", jax.stages.Lowered.compile)  # undone after the test
+    # An option XLA does not know fails that compile: the named program gets it, compiled ahead or by a plain
+    # jitted call (which does not go through `Lowered.compile`), and the other program does not.
+    from jax._src.interpreters import pxla
+
+    monkeypatch.setattr(pxla.MeshComputation, "compile", pxla.MeshComputation.compile)  # undone after the test
     profile_compile.use_program_options({"jit(named)": {"no_such_xla_option": 1}})
 
     def named(x):
@@ -35,8 +38,11 @@ def test_program_options_reach_only_the_named_program(monkeypatch):
         return x * 2
 
     assert float(jax.jit(other).lower(jnp.ones(())).compile()(jnp.ones(()))) == 2.0
+    assert float(jax.jit(other)(jnp.ones((2,)))[0]) == 2.0
     with pytest.raises(Exception, match="no_such_xla_option"):
         jax.jit(named).lower(jnp.ones(())).compile()
+    with pytest.raises(Exception, match="no_such_xla_option"):
+        jax.jit(named)(jnp.ones((3,)))
 
 
 def test_timeout_keeps_the_spans_that_ended(tmp_path):
