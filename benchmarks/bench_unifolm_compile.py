@@ -169,6 +169,9 @@ def split_sampling(ugraph, ustate, cond, tables, key, shapes, clip: bool, k: int
 
 
 def child(variant: str, config: str, steps: int, runs: int) -> None:
+    from wan_tpu.runtime.xla_defaults import apply_xla_defaults
+
+    apply_xla_defaults()  # as the command line compiles (XLA's Triton GEMM search off); a flag in XLA_FLAGS wins
     import jax
     import jax.numpy as jnp
     from flax import nnx
