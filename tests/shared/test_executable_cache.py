@@ -11,6 +11,7 @@ import dataclasses
 import functools
 import json
 import os
+import pickle
 import subprocess
 import sys
 import warnings
@@ -106,6 +107,68 @@ def test_a_program_refusing_its_arguments_falls_back_to_jit_with_a_warning():
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # dropped: no second warning
         programs.call("affine", (x, jnp.ones(4)), lambda: _affine(3, x, jnp.ones(4)))
+
+
+@pytest.fixture
+def fresh_process(monkeypatch):
+    """Resets what a process remembers (programs met, manifests kept, reads under way): call it to act as
+    the next process on the same cache folder."""
+
+    def reset():
+        for name in ("_CALLED", "_PREFETCHED", "_MANIFESTS", "_TOUCHED"):
+            monkeypatch.setattr(executable_cache, name, {})
+
+    reset()
+    return reset
+
+
+def _manifests(folder):
+    return [n for n in _entries(folder) if n.startswith("manifest-")]
+
+
+def test_prefetch_loads_what_the_last_run_used_and_its_callers_take_it(cache, fresh_process):
+    """A run's manifest lists every program it loaded or stored; the next run with the same group and key
+    loads them all in the background at once, largest first, and `load`, `cached_call` and `ahead` take those
+    programs instead of reading their files again."""
+    x = jnp.arange(5.0)
+    assert executable_cache.prefetch("run", ("command", 1)) is None  # nothing listed yet
+    executable_cache.store("affine", ("affine", 5), _lowered())
+    np.testing.assert_array_equal(executable_cache.cached_call("scaled", "key", _scaled, (x,), dict(scale=2.0),
+                                                               static_argnames=("scale",)), x * 2 + 1)
+    (manifest,) = _manifests(cache)
+    programs = sorted(n for n in _entries(cache) if not n.startswith("manifest-"))
+    with open(os.path.join(cache, executable_cache.FOLDER, manifest), "rb") as f:
+        assert sorted(pickle.load(f)) == programs and len(programs) == 2
+
+    fresh_process()
+    loaded = compile_cache.stats().programs_loaded
+    done = executable_cache.prefetch("run", ("command", 1))
+    assert done.result(timeout=60) == 2 and compile_cache.stats().programs_loaded == loaded + 2
+    got = executable_cache.load("affine", ("affine", 5))(x, jnp.ones(5))  # its second argument is donated
+    jax.tree.map(np.testing.assert_array_equal, got, _affine(3, x, jnp.ones(5)))
+    with executable_cache.ahead():  # the program compiled ahead: the prefetched one, its shapes from its entry
+        zeros = executable_cache.cached_call("scaled", "key", _scaled, (x,), dict(scale=2.0), static_argnames=("scale",))
+    np.testing.assert_array_equal(zeros, np.zeros(5))
+    np.testing.assert_array_equal(executable_cache.cached_call("scaled", "key", _scaled, (x + 1,), dict(scale=2.0),
+                                                               static_argnames=("scale",)), (x + 1) * 2 + 1)
+    assert compile_cache.stats().programs_loaded == loaded + 2 and executable_cache._PREFETCHED == {}
+    # Another key: nothing listed to read (and what this process met is listed for it from now on).
+    assert executable_cache.prefetch("run", ("command", 2)) is None and len(_manifests(cache)) == 2
+
+
+def test_a_prefetched_entry_that_cannot_be_read_is_compiled_again(cache, fresh_process):
+    key = ("affine", 5)
+    executable_cache.prefetch("run", "k")
+    executable_cache.store("affine", key, _lowered())
+    (entry,) = [n for n in _entries(cache) if not n.startswith("manifest-")]
+    with open(os.path.join(cache, executable_cache.FOLDER, entry), "wb") as f:
+        f.write(b"not a program")
+    fresh_process()
+    with pytest.warns(UserWarning, match="dropped an unreadable entry for affine"):
+        executable_cache.prefetch("run", "k").result(timeout=60)  # nothing loaded; the entry is gone
+    assert executable_cache.load("affine", key) is None and entry not in _entries(cache)
+    executable_cache.store("affine", key, _lowered())
+    assert executable_cache.load("affine", key) is not None
 
 
 def test_matrix_game_keys_change_with_dtype_config_and_size():

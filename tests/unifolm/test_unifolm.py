@@ -9,6 +9,7 @@ bad inputs are one-line user errors (exit status 2) that leave no file behind.
 import dataclasses
 import json
 import os
+import pickle
 import re
 import subprocess
 import sys
@@ -323,6 +324,11 @@ def test_a_second_process_loads_the_stage_programs_whole(tmp_path):
         loaded.append(re.search(r"whole programs: (\d+) loaded, (\d+) stored", done.stdout).groups())
         if run == "first":
             assert list((tmp_path / "cache").glob("*/executables/arrays-random-UnifolmWMA-*.bin"))
+            # What the second process reads from its start, beside the loads (`executable_cache.prefetch`).
+            (manifest,) = (tmp_path / "cache").glob("*/executables/manifest-unifolm-*.bin")
+            listed = pickle.loads(manifest.read_bytes())
+            assert sorted(name.rsplit("-", 1)[0] for name in listed) == ["unifolm-decode", "unifolm-prepare",
+                                                                         "unifolm-sample"], listed
     assert loaded == [("0", "3"), ("3", "0")], loaded
     assert json.loads((tmp_path / "first.json").read_text())["steps"] == TINY_STEPS == 2
     first, second = np.load(tmp_path / "first.npz"), np.load(tmp_path / "second.npz")

@@ -229,6 +229,8 @@ class MatrixGamePipeline:
         from wan_tpu.runtime.compile_ahead import Warmup
 
         warmup = self._warmup = Warmup(compile_cache=self.compile_cache)
+        if self.program_key() is not None:
+            warmup.prefetch("matrix-game", (self.program_key(), live))
         for name, loader in self._loaders.items():
             if name not in self._loaded:
                 warmup.start(name, loader)

@@ -187,12 +187,24 @@ class Warmup:
         for future in concurrent.futures.as_completed(futures):
             yield futures[future]
 
+    def prefetch(self, group: str, key) -> None:
+        """Start loading the programs the last run of (`group`, `key`) used (`executable_cache.prefetch`), now,
+        beside the loads: a warm start's largest program deserialises from the start instead of once the
+        compile thread has traced its way to it. `wait_compiled` waits for these loads too: a program's first
+        run must not overlap other CUDA work (`MatrixGamePipeline._wait_compiled` says why)."""
+        from wan_tpu.runtime import executable_cache
+
+        with self.selected():
+            future = executable_cache.prefetch(group, key)
+        if future is not None:
+            self.compiles["prefetch"] = future
+
     def wait_compiled(self, name: str) -> None:
-        """Wait for the compile `name` if one was started (for all of them where `exclusive`); a failure becomes
-        a warning (the call compiles)."""
+        """Wait for the compile `name` if one was started (for all of them where `exclusive`), and for the
+        programs `prefetch` loads; a failure becomes a warning (the call compiles)."""
         from wan_tpu.runtime.executable_cache import span
 
-        for one in list(self.compiles) if self.exclusive else [name]:
+        for one in list(self.compiles) if self.exclusive else [name, "prefetch"]:
             future = self.compiles.pop(one, None)
             if future is None:
                 continue

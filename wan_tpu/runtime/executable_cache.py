@@ -31,6 +31,11 @@ read (a killed writer, another jaxlib's format) is deleted with a warning and th
 written again; a backend that cannot serialise its executables just keeps them in memory. Writes go to
 a temporary file renamed into place, so a reader never sees half an entry.
 
+`prefetch(group, key)` (a pipeline's `prepare`, through `Warmup.prefetch`) starts reading, in the background, every
+entry the last process with the same `group` and `key` loaded or stored (its manifest, `manifest-GROUP-*.bin`,
+which this process then keeps up to date): a warm start's programs deserialise from its first second,
+beside the weights' loads, instead of once each program's caller has traced its way to it.
+
 `Programs` holds a pipeline's loaded programs by name. A call made with arguments the program was not
 compiled for (a `TypeError` from JAX's argument check, raised before anything runs or is donated) drops
 it with a warning and takes the jitted path, so an entry can cost a compile, never a wrong result.
@@ -39,6 +44,7 @@ it with a warning and takes the jitted path, so an entry can cost a compile, nev
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import ctypes
 import functools
@@ -74,7 +80,13 @@ def span(kind: str, name: str):
 def load(name: str, key) -> jax.stages.Compiled | None:
     """The program stored under (`name`, `key`), deserialised and loaded on this process's devices, or None."""
     path = _path(name, key)
-    if path is None or not os.path.isfile(path):
+    if path is None:
+        return None
+    prefetched = _take_prefetched(path)
+    if prefetched is not None:
+        with span("executable load", name):
+            return prefetched.compiled.result()
+    if not os.path.isfile(path):
         return None
     with span("executable load", name):
         return _load(name, path)
@@ -98,7 +110,121 @@ def _load(name: str, path: str, entry: tuple | None = None) -> jax.stages.Compil
                       "recompiled", stacklevel=2)
         return None
     jax.monitoring.record_event(compile_cache.PROGRAM_LOADED)  # counted in `compile_cache.stats()`
+    _touched(path)
     return compiled
+
+
+# ---- prefetching a start's programs --------------------------------------------------------------------
+
+_PREFETCH_LOCK = threading.Lock()
+_PREFETCHED: dict = {}  # entry path → its `_Prefetched` read, until a caller takes it
+_MANIFESTS: dict[str, list[str]] = {}  # manifest path → the entry file names it lists (kept up to date)
+_TOUCHED: dict[str, None] = {}  # entry paths this process loaded or stored, in order
+# Threads deserialising at once: the largest program (listed first) starts at once, the small ones beside it.
+PREFETCH_THREADS = 4
+
+
+class _Prefetched:
+    """One entry read (`entry`: its pickled tuple, None when unreadable) and deserialised (`compiled`: None
+    when it cannot be) in the background."""
+
+    def __init__(self, name: str, path: str):
+        self.name, self.path = name, path
+        self.entry: concurrent.futures.Future = concurrent.futures.Future()
+        self.compiled: concurrent.futures.Future = concurrent.futures.Future()
+
+    def run(self) -> None:
+        entry = compiled = None
+        try:
+            try:
+                with open(self.path, "rb") as f:
+                    entry = pickle.load(f)
+            except Exception as e:  # noqa: BLE001 - unreadable: its caller compiles it and the store repairs the entry
+                _remove(self.path)
+                warnings.warn(f"executable cache: dropped an unreadable entry for {self.name} ({type(e).__name__}); "
+                              "it is recompiled", stacklevel=2)
+            self.entry.set_result(entry)
+            if entry is not None:
+                with span("executable prefetch", self.name):
+                    compiled = _load(self.name, self.path, entry)
+        finally:
+            if not self.entry.done():
+                self.entry.set_result(None)
+            self.compiled.set_result(compiled)
+
+
+def prefetch(group: str, key) -> concurrent.futures.Future | None:
+    """Start loading, in background threads, every entry listed in the manifest of (`group`, `key`) — what the
+    last process with them (the same command: family, configs, mode, sizes) loaded or stored — largest first;
+    from now on this process's own loads and stores are added to that manifest. A caller that meets a listed
+    program (`load`, `cached_call`, `ahead`) takes the loaded one, waiting for it if its read is under way.
+    → a future done when every listed entry is loaded (its result: their count), or None when there is
+    nothing to read (no manifest yet, the cache off, no key)."""
+    manifest = _path(f"manifest-{group}", key)
+    if manifest is None:
+        return None
+    try:
+        with open(manifest, "rb") as f:
+            listed = [name for name in pickle.load(f) if isinstance(name, str)]
+    except FileNotFoundError:
+        listed = []
+    except Exception:  # noqa: BLE001 - a torn or foreign manifest: started afresh
+        listed = []
+    folder = os.path.dirname(manifest)
+    todo = []
+    with _PREFETCH_LOCK:
+        listed = _MANIFESTS.setdefault(manifest, listed)
+        for path in _TOUCHED:  # what this process used before it asked belongs to the group too
+            _list(manifest, listed, path)
+        for file in listed:
+            path = os.path.join(folder, file)
+            if path in _PREFETCHED or path in _TOUCHED or not os.path.isfile(path):
+                continue
+            _PREFETCHED[path] = _Prefetched(file[: -len("-0123456789012345678901234567890123456789.bin")], path)
+            todo.append(_PREFETCHED[path])
+    if not todo:
+        return None
+    todo.sort(key=lambda p: -_size(p.path))
+    done: concurrent.futures.Future = concurrent.futures.Future()
+
+    def load_all():
+        with concurrent.futures.ThreadPoolExecutor(min(PREFETCH_THREADS, len(todo)),
+                                                   thread_name_prefix="wan_tpu-prefetch") as pool:
+            list(pool.map(_Prefetched.run, todo))
+        done.set_result(len(todo))
+
+    # Not a daemon: a thread killed inside XLA at exit aborts the process.
+    threading.Thread(target=load_all, name="wan_tpu-prefetch").start()
+    return done
+
+
+def _take_prefetched(path: str):
+    """The background read of the entry at `path` (taken: a later caller reads the file itself), or None."""
+    with _PREFETCH_LOCK:
+        return _PREFETCHED.pop(path, None)
+
+
+def _touched(path: str) -> None:
+    """Record that this process loaded or stored the entry at `path`; a manifest of its folder that lacks it
+    gains it (rewritten whole: a few hundred bytes, and only while a process meets programs it did not list)."""
+    with _PREFETCH_LOCK:
+        _TOUCHED[path] = None
+        for manifest, listed in _MANIFESTS.items():
+            _list(manifest, listed, path)
+
+
+def _list(manifest: str, listed: list[str], path: str) -> None:
+    file = os.path.basename(path)
+    if os.path.dirname(path) == os.path.dirname(manifest) and file not in listed:
+        listed.append(file)
+        _write("manifest", manifest, pickle.dumps(list(listed), protocol=pickle.HIGHEST_PROTOCOL))
+
+
+def _size(path: str) -> int:
+    try:
+        return os.path.getsize(path)
+    except OSError:
+        return 0
 
 
 def exists(name: str, key) -> bool:
@@ -143,6 +269,7 @@ def _store(name: str, key, lowered: jax.stages.Lowered, compiler_options: dict |
         return compiled  # this backend or program cannot be serialised: kept in memory only
     if _write(name, path, data):
         jax.monitoring.record_event(compile_cache.PROGRAM_STORED)
+        _touched(path)
     return compiled
 
 
@@ -346,7 +473,10 @@ def _ahead_in_background(name, full, memo, jitted, args, kwargs, static_argnums,
         return under_way[memo]
     path = _path(name, full)
     entry = None
-    if path is not None and os.path.isfile(path):
+    prefetched = None if path is None else _take_prefetched(path)
+    if prefetched is not None:
+        entry = prefetched.entry.result()
+    elif path is not None and os.path.isfile(path):
         try:
             with open(path, "rb") as f:
                 entry = pickle.load(f)
@@ -357,7 +487,7 @@ def _ahead_in_background(name, full, memo, jitted, args, kwargs, static_argnums,
 
         def work():
             with span("executable load", name):
-                compiled = _load(name, path, entry)
+                compiled = prefetched.compiled.result() if prefetched is not None else _load(name, path, entry)
             if compiled is not None:
                 return compiled
             return store(name, full, jitted.lower(*abstract_args[0], **abstract_args[1]), compiler_options)
