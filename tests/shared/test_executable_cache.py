@@ -346,3 +346,21 @@ def test_the_source_hash_covers_the_whole_package():
     from wan_tpu.runtime import executable_cache
 
     assert executable_cache.PACKAGE_ROOT == os.path.dirname(os.path.abspath(wan_tpu.__file__))
+
+
+def test_a_warmup_prefetches_and_its_calls_wait_for_the_reads(cache, fresh_process):
+    """`Warmup.prefetch` starts the reads; `wait_compiled` (what a stage calls before its first program) returns
+    only once they and the libraries' start (`start_libraries`, a no-op off NVIDIA GPUs) are done."""
+    from wan_tpu.runtime.compile_ahead import Warmup, start_libraries
+
+    executable_cache.prefetch("run", "k")
+    executable_cache.store("affine", ("affine", 5), _lowered())
+    fresh_process()
+    loaded = compile_cache.stats().programs_loaded
+    with Warmup() as warmup:
+        warmup.prefetch("run", "k")
+        assert len(warmup.background) == 2 and warmup.background[0] is start_libraries()
+        warmup.wait_compiled("stages")
+        assert warmup.background == [] and compile_cache.stats().programs_loaded == loaded + 1
+    assert executable_cache.load("affine", ("affine", 5)) is not None  # the prefetched program, taken
+    assert compile_cache.stats().programs_loaded == loaded + 1
