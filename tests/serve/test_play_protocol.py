@@ -26,8 +26,8 @@ websockets = pytest.importorskip("websockets.sync.client")
 class Client:
     """One socket: JSON messages in `texts`, frames (header, payload) in `frames`, in arrival order."""
 
-    def __init__(self, base: str):
-        self.ws = websockets.connect(base.replace("http://", "ws://") + "/play/ws", max_size=None).__enter__()
+    def __init__(self, base: str, **options):
+        self.ws = websockets.connect(base.replace("http://", "ws://") + "/play/ws", max_size=None, **options).__enter__()
         self.texts, self.frames, self.videos = [], [], []
         self.hello = self.until(lambda: self.texts and self.texts[0]["type"] == "hello", 10)
 
@@ -247,6 +247,38 @@ def test_one_stream_at_a_time_and_a_closed_socket_frees_its_place(play_server):
     finally:
         for client in (a, b, c):
             client.close()
+
+
+def test_a_page_that_takes_no_more_frames_gives_up_its_place(play_server, monkeypatch):
+    """A page kept frozen with its socket open (as a browser's back/forward cache keeps one) reads nothing:
+    once a send to it has waited `STALL_SECONDS`, its stream ends and the next in line starts; the frozen
+    page, reading again, finds its socket closed by the server."""
+    import socket
+
+    from websockets.exceptions import ConnectionClosed
+
+    from wan_tpu.serve import play
+
+    monkeypatch.setattr(play, "STALL_SECONDS", 3.0)
+    host, port = play_server.removeprefix("http://").rsplit(":", 1)
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # set before connecting: a small window, soon full
+    sock.connect((host, int(port)))
+    # Reads no further while a message waits unread, and sends no ping of its own (a frozen page does not).
+    frozen = Client(play_server, sock=sock, max_queue=1, ping_interval=None)
+    waiting = Client(play_server)
+    try:
+        frozen.send(type="start", image=IMAGE, fps=120, format="png")
+        frozen.until(lambda: len(frozen.frames) >= 1)
+        waiting.send(type="start", image="desert", fps=30)
+        assert waiting.text("waiting")["position"] == 1
+        waiting.text("started", 60)
+        waiting.until(lambda: len(waiting.frames) >= 1, 60)
+        with pytest.raises(ConnectionClosed):
+            frozen.until(lambda: False, 30)
+    finally:
+        frozen.close()
+        waiting.close()
 
 
 def test_the_line_of_waiting_streams():

@@ -43,7 +43,10 @@ chunk's first part after it comes, plus the rest of the chunk being made then, i
 action before: a chunk in progress cannot be stopped); the new chunk's first frame goes out as soon as
 its first part is done and the frame encoded. With `smooth` it shows after the frames queued when it
 came: on average half a chunk's playing time (12 frames ÷ fps) plus one chunk's first part.
-A closed tab frees its place at once; its chunk in progress finishes in its thread and is dropped.
+A closed tab frees its place at once; its chunk in progress finishes in its thread and is dropped. So does a
+tab navigated away from: the page closes its socket as it is hidden. A page that keeps its socket open but
+takes no message for `STALL_SECONDS` (frozen, as a browser's back/forward cache keeps a page left for
+another) frees its place then.
 """
 
 from __future__ import annotations
@@ -86,6 +89,10 @@ START_FIELDS = ("image", "seed", "fps", "format", "smooth")
 # three chunks' generation, plus a margin: jitter then rarely stalls the picture.
 LEAD_FACTOR, LEAD_MARGIN = 1.25, 0.03
 ARROWS = {"ArrowUp": "w", "ArrowDown": "s", "ArrowLeft": "a", "ArrowRight": "d"}
+# A send that waits this long (the network buffers full) means the page takes no more: it is taken as gone.
+# Else its stream would hold its place, sending to no one, for as long as the page is kept: uvicorn's
+# keepalive cannot end it (its ping waits behind the unread frames, and its close waits for them to flush).
+STALL_SECONDS = 15.0
 
 log = logging.getLogger(__name__)
 
@@ -255,6 +262,10 @@ def bindings(pipeline) -> list[dict]:
 
 # ---- the waiting line -------------------------------------------------------------------------------------
 
+class PageGone(ConnectionError):
+    """The page took no message for `STALL_SECONDS`."""
+
+
 class _Turn:
     def __init__(self):
         self.granted = False
@@ -351,15 +362,18 @@ class Play:
         await websocket.accept()
         player = Player(self, websocket)
         await player.send_json(self.hello)
-        tasks = [asyncio.create_task(player.run()), asyncio.create_task(player.send_frames())]
+        # The socket ends with the first of its parts to end: the page closing (`receive`), or a part failing,
+        # a send the page did not take (`PageGone`) above all, which would leave the others holding the place.
+        parts = [asyncio.create_task(part) for part in (player.receive(), player.run(), player.send_frames())]
         try:
-            await player.receive()
-        except Exception as e:  # noqa: BLE001 - a reply to a page that has gone; nothing to tell it
-            log.debug("a live page's socket ended: %s", one_line(e))
+            done, _ = await asyncio.wait(parts, return_when=asyncio.FIRST_COMPLETED)
+            for part in done:
+                if part.exception() is not None:  # the page has gone or takes nothing more: nothing to tell it
+                    log.debug("a live page's socket ended: %s", one_line(part.exception()))
         finally:
-            for task in tasks:
-                task.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
+            for part in parts:
+                part.cancel()
+            await asyncio.gather(*parts, return_exceptions=True)
             player.close()
 
 
@@ -370,6 +384,7 @@ class Player:
     def __init__(self, play: Play, websocket):
         self.play, self.pipe, self.websocket = play, play.pipeline, websocket
         self._send_lock = asyncio.Lock()
+        self._gone = False  # a send stalled: the page is taken as gone, and every later send fails at once
         self._wake = asyncio.Event()
         self._resumed = asyncio.Event()
         self._resumed.set()
@@ -389,12 +404,19 @@ class Player:
     # ---- sending -------------------------------------------------------------------
 
     async def send_json(self, message: dict) -> None:
-        async with self._send_lock:
-            await self.websocket.send_text(json.dumps(message))
+        await self._send(self.websocket.send_text, json.dumps(message))
 
     async def send_bytes(self, data: bytes) -> None:
+        await self._send(self.websocket.send_bytes, data)
+
+    async def _send(self, send, data) -> None:
         async with self._send_lock:
-            await self.websocket.send_bytes(data)
+            if not self._gone:
+                with contextlib.suppress(TimeoutError):
+                    async with asyncio.timeout(STALL_SECONDS):
+                        return await send(data)
+                self._gone = True
+            raise PageGone(f"the page took no message for {STALL_SECONDS:g} s")
 
     async def error(self, message: str) -> None:
         await self.send_json({"type": "error", "message": message})
@@ -523,6 +545,8 @@ class Player:
                     request, self._request = self._request, None
                     try:
                         await self.play_stream(request)
+                    except PageGone:
+                        raise
                     except Exception as e:  # noqa: BLE001 - one line to the page, which may start again
                         log.exception("a live stream failed")
                         await self.error(f"the stream stopped: {one_line(e)}; press reset to start again")

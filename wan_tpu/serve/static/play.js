@@ -29,6 +29,11 @@
   const send = (message) => socket.readyState === WebSocket.OPEN && socket.send(JSON.stringify(message));
   socket.onmessage = (event) => (typeof event.data === "string" ? onText(JSON.parse(event.data)) : onBinary(event.data));
   socket.onclose = () => status("disconnected: reload the page to play again", "error");
+  // A page left for another may be kept, frozen, in the back/forward cache, its socket open: its stream
+  // would hold a place, playing to no one, until the cache drops the page. Closed as the page is hidden,
+  // the place goes to the next in line at once; a page brought back from the cache starts afresh.
+  window.addEventListener("pagehide", () => socket.close());
+  window.addEventListener("pageshow", (event) => event.persisted && location.reload());
 
   function onText(message) {
     switch (message.type) {
