@@ -229,11 +229,11 @@ class MatrixGamePipeline:
         from wan_tpu.runtime.compile_ahead import Warmup
 
         warmup = self._warmup = Warmup(compile_cache=self.compile_cache)
-        if self.program_key() is not None:
-            warmup.prefetch("matrix-game", (self.program_key(), live))
         for name, loader in self._loaders.items():
             if name not in self._loaded:
                 warmup.start(name, loader)
+        if self.program_key() is not None:  # after the loads start: its key waits for the device client
+            warmup.prefetch("matrix-game", (self.program_key(), live))
         compile_ahead(self, warmup, live=live)
         return warmup
 

@@ -188,10 +188,12 @@ def prefetch(group: str, key) -> concurrent.futures.Future | None:
     done: concurrent.futures.Future = concurrent.futures.Future()
 
     def load_all():
-        with concurrent.futures.ThreadPoolExecutor(min(PREFETCH_THREADS, len(todo)),
-                                                   thread_name_prefix="wan_tpu-prefetch") as pool:
-            list(pool.map(_Prefetched.run, todo))
-        done.set_result(len(todo))
+        try:
+            with concurrent.futures.ThreadPoolExecutor(min(PREFETCH_THREADS, len(todo)),
+                                                       thread_name_prefix="wan_tpu-prefetch") as pool:
+                list(pool.map(_Prefetched.run, todo))
+        finally:  # whoever waits is never left waiting
+            done.set_result(len(todo))
 
     # Not a daemon: a thread killed inside XLA at exit aborts the process.
     threading.Thread(target=load_all, name="wan_tpu-prefetch").start()

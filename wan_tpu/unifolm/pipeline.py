@@ -346,11 +346,11 @@ class UnifolmPipeline:
         num_steps = self.default_steps[mode] if num_steps is None else num_steps
         _check_steps(self.config, num_steps)
         warmup = self._warmup = Warmup(compile_cache=self.compile_cache)
-        if self.program_key is not None:
-            warmup.prefetch("unifolm", (self.program_key, mode, num_steps, eta != 0, keep_action_tokens))
         for name in self.COMPONENTS:
             if name not in self._loaded:
                 warmup.start(name, self._loaders[name])
+        if self.program_key is not None:  # after the loads start: its key waits for the device client
+            warmup.prefetch("unifolm", (self.program_key, mode, num_steps, eta != 0, keep_action_tokens))
         if self.program_key is not None and {"model", "vae"} <= set(self._abstracts):
             # The encoders' weights only matter here through their outputs' shapes: built from their configs
             # where the pipeline can (no wait for their loads), else the loads themselves.
