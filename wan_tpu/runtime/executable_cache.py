@@ -180,7 +180,7 @@ def prefetch(group: str, key) -> concurrent.futures.Future | None:
             path = os.path.join(folder, file)
             if path in _PREFETCHED or path in _TOUCHED or not os.path.isfile(path):
                 continue
-            _PREFETCHED[path] = _Prefetched(file[: -len("-0123456789012345678901234567890123456789.bin")], path)
+            _PREFETCHED[path] = _Prefetched(file.rsplit("-", 1)[0], path)  # NAME-DIGEST.bin
             todo.append(_PREFETCHED[path])
     if not todo:
         return None
