@@ -42,9 +42,10 @@ waits for them), with the command's stages; spans shorter than `--min-seconds` a
 of XLA's compile seconds is its autotuning (level 0 instead picks untuned algorithms, which left 3-D convolutions
 too slow for a run to end). `--pass-times` (GPUs) turns on XLA's own timers in the cold runs
 (`TF_CPP_VMODULE=gpu_compiler=1,hlo_pass_pipeline=1`) and prints, per compiled module, the seconds of its HLO
-passes (autotuning among them) and of its backend (LLVM, PTX), with its longest passes; `--child-log FILE`
-keeps every run's own output. `--decode-beside-denoise` (Wan, GPUs): the VAE decode's compiles overlap the
-denoise instead of the first step's waiting for them (`compile_ahead.WAIT_FOR_DEVICE_AUTOTUNING` off).
+passes (autotuning among them) and of its backend (LLVM, PTX), with its longest passes, and names the module
+each of XLA's rematerialisation warnings came from; `--child-log FILE` keeps every run's own output; `--keep DIR`
+the inputs and cache folders (`DIR/cache-0` is the warm runs'). `--decode-beside-denoise` (Wan, GPUs): the VAE
+decode's compiles overlap the denoise instead of the first step's waiting for them (`compile_ahead.WAIT_FOR_DEVICE_AUTOTUNING` off).
 `--timeout S` stops a run past S seconds and shows the spans that had ended and the command's last lines (a
 run that would not finish still says where it was). `--program-options NAME:OPTION=VALUE` compiles one program
 with XLA options of its own (`_sample_loop:xla_gpu_autotune_level=0`: that program without autotuning, the
@@ -61,9 +62,11 @@ from __future__ import annotations
 import argparse
 import collections
 import contextlib
+import glob
 import importlib
 import os
 import re
+import shutil
 import sys
 import threading
 import time
@@ -310,7 +313,8 @@ PASS_TIMERS = {"TF_CPP_MIN_LOG_LEVEL": "0", "TF_CPP_VMODULE": "gpu_compiler=1,hl
 
 def compile_anatomy(text: str) -> dict:
     """XLA's own timers in a run's output (`PASS_TIMERS`) → {module: {"count", "passes", "backend" (seconds,
-    summed over its compiles), "longest" ({pass: its longest single run, s})}}. A pass is the module's that
+    summed over its compiles), "longest" ({pass: its longest single run, s}), "remat" (XLA's rematerialisation
+    warnings in its compiles, if any)}}. A pass or a warning is the module's that
     its thread was last running the pipelines of (a module compiles in one thread; the nested pipelines a
     pass runs on pieces of it, e.g. the Triton normalization rewriter's, count within that pass)."""
     current, out = {}, {}
@@ -322,6 +326,9 @@ def compile_anatomy(text: str) -> dict:
         thread, message = m.groups()
         if (g := re.match(r"Running HLO pass pipeline on module (jit_\S+): ", message)):
             current[thread] = g[1]
+        elif REMAT in message:  # named by the module its thread was compiling (with --pass-times)
+            entry(current.get(thread, "(unknown: no --pass-times)")).setdefault("remat", []).append(
+                re.sub(r" \(\d+ bytes\)", "", message))
         elif (g := re.match(r"HLO pass: (\S+) time: .*?\((\d+) us\)", message)) and thread in current:
             longest = entry(current[thread])["longest"]
             longest[g[1]] = max(longest.get(g[1], 0.0), int(g[2]) / 1e6)
@@ -492,7 +499,11 @@ def cold_start(args) -> None:
     if args.program_options:
         extra["PROFILE_PROGRAM_OPTIONS"] = json.dumps(program_options(args.program_options))
         print(f"program options: {extra['PROFILE_PROGRAM_OPTIONS']}")
-    with tempfile.TemporaryDirectory(prefix="profile-cold-") as tmp:
+    with contextlib.nullcontext(args.keep) if args.keep else tempfile.TemporaryDirectory(prefix="profile-cold-") as tmp:
+        if args.keep:
+            os.makedirs(tmp, exist_ok=True)
+            for old in glob.glob(os.path.join(tmp, "cache-*")):
+                shutil.rmtree(old)  # a cold run's folder must start empty
         write_inputs(tmp, args.what, args.device)
         argv = command(args, tmp, os.path.join(tmp, "out.mp4"))
         print("command: " + " ".join(argv[5:]), flush=True)
@@ -536,6 +547,10 @@ def cold_start(args) -> None:
     print(harness.table(("cache", "seconds to", "each run", "median"), rows))
     remat = [line for run in cold + warm for line in run["remat"]]
     print(f"\nXLA rematerialisation warnings: {len(remat)}" + (f"; the first: {remat[0].strip()[:300]}" if remat else ""))
+    for run in cold + warm:
+        for module, e in (run.get("anatomy") or {}).items():
+            for warning in e.get("remat", ()):
+                print(f"  {module}: {warning}")
     if split is not None:
         print_autotune_split(cold[0], split)
     median = lambda runs: sorted(runs, key=lambda r: r["wall"])[len(runs) // 2]
@@ -618,6 +633,9 @@ def main(argv=None) -> None:
     p.add_argument("--program-options", action="append", default=[], metavar="NAME:OPTION=VALUE[,...]",
                    help="families: XLA options for one program, named as in the timeline (`_sample_loop`, "
                         "`jit(_decode_strip)`, `*` for all), e.g. _decode_strip:xla_gpu_autotune_level=0; repeatable")
+    p.add_argument("--keep", default=None, metavar="DIR",
+                   help="families: the inputs and each run's cache folder in DIR (cache-0: the warm runs'), kept "
+                        "after, e.g. to run the warm command again under a profiler; its old cache-* are removed")
     p.add_argument("--child-log", default=None, metavar="FILE",
                    help="families: append every run's own output (XLA's logs among it) to FILE")
     args = p.parse_args(argv)
