@@ -296,12 +296,14 @@ def run_timed(argv: list[str], env: dict, timeout: float | None = None) -> dict:
             elif line.strip() and REMAT not in line and not XLA_LOG.search(line):
                 said.append(line.rsplit("\r", 1)[-1])
         return dict(wall=wall, first_output=first, remat=remat, spans=spans, spawn=start_wall, counts={},
-                    timed_out=True, tail=said[-12:], anatomy=compile_anatomy(text))
+                    timed_out=True, tail=said[-12:], anatomy=compile_anatomy(text),
+                    remat_sources=remat_sources(text))
     results = harness.read_results(text)
     if rc or not results:
         said = "\n".join(line for line in text.split("\n") if not line.startswith(SPAN))
         raise SystemExit(f"{' '.join(argv)} failed (exit status {rc}):\n{said[-4000:]}")
     return dict(wall=wall, first_output=first, remat=remat, timed_out=False, anatomy=compile_anatomy(text),
+                remat_sources=remat_sources(text),
                 **results[-1])
 
 
@@ -313,8 +315,7 @@ PASS_TIMERS = {"TF_CPP_MIN_LOG_LEVEL": "0", "TF_CPP_VMODULE": "gpu_compiler=1,hl
 
 def compile_anatomy(text: str) -> dict:
     """XLA's own timers in a run's output (`PASS_TIMERS`) → {module: {"count", "passes", "backend" (seconds,
-    summed over its compiles), "longest" ({pass: its longest single run, s}), "remat" (XLA's rematerialisation
-    warnings in its compiles, if any)}}. A pass or a warning is the module's that
+    summed over its compiles), "longest" ({pass: its longest single run, s})}}. A pass is the module's that
     its thread was last running the pipelines of (a module compiles in one thread; the nested pipelines a
     pass runs on pieces of it, e.g. the Triton normalization rewriter's, count within that pass)."""
     current, out = {}, {}
@@ -326,9 +327,6 @@ def compile_anatomy(text: str) -> dict:
         thread, message = m.groups()
         if (g := re.match(r"Running HLO pass pipeline on module (jit_\S+): ", message)):
             current[thread] = g[1]
-        elif REMAT in message:  # named by the module its thread was compiling (with --pass-times)
-            entry(current.get(thread, "(unknown: no --pass-times)")).setdefault("remat", []).append(
-                re.sub(r" \(\d+ bytes\)", "", message))
         elif (g := re.match(r"HLO pass: (\S+) time: .*?\((\d+) us\)", message)) and thread in current:
             longest = entry(current[thread])["longest"]
             longest[g[1]] = max(longest.get(g[1], 0.0), int(g[2]) / 1e6)
@@ -337,6 +335,22 @@ def compile_anatomy(text: str) -> dict:
             if g[1] == "RunHloPasses":
                 e["count"] += 1
             e["passes" if g[1] == "RunHloPasses" else "backend"] += int(g[3]) / 1e6
+    return out
+
+
+def remat_sources(text: str) -> list[tuple[str, str]]:
+    """XLA's rematerialisation warnings in a run's output (`PASS_TIMERS` on) → [(the module its thread last ran
+    a pass pipeline on, any name: a program's `jit_...` or a piece an autotuner compiles apart, the warning)]."""
+    last, out = {}, []
+    for line in text.split("\n"):
+        m = XLA_LOG.search(line)
+        if not m:
+            continue
+        thread, message = m.groups()
+        if (g := re.match(r"Running HLO pass pipeline on module (\S+): ", message)):
+            last[thread] = g[1]
+        elif REMAT in message:
+            out.append((last.get(thread, f"thread {thread}: no pass pipeline logged"), re.sub(r" \(\d+ bytes\)", "", message)))
     return out
 
 
@@ -547,10 +561,8 @@ def cold_start(args) -> None:
     print(harness.table(("cache", "seconds to", "each run", "median"), rows))
     remat = [line for run in cold + warm for line in run["remat"]]
     print(f"\nXLA rematerialisation warnings: {len(remat)}" + (f"; the first: {remat[0].strip()[:300]}" if remat else ""))
-    for run in cold + warm:
-        for module, e in (run.get("anatomy") or {}).items():
-            for warning in e.get("remat", ()):
-                print(f"  {module}: {warning}")
+    for module, warning in (source for run in cold + warm for source in run.get("remat_sources", ())):
+        print(f"  {module}: {warning}")
     if split is not None:
         print_autotune_split(cold[0], split)
     median = lambda runs: sorted(runs, key=lambda r: r["wall"])[len(runs) // 2]

@@ -83,6 +83,21 @@ def test_pass_timers_read_per_module(capsys):
     assert [line for line in said.splitlines() if profile_compile.REMAT in line] == XLA_LINES.splitlines()[-1:]
 
 
+def test_remat_warnings_named_by_their_threads_module():
+    warning = ("W1128 07:38:09.1 {} hlo_rematerialization.cc:3195] Can't reduce memory use below 106.25GiB (114084364697 "
+               "bytes) by rematerialization; only reduced to 806.95GiB (866456000000 bytes), down from 806.95GiB "
+               "(866456000000 bytes) originally\n")
+    said = XLA_LINES + warning.format(1432) + warning.format(77)
+    # The excerpt's own warning comes from a thread that logged no pipeline; 1432 last ran the softmax piece.
+    assert [m for m, _ in profile_compile.remat_sources(said)] == [
+        "thread 4149: no pass pipeline logged", "jit__sample_loop", "thread 77: no pass pipeline logged"]
+    said = said.replace("W1128 07:38:09.1 1432", "I1128 07:38:09.0 1432 hlo_pass_pipeline.cc:302] Running HLO pass "
+                        "pipeline on module extracted.12: autotune\nW1128 07:38:09.1 1432", 1)
+    sources = profile_compile.remat_sources(said)
+    assert sources[1] == ("extracted.12", "Can't reduce memory use below 106.25GiB by rematerialization; only reduced to "
+                                          "806.95GiB, down from 806.95GiB originally")
+
+
 def test_autotune_split_table(capsys):
     span = lambda start, end, name: (start, end, "t", "XLA compile", name)  # noqa: E731
     cold = {"wall": 79.5, "timed_out": False, "remat": ["x"] * 3,

@@ -7,6 +7,7 @@ exact names). Runs on the 8 simulated CPU devices of tests/conftest.py.
 
 import json
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -100,3 +101,37 @@ def test_sharding_rules_cover_the_released_models():
     assert rows["blocks.1.ffn.proj_in.kernel"].spec == P(None, ("dp", "sp"), "tp")
     assert rows["blocks.0.action_model.t_qkv.kernel"].spec == P(None, ("dp", "sp"))
     assert rows["blocks.0.action_model.mouse_mlp_norm.weight"].replicated
+
+
+def test_the_abstract_dit_is_read_back_from_the_cache(tmp_path, monkeypatch):
+    """`abstract_transformer` (the loader's and `prepare`'s module without weights) is built once, then read
+    back from the executable cache: the same graphdef and shapes as building it, and a load through the
+    read-back module gives the same weights."""
+    from wan_tpu.loading import stacking
+    from wan_tpu.matrix_game.loading import abstract_transformer
+    from wan_tpu.runtime import compile_cache, executable_cache
+
+    cfg = config_from_json(_config())
+    built = stacking.eval_shape(lambda: MatrixGameTransformer(cfg, dtype=jnp.float32, rngs=nnx.Rngs(0)))
+    shapes = lambda m: jax.tree.map(lambda v: (v.shape, v.dtype), nnx.state(m))  # noqa: E731
+    before = compile_cache.cache_dir()
+    compile_cache.enable(str(tmp_path / "cache"))
+    try:
+        monkeypatch.setattr(executable_cache, "_ABSTRACTS", {})
+        first = abstract_transformer(cfg)
+        monkeypatch.setattr(executable_cache, "_ABSTRACTS", {})  # as a new process: from disk
+        real = executable_cache._cached_abstract
+        reads = []
+        monkeypatch.setattr(executable_cache, "_cached_abstract", lambda *a: reads.append(a[0]) or real(*a))
+        monkeypatch.setattr(stacking, "stack_layers", lambda *a, **k: pytest.fail("built again"))
+        again = abstract_transformer(cfg)
+        loaded = load_matrix_game_transformer(weights("mouse_keyboard"), cfg)
+    finally:
+        compile_cache.enable(before) if before else compile_cache.disable()
+    assert reads == ["matrix-game-dit"]  # the loader's from this process's copy
+    for module in (first, again):  # hooks read back are new (equal-valued) objects: compared by their repr
+        assert repr(nnx.graphdef(module)) == repr(nnx.graphdef(built)) and shapes(module) == shapes(built)
+        assert module.block_runs == built.block_runs
+    fresh = load_matrix_game_transformer(weights("mouse_keyboard"), cfg)
+    for a, b in zip(jax.tree.leaves(nnx.state(loaded)), jax.tree.leaves(nnx.state(fresh))):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))

@@ -125,6 +125,26 @@ def test_place_gets_final_host_arrays_in_order(source):
         np.testing.assert_array_equal(np.asarray(o).view(np.uint8), host_reference(p, tensors).view(np.uint8))
 
 
+def test_tensors_are_views_of_one_map_per_file(source, tmp_path, monkeypatch):
+    src, tensors = source
+    maps = []
+    real = np.memmap.__new__
+    monkeypatch.setattr(np.memmap, "__new__", lambda cls, *a, **k: maps.append(a) or real(cls, *a, **k))
+    assert "conv" in src and "nothing" not in src and maps == []  # membership reads no tensor
+    for _ in range(2):
+        for name, want in tensors.items():
+            got = src[name]
+            assert got.dtype == want.dtype and not got.flags.writeable
+            np.testing.assert_array_equal(got, want)
+    assert len(maps) == 1  # the file mapped once, on the first read
+    # Another file's tensors come from a map of their own.
+    save_file({"x": np.arange(6, dtype=np.float32)}, str(tmp_path / "b.safetensors"))
+    both = TensorSource([str(tmp_path / "a.safetensors"), str(tmp_path / "b.safetensors")])
+    np.testing.assert_array_equal(both["x"], np.arange(6, dtype=np.float32))
+    np.testing.assert_array_equal(both["bias"], tensors["bias"])
+    assert len(maps) == 3
+
+
 def test_read_into(source, tmp_path):
     src, tensors = source
     out = np.empty((6, 4), np.float32)

@@ -108,6 +108,9 @@ class GGUFSource(Mapping):
     def read_into(self, name: str, out: np.ndarray) -> None:
         out[...] = self[name]
 
+    def __contains__(self, name) -> bool:  # Mapping's would dequantise the tensor
+        return name in self._tensors
+
     def q8_0(self, name: str) -> tuple[np.ndarray, np.ndarray]:
         """A 2-D Q8_0 tensor (out, in) as (int8 values (out, in / 32, 32), a view of the file; float16 block
         scales (out, in / 32))."""

@@ -13,6 +13,7 @@ Matrix-Game's abstract DiT took on an H100 host, paid on every start before its 
 
 from __future__ import annotations
 
+import contextlib
 import contextvars
 from collections.abc import Callable
 
@@ -37,10 +38,17 @@ def stack_layers(make: Callable[[nnx.Rngs], nnx.Module], n: int, rngs: nnx.Rngs)
     return build(rngs)
 
 
-def eval_shape(build: Callable[[], nnx.Module]) -> nnx.Module:
-    """`nnx.eval_shape(build)`, with `stack_layers` building one block per stack."""
+@contextlib.contextmanager
+def shapes_only():
+    """Within: `stack_layers` builds one block per stack (for a caller's own `nnx.eval_shape`)."""
     token = _SHAPES_ONLY.set(True)
     try:
-        return nnx.eval_shape(build)
+        yield
     finally:
         _SHAPES_ONLY.reset(token)
+
+
+def eval_shape(build: Callable[[], nnx.Module]) -> nnx.Module:
+    """`nnx.eval_shape(build)`, with `stack_layers` building one block per stack."""
+    with shapes_only():
+        return nnx.eval_shape(build)

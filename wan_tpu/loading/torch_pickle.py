@@ -135,6 +135,9 @@ class PthTensors(Mapping):
     def dtype(self, name: str) -> np.dtype:
         return _numpy_dtype(self._tensors[name].dtype)
 
+    def __contains__(self, name) -> bool:
+        return name in self._tensors
+
     def __iter__(self) -> Iterator[str]:
         return iter(self._tensors)
 

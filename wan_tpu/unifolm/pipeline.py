@@ -685,11 +685,9 @@ def abstract_builds(config, vae_config, dtype, attention) -> dict:
         return abstract_unifolm(config, dtype, attention)
 
     def vae():
-        from wan_tpu.unifolm.autoencoder_kl import AutoencoderKL
-        from wan_tpu.unifolm.model import KeyCounter
+        from wan_tpu.unifolm.autoencoder_kl_loading import abstract_autoencoder_kl
 
-        return executable_cache.cached_abstract("autoencoder-kl", (vae_config,),
-                                                lambda: AutoencoderKL(vae_config, rngs=KeyCounter(0)))
+        return abstract_autoencoder_kl(vae_config)
 
     return {"model": model, "vae": vae}
 
