@@ -504,7 +504,8 @@ def startup(args) -> dict:
     mark("from_pretrained")
     key = pipe.program_key()
     mark("program key")
-    for name in ("encode-first", "start-latents", "gray-latents", "normalized", "clip", "cache", "key", "chunk"):
+    for name in ("encode-first", "start-latents", "gray-latents", "normalized", "clip", "cache", "key", "chunk-denoise",
+                 "chunk-decode"):
         found = executable_cache.load(name, key) is not None
         mark(f"load program {name}" + ("" if found else " (MISSING)"))
     for name, loader in pipe._loaders.items():  # weights are placed asynchronously: wait for every array

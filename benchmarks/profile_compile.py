@@ -339,18 +339,27 @@ def compile_anatomy(text: str) -> dict:
 
 
 def remat_sources(text: str) -> list[tuple[str, str]]:
-    """XLA's rematerialisation warnings in a run's output (`PASS_TIMERS` on) → [(the module its thread last ran
-    a pass pipeline on, any name: a program's `jit_...` or a piece an autotuner compiles apart, the warning)]."""
-    last, out = {}, []
+    """XLA's rematerialisation warnings in a run's output (`PASS_TIMERS` on) → [(where, the warning)]: the module
+    its thread last ran a pass pipeline on (a program's `jit_...`, or a piece compiled apart, e.g. a convolution
+    autotuner's candidate `cudnn-conv-bias-activation.N`) and, for a piece, the programs whose autotuning
+    (`config-assigner`) was under way then."""
+    last, tuning, out = {}, {}, []
     for line in text.split("\n"):
         m = XLA_LOG.search(line)
         if not m:
             continue
         thread, message = m.groups()
-        if (g := re.match(r"Running HLO pass pipeline on module (\S+): ", message)):
+        if (g := re.match(r"Running HLO pass pipeline on module (\S+): (\S+)", message)):
             last[thread] = g[1]
+            if g[1].startswith("jit_") and g[2] == "config-assigner":
+                tuning[thread] = g[1]
+        elif message.startswith("HLO pass: config-assigner time:"):
+            tuning.pop(thread, None)
         elif REMAT in message:
-            out.append((last.get(thread, f"thread {thread}: no pass pipeline logged"), re.sub(r" \(\d+ bytes\)", "", message)))
+            where = last.get(thread, f"thread {thread}: no pass pipeline logged")
+            if not where.startswith("jit_") and tuning:
+                where += f" (autotuning {', '.join(sorted(set(tuning.values())))})"
+            out.append((where, re.sub(r" \(\d+ bytes\)", "", message)))
     return out
 
 

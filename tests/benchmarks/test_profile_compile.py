@@ -96,6 +96,15 @@ def test_remat_warnings_named_by_their_threads_module():
     sources = profile_compile.remat_sources(said)
     assert sources[1] == ("extracted.12", "Can't reduce memory use below 106.25GiB by rematerialization; only reduced to "
                                           "806.95GiB, down from 806.95GiB originally")
+    # A convolution autotuner's candidate, while one program's autotuning (its config-assigner pass) runs.
+    tuned = ("I1129 02:01:28.7 3381 hlo_pass_pipeline.cc:302] Running HLO pass pipeline on module jit__sample_loop: "
+             "config-assigner\n"
+             "I1129 02:01:29.2 2470 hlo_pass_pipeline.cc:302] Running HLO pass pipeline on module "
+             "cudnn-conv-bias-activation.115: remat-pipeline\n" + warning.format(2470) +
+             "I1129 02:02:07.7 3381 hlo_pass_pipeline.cc:206] HLO pass: config-assigner time: 8.54 s (8544283 us)\n"
+             + warning.format(2470))
+    assert [m for m, _ in profile_compile.remat_sources(tuned)] == [
+        "cudnn-conv-bias-activation.115 (autotuning jit__sample_loop)", "cudnn-conv-bias-activation.115"]
 
 
 def test_autotune_split_table(capsys):

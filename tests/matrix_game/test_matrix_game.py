@@ -4,8 +4,8 @@
 References: a stream equals the one-shot call bit for bit (the same compiled chunk programs); a
 chunk's frames do not change when later chunks' actions do (bit for bit); the condition latents
 equal the VAE encode of the image followed by 4·(N-1) gray frames as the authors' `inference.py`
-builds them (≤ 1e-6 relative: the same layers, compiled in another grouping); one chunk program
-compiled for every chunk, the first included, shared by every stream.
+builds them (≤ 1e-6 relative: the same layers, compiled in another grouping); one pair of chunk
+programs (denoise, decode) compiled for every chunk, the first included, shared by every stream.
 """
 
 import glob
@@ -51,7 +51,7 @@ def chunks_of(pipe, keyboard, mouse):
         start += n
 
 
-@pytest.mark.slow  # compiles the chunk program (about 30 s on 2 cores); later tests reuse it
+@pytest.mark.slow  # compiles the chunk programs (about 30 s on 2 cores); later tests reuse them
 def test_stream_equals_one_shot_and_later_actions_change_only_later_chunks(pipe):
     keyboard, mouse = random_actions(pipe.action_space, 33, seed=1)
     video = pipe(IMAGE, keyboard, mouse, seed=0)
@@ -69,8 +69,8 @@ def test_stream_equals_one_shot_and_later_actions_change_only_later_chunks(pipe)
     np.testing.assert_array_equal(other[:21], video[:21])
     assert not np.array_equal(other[21:], video[21:])
     assert not np.array_equal(pipe(IMAGE, keyboard, mouse, seed=1), video)
-    # one program for every chunk, the first included, whatever the stream
-    assert mg.chunk_program._cache_size() == 1
+    # one pair of programs for every chunk, the first included, whatever the stream
+    assert mg.chunk_denoise_program._cache_size() == mg.chunk_decode_program._cache_size() == 1
 
 
 def test_condition_latents_equal_the_authors_full_encode(pipe):
@@ -203,10 +203,10 @@ def test_cli_random_actions_writes_the_frames_without_torch(image_path, tmp_path
     assert "imported: []" in result.stdout, result.stdout[-500:]
 
 
-@pytest.mark.slow  # compiles the chunk program of a setting no other test uses
+@pytest.mark.slow  # compiles the chunk programs of a setting no other test uses
 def test_one_chunk_program_compiles_once_for_every_chunk():
     """Without `prepare` (which compiles every program ahead: tests/test_matrix_game_warmup.py): the first
-    chunk's call compiles the one chunk program, the later chunks compile nothing."""
+    chunk's call compiles the chunk's two programs, the later chunks compile nothing."""
     import threading
 
     seen = []  # what this thread compiles
@@ -216,11 +216,13 @@ def test_one_chunk_program_compiles_once_for_every_chunk():
             seen.append(str(kw.get("fun_name")))
 
     jax.monitoring.register_event_duration_secs_listener(listen)
+    jax.clear_caches()  # the DiT's program alone may match an earlier test's setting
     pipe = mg._tiny(jnp.float32, jnp.bfloat16, None)  # float32 DiT, bf16 VAE: programs of this test's own
     session = pipe.stream(IMAGE, seed=0, max_frames=33)
     keyboard, mouse = random_actions(pipe.action_space, 33, seed=1)
     frames = session.step(keyboard[:9], mouse[:9])
-    assert seen.count("jit(chunk_program)") == 1 and frames.shape == (9, *pipe.size, 3)
+    assert seen.count("jit(chunk_denoise_program)") == seen.count("jit(chunk_decode_program)") == 1
+    assert frames.shape == (9, *pipe.size, 3)
     first = len(seen)
     for start, stop in ((9, 21), (21, 33)):
         assert session.step(keyboard[start:stop], mouse[start:stop]).shape == (12, *pipe.size, 3)

@@ -111,15 +111,18 @@ def test_prepare_compiles_every_program_off_the_callers_thread(tmp_path):
     compiles = json.loads(result.stdout.strip().splitlines()[-1])
     prepared = [name for name, _ in compiles["prepare"]]
     assert "MainThread" not in prepared, compiles["prepare"]  # image preparation and two chunks: all compiled ahead
-    assert set(prepared) == {f"wan_tpu-compile-{n}" for n in ("encode-first", "condition", "clip", "cache", "key", "chunk")}
-    assert [f for _, f in compiles["prepare"]].count("jit(chunk_program)") == 1  # one program for both chunks
+    assert set(prepared) == {f"wan_tpu-compile-{n}" for n in ("encode-first", "condition", "clip", "cache", "key",
+                                                              "chunk-denoise", "chunk-decode")}
+    for program in ("jit(chunk_denoise_program)", "jit(chunk_decode_program)"):  # one of each for both chunks
+        assert [f for _, f in compiles["prepare"]].count(program) == 1
     # Without `prepare`: everything on the caller's thread, the chunk program once, on the first chunk.
     plain = [tuple(c) for c in compiles["plain"]]
-    assert {thread for thread, _ in plain} == {"MainThread"} and plain.count(("MainThread", "jit(chunk_program)")) == 1
+    assert {thread for thread, _ in plain} == {"MainThread"}
+    assert plain.count(("MainThread", "jit(chunk_denoise_program)")) == plain.count(("MainThread", "jit(chunk_decode_program)")) == 1
     np.testing.assert_array_equal(np.load(tmp_path / "prepare.npy"), np.load(tmp_path / "plain.npy"))
 
 
-@pytest.mark.slow  # compiles the chunk program (about 30 s on 2 cores) unless an earlier test did
+@pytest.mark.slow  # compiles the chunk programs (about 30 s on 2 cores) unless an earlier test did
 def test_a_failed_compile_ahead_is_a_warning_and_the_stream_works():
     from wan_tpu.configs.vae import TINY_VAE
     from wan_tpu.vae.loading import abstract_vae
@@ -137,7 +140,7 @@ def test_a_failed_compile_ahead_is_a_warning_and_the_stream_works():
             frames = session.step([1, 0, 0, 0], [0, 0])
     assert frames.shape == (9, *pipe.size, 3) and frames.dtype == np.uint8
     messages = [str(w.message) for w in caught]
-    assert any(m.startswith("compiling chunk ahead of time failed") for m in messages), messages
+    assert any(m.startswith("compiling chunk-denoise ahead of time failed") for m in messages), messages
 
 
 @pytest.mark.slow  # compiles the stream's programs unless the compile cache has them
@@ -186,7 +189,8 @@ def _first_runs(graphs):
         assert waiting.is_alive() == graphs  # with graphs: waiting for the DiT's load
         gate.set()
         waiting.join()
-        assert {"chunk", "key", "clip", "cache", "encode-first", "gray-latents"} <= set(pipe._programs._compiled)
+        assert {"chunk-denoise", "chunk-decode", "key", "clip", "cache", "encode-first", "gray-latents"} <= set(
+            pipe._programs._compiled)
         assert not warmup.compiles  # every program waited for
         if graphs:
             assert {"transformer", "vae", "image_encoder"} <= set(pipe._loaded)

@@ -17,7 +17,7 @@ IMAGE = "meadow"  # a built-in start image (`wan_tpu.serve.play.EXAMPLES`)
 def tiny_pipeline():
     """The preset's pipeline with its programs compiling ahead (`prepare`), as the server runs it. Its own
     (attention named, the same kernel as the default on CPU), so that `prepare` does not change the
-    pipeline the Matrix-Game tests share (they count the jitted chunk program's compilations)."""
+    pipeline the Matrix-Game tests share (they count the jitted chunk programs' compilations)."""
     import jax.numpy as jnp
 
     from wan_tpu.matrix_game import pipeline as mg

@@ -210,8 +210,8 @@ np.save(sys.argv[1], np.concatenate(frames))
 stats = compile_cache.stats()
 print(json.dumps({"traced": traced, "hits": stats.programs_loaded, "writes": stats.programs_stored}))
 """
-PROGRAMS = {"chunk_program", "cache_program", "key", "_run", "_encode_chunk", "start_latents", "gray_latents",
-            "normalized_latents"}
+PROGRAMS = {"chunk_denoise_program", "chunk_decode_program", "cache_program", "key", "_run", "_encode_chunk",
+            "start_latents", "gray_latents", "normalized_latents"}
 
 
 @pytest.mark.slow  # compiles every program of a stream once (about 40 s on 2 cores)
@@ -224,8 +224,8 @@ def test_a_warm_start_traces_nothing_and_gives_the_same_frames(tmp_path):
         assert result.returncode == 0, result.stderr[-3000:]
         runs[label] = json.loads(result.stdout.strip().splitlines()[-1])
     cold, warm = runs["cold"], runs["warm"]
-    assert PROGRAMS <= set(cold["traced"]) and cold["writes"] == 8 and cold["hits"] == 0, cold
-    assert not PROGRAMS & set(warm["traced"]) and warm["hits"] == 8 and warm["writes"] == 0, warm
+    assert PROGRAMS <= set(cold["traced"]) and cold["writes"] == 9 and cold["hits"] == 0, cold
+    assert not PROGRAMS & set(warm["traced"]) and warm["hits"] == 9 and warm["writes"] == 0, warm
     np.testing.assert_array_equal(np.load(tmp_path / "warm.npy"), np.load(tmp_path / "cold.npy"))
 
 

@@ -15,9 +15,10 @@ sizes), or else lowered from abstract modules (`nnx.eval_shape` of the very cons
   * `encode-first`: the VAE's first-frame encode; `condition`: the condition buffer (`start-latents`),
     `gray_latents` (`gray-latents`), the normalisation (`normalized`);
   * `clip`: CLIP's encode of one image; `cache`: `cache_program` for its tokens; `key`: the stream's key;
-  * `chunk`: `chunk_program`, which every chunk of a stream runs, the first included (its caches' shapes
-    are the cache program's outputs'); with `prepare(live=True)`, `chunk-head` and `chunk-tail` instead,
-    live play's two parts of a chunk (`chunk_head_program`, `chunk_tail_program`).
+  * `chunk-denoise` and `chunk-decode`: `chunk_denoise_program` and `chunk_decode_program`, which every chunk
+    of a stream runs, the first included (the DiT cache's shapes are the cache program's outputs'); the
+    decode, which needs no DiT, starts at once; with `prepare(live=True)`, `chunk-head` and `chunk-tail`
+    instead, live play's two parts of a chunk (`chunk_head_program`, `chunk_tail_program`).
     A later program takes an earlier one's output shapes (`out_info`)
     instead of tracing it again.
 The stream's programs are `wan_tpu.matrix_game.programs`' (this module does not import the pipeline's), and
@@ -48,9 +49,11 @@ from wan_tpu.matrix_game.programs import (
     action_windows,
     cache_program,
     chunk_args,
+    chunk_decode_program,
+    chunk_denoise_program,
     chunk_head_program,
-    chunk_program,
     chunk_tail_program,
+    denoise_args,
     key_program,
 )
 from wan_tpu.runtime import executable_cache
@@ -81,8 +84,10 @@ def compile_ahead(pipe, warmup, live: bool = False) -> None:
                  kind="compile")
     warmup.start("key", _program, pipe, "key", _key_lowered, key, kind="compile")
     if not live:
-        warmup.start("chunk", _program, pipe, "chunk", lambda: _chunk(pipe, abstract, stop, _wait(caches, stop),
-                                                                      _wait(key, stop)), kind="compile")
+        warmup.start("chunk-decode", _program, pipe, "chunk-decode", lambda: _chunk_decode(pipe, abstract),
+                     kind="compile")
+        warmup.start("chunk-denoise", _program, pipe, "chunk-denoise", lambda: _chunk(
+            pipe, abstract, stop, _wait(caches, stop), _wait(key, stop), chunk_denoise_program), kind="compile")
         return
     head = concurrent.futures.Future()
     warmup.start("chunk-head", _program, pipe, "chunk-head", lambda: _chunk(
@@ -193,9 +198,9 @@ def _key_lowered():
     return key_program.lower(jax.ShapeDtypeStruct((), np.uint32))
 
 
-def _chunk(pipe, abstract, stop, caches, key, program=chunk_program, latents=()):
-    """`program` (`chunk_program`, or live play's head or tail) for the caches `cache_program` makes, lowered;
-    `latents`: the tail's (x0, x), the head's output shapes."""
+def _chunk(pipe, abstract, stop, caches, key, program, latents=()):
+    """`program` (`chunk_denoise_program`, or live play's head or tail) for the caches `cache_program` makes,
+    lowered; `latents`: the tail's (x0, x), the head's output shapes."""
     dit, vae = nnx.split(abstract("transformer")), nnx.split(abstract("vae"))
     z = abstract("vae").config.z_dim
     # `ImageCondition.encode`'s normalized float32 latents; the repeat scalars are traced.
@@ -204,4 +209,15 @@ def _chunk(pipe, abstract, stop, caches, key, program=chunk_program, latents=())
     index = jax.ShapeDtypeStruct((), jnp.int32)
     args, kwargs = chunk_args(pipe, dit, vae, *caches, condition, action_windows(pipe), index, key)
     _check(stop)
+    if program is chunk_denoise_program:
+        return program.lower(*denoise_args(args), **kwargs)
     return program.lower(*args, *latents, **kwargs)
+
+
+def _chunk_decode(pipe, abstract):
+    """`chunk_decode_program` for a chunk's float32 clean latents and the VAE caches `cache_program` makes
+    (their shapes from the VAE alone: no wait for the DiT's programs), lowered."""
+    vae = abstract("vae")
+    x0 = jax.ShapeDtypeStruct((1, vae.config.z_dim, pipe.frames_per_chunk, *pipe.variant.latent_size), jnp.float32)
+    caches = jax.eval_shape(lambda: vae.start_decode_caches(x0.shape))
+    return chunk_decode_program.lower(*nnx.split(vae), caches, x0, jax.ShapeDtypeStruct((), jnp.int32))

@@ -5,7 +5,7 @@ they repeat and held at one shape (`CONDITION_FRAMES` latent frames) whatever th
     condition = ImageCondition.encode(vae, nnx.split(vae), pixels, max_latent_frames)   # pixels (1, 3, H, W)
     frames = jnp.take(condition.latents, condition.index(latent_frames), axis=2)
 
-`MatrixGamePipeline.encode_image` makes it; the chunk program reads it (`index`, traced), so it can be
+`MatrixGamePipeline.encode_image` makes it; the chunk's denoise program reads it (`index`, traced), so it can be
 compiled before any image is encoded (`wan_tpu.matrix_game.compile_ahead`, which also compiles the programs
 here from the VAE's config).
 """
@@ -29,7 +29,7 @@ class ImageCondition:
     after a run of `repeat_len` gray latent frames was bitwise the state before it, so every later run
     computes the same latents. A run is 3 latent frames: the caches' 3-slot rings turn by 1, 2 or 4 slots
     per latent frame, so their layout, and with it the exact arithmetic, repeats every 3. The fixed
-    shape, with `repeat_start`/`repeat_len` as traced scalars in the chunk program, lets that program be
+    shape, with `repeat_start`/`repeat_len` as traced scalars in the chunk's denoise program, lets that program be
     compiled before any image is encoded (`MatrixGamePipeline.prepare`).
 
     The gray runs are encoded as the video reaches them (`cover`): the first chunk waits for the image

@@ -24,10 +24,10 @@ frames' latents stop changing once the image has left the encoder's causal recep
 encoded until the encoder's state repeats exactly (34 latent frames for Wan 2.1's VAE) and reused from
 there, instead of encoding 4·(N-1) gray frames up front, and only as the video reaches them (one run of
 3 latent frames before each chunk, so the first frame does not wait for the other ten); they are held
-padded to `CONDITION_FRAMES`, so the chunk program's inputs have one shape whatever the image.
+padded to `CONDITION_FRAMES`, so the chunk programs' inputs have one shape whatever the image.
 
 `pipe.prepare()` reads the three components at once and, meanwhile, loads every program a stream runs
-(image preparation, the caches, the chunk program) from the executable cache or compiles it from the
+(image preparation, the caches, the chunk programs) from the executable cache or compiles it from the
 components' configs (`wan_tpu.matrix_game.compile_ahead`, `wan_tpu.runtime.executable_cache`);
 `stream()` encodes the image with the VAE and CLIP in the order their weights arrive, while the DiT
 may still load (not on a GPU, where a program's first run must not overlap other CUDA work: see
@@ -36,10 +36,10 @@ sharded over it, VAE and CLIP replicated) every program compiles on its first ca
 arguments; `prepare` then only reads ahead. The pipeline's `compile_cache` choice applies to its own
 loads, compiles and calls only.
 
-Each chunk is one compiled program (`wan_tpu.matrix_game.programs.chunk_program`): the DiT's whole chunk (its denoising steps,
-re-noising, the clean cache-update pass: `denoise_chunk`) and the VAE's streaming decode of the
-chunk, caches carried and donated, uint8 frames out; one compilation serves every chunk, the first
-included (its attention window, which holds only its own frames, and the VAE's special first latent
+Each chunk is two compiled programs (`wan_tpu.matrix_game.programs`): the DiT's whole chunk (its denoising
+steps, re-noising, the clean cache-update pass: `chunk_denoise_program`), then the VAE's streaming decode of
+the chunk (`chunk_decode_program`), caches carried and donated, uint8 frames out; one compilation of each
+serves every chunk, the first included (its attention window, which holds only its own frames, and the VAE's special first latent
 frame are chosen inside the program by the traced chunk index: `wan_tpu.matrix_game.programs`). A stream
 and a one-shot call with the same image, seed and actions give identical frames: the one-shot call
 is a stream. Noise: chunk k draws its initial noise and its re-noising from `fold_in(key(seed), k)`.
@@ -50,9 +50,9 @@ frames' decode; the first frames show that much sooner, and the frames are bitwi
 Trace scopes (`--profile`) follow the authors' PROFILING_TAGS_GUIDE: host regions `1_Data_Preparation`
 (`1.1_Image_Loading_Resize`, `1.2_VAE_Encode_FirstFrame`, `1.4_CLIP_Visual_Context`,
 `1.5_Noise_Sampling`, `1.6_Action_Conditions_Setup`; the mask and condition slicing of `1.3` happen
-inside the chunk program), `2_Pipeline_Inference`,
+inside the chunk programs), `2_Pipeline_Inference`,
 `2.1_KV_Cache_Initialization`, `2.3_Block_{i}` per chunk, `3_Video_Postprocessing`, `4_Video_Export`;
-inside the compiled chunk (one program serves every chunk, so names carry no chunk index):
+inside the compiled chunk (one pair of programs serves every chunk, so names carry no chunk index):
 `2.3_Denoise` (the DiT's steps and cache update), `2.3_VAE_Decode` → `VAE_Decode_Frame` (the scanned
 frames; `VAE_Decode_Frame_0`: the first chunk's first frame), `VAE_Decode_Postprocessing`.
 """
@@ -78,9 +78,12 @@ from wan_tpu.matrix_game.programs import (  # noqa: F401
     action_windows,
     cache_program,
     chunk_args,
+    chunk_decode_program,
+    chunk_denoise_program,
     chunk_head_program,
-    chunk_program,
     chunk_tail_program,
+    decode_args,
+    denoise_args,
     seed_of,
     stream_key,
 )
@@ -281,7 +284,7 @@ class MatrixGamePipeline:
 
     def split(self, name: str):
         """`nnx.split` of a component, made once: a new split is a new static argument of the compiled
-        chunk program, which would trace and compile it again for every stream."""
+        chunk programs, which would trace and compile them again for every stream."""
         key = f"{name}/split"
         if key not in self._loaded:
             self._loaded[key] = nnx.split(self.component(name))
@@ -342,7 +345,7 @@ class MatrixGamePipeline:
     def encode_image(self, image: np.ndarray, frames: int | None = None) -> ImageCondition:
         """The condition latents of `image` (from `preprocess_image`) followed by gray frames, up to where
         they repeat, whatever the video's length: so every stream of this model runs the same compiled
-        chunk program (the latents are one of its inputs) and a one-shot call equals a stream. `frames`:
+        chunk programs (the latents are one of their inputs) and a one-shot call equals a stream. `frames`:
         encode only what the first `frames` latent frames need now (`ImageCondition.cover` the rest)."""
         from wan_tpu.matrix_game.model import MAX_FRAMES
 
@@ -502,14 +505,16 @@ class MatrixGameSession:
         self.condition.cover(self.pipe.frames_per_chunk * (k + 1))  # this chunk's gray frames, until they repeat
         return (k, start, *self._chunk_args(*windows, np.int32(k)))
 
-    def _call(self, name: str, program, args, kwargs):
-        dynamic = (args[1], *args[3:])  # less the graphdefs (static, as `schedule` and `frames_per_chunk`)
+    def _call(self, name: str, program, args, kwargs, graphs: tuple = (0, 2)):
+        # Less the graphdefs (static, as `schedule` and `frames_per_chunk`): at `graphs` in `args`.
+        dynamic = tuple(a for i, a in enumerate(args) if i not in graphs)
         return self.pipe._programs.call(name, dynamic, lambda: program(*args, **kwargs))
 
     def _step(self, keyboard, mouse) -> np.ndarray:
-        k, start, args, kwargs = self._opening(keyboard, mouse, "chunk")
+        k, start, args, kwargs = self._opening(keyboard, mouse, "chunk-denoise")
         with scope(f"2.3_Block_{k}"):
-            frames, self.cache, self.vae_caches = self._call("chunk", chunk_program, args, kwargs)
+            x0, self.cache = self._call("chunk-denoise", chunk_denoise_program, denoise_args(args), kwargs, (0,))
+            frames, self.vae_caches = self._call("chunk-decode", chunk_decode_program, decode_args(args, x0), {}, (0,))
             with scope("3_Video_Postprocessing"):
                 frames = np.asarray(frames)[0, -self.pipe.chunk_frames(k):]  # the first chunk's first 3 are padding
         return self._done(start, frames)

@@ -5,12 +5,16 @@ them, so that both import them from here (neither imports the other's).
     key = stream_key(seed)                                   # `key_program`: jax.random.key as a program
     cache, vae_caches = cache_program(*nnx.split(dit), *nnx.split(vae), visual_context, latent_size, f)
     args, kwargs = chunk_args(pipe, dit_split, vae_split, cache, vae_caches, condition, windows, np.int32(0), key)
-    frames, cache, vae_caches = chunk_program(*args, **kwargs)   # one chunk: denoise + decode, uint8 frames
+    x0, cache = chunk_denoise_program(*denoise_args(args), **kwargs)      # the DiT's whole chunk
+    frames, vae_caches = chunk_decode_program(*decode_args(args, x0))     # the VAE's decode, uint8 frames
     frames = frames[:, -pipe.chunk_frames(0):]                   # 4·C frames out; the first chunk has 4·C − 3
 
-Each chunk is one compiled program (`chunk_program`): the DiT's whole chunk (its denoising steps,
-re-noising, the clean cache-update pass: `denoise_chunk`) and the VAE's streaming decode of the chunk,
-caches carried and donated, uint8 frames out. One compilation serves every chunk of every stream, the
+Each chunk is two compiled programs: `chunk_denoise_program`, the DiT's whole chunk (its denoising steps,
+re-noising, the clean cache-update pass: `denoise_chunk`), then `chunk_decode_program`, the VAE's streaming
+decode of its clean latents, caches carried and donated, uint8 frames out. Two programs, not one, so that
+they compile side by side (the decode needs no DiT: `prepare` starts it at once): as one program the
+decode's 3-D convolutions and the DiT compiled one after the other, the first frame's longest wait in a
+cold start. One compilation of each serves every chunk of every stream, the
 first included: the chunk index is traced, and where the first chunk differs it is chosen inside the
 program, each choice computing bitwise what a program of its own computed: its attention window holds
 only its own frames (`wan_tpu.matrix_game.cache.Window`: the window's sizes at each attention call), and
@@ -58,8 +62,9 @@ def seed_of(seed: int) -> np.uint32:
 
 
 def chunk_args(pipe, dit, vae, cache, vae_caches, condition: ImageCondition, windows, chunk_index, key):
-    """The arguments of `chunk_program` for one chunk: (positional, keyword). With abstract values
-    (`jax.ShapeDtypeStruct`), what `prepare` compiles it for."""
+    """One chunk's arguments, (positional, keyword): live play's `chunk_head_program`'s and `chunk_tail_program`'s
+    (less the tail's x0 and x), and through `denoise_args` / `decode_args` a stream's two programs'. With
+    abstract values (`jax.ShapeDtypeStruct`), what `prepare` compiles them for."""
     repeat = (np.int32(condition.repeat_start), np.int32(condition.repeat_len))
     return ((*dit, *vae, cache, vae_caches, condition.latents, *windows, chunk_index, key, repeat),
             dict(schedule=pipe.schedule, frames_per_chunk=pipe.frames_per_chunk))
@@ -102,22 +107,36 @@ def _decode(vae_graph, vae_state, x0, vae_caches, start):
 _CHUNK_JIT = dict(static_argnums=(0, 2), static_argnames=("schedule", "frames_per_chunk"), donate_argnums=(4, 5))
 
 
-@functools.partial(jax.jit, **_CHUNK_JIT)
-def chunk_program(dit_graph, dit_state, vae_graph, vae_state, cache, vae_caches, latents, keyboard, mouse,
-                  chunk_index, key, repeat, *, schedule, frames_per_chunk):
-    """One chunk: noise, condition, the DiT's denoising (`denoise_chunk`), the VAE's streaming decode and
-    uint8 frames (the authors' `((x + 1) · 127.5).clip(0, 255)`, truncated) → (frames (1, 4·C, H, W, 3),
-    the DiT cache, the VAE caches). `repeat`: the condition's (repeat_start, repeat_len), int32 scalars.
-    `chunk_index` (traced) 0 is the stream's first chunk (its caches `cache_program`'s): its frames are
-    the last 4·C − 3."""
+def denoise_args(args: tuple) -> tuple:
+    """`chunk_args`' positional arguments → `chunk_denoise_program`'s (the DiT's, the cache, the chunk's inputs)."""
+    return (*args[:2], args[4], *args[6:])
+
+
+def decode_args(args: tuple, x0) -> tuple:
+    """`chunk_args`' positional arguments and the chunk's clean latents → `chunk_decode_program`'s."""
+    return (*args[2:4], args[5], x0, args[-3])
+
+
+@functools.partial(jax.jit, static_argnums=(0,), static_argnames=("schedule", "frames_per_chunk"), donate_argnums=(2,))
+def chunk_denoise_program(dit_graph, dit_state, cache, latents, keyboard, mouse, chunk_index, key, repeat, *, schedule,
+                          frames_per_chunk):
+    """One chunk's DiT part: noise, condition, the denoising (`denoise_chunk`) → (clean latents x0, the DiT
+    cache). `repeat`: the condition's (repeat_start, repeat_len), int32 scalars. `chunk_index` (traced) 0 is the
+    stream's first chunk (its cache `cache_program`'s)."""
     from wan_tpu.matrix_game.sampling import denoise_chunk
 
     noise, cond, k_steps = _chunk_inputs(latents, chunk_index, key, repeat, frames_per_chunk)
     with jax.named_scope("2.3_Denoise"):
-        x0, cache = denoise_chunk(dit_graph, dit_state, cache, noise, cond, keyboard, mouse, chunk_index, k_steps,
-                                  schedule=schedule)
-    frames, vae_caches = _decode(vae_graph, vae_state, x0, vae_caches, chunk_index == 0)
-    return frames, cache, vae_caches
+        return denoise_chunk(dit_graph, dit_state, cache, noise, cond, keyboard, mouse, chunk_index, k_steps,
+                             schedule=schedule)
+
+
+@functools.partial(jax.jit, static_argnums=(0,), donate_argnums=(2,))
+def chunk_decode_program(vae_graph, vae_state, vae_caches, x0, chunk_index):
+    """One chunk's VAE part: the streaming decode of `chunk_denoise_program`'s x0 and uint8 frames (the
+    authors' `((x + 1) · 127.5).clip(0, 255)`, truncated) → (frames (1, 4·C, H, W, 3), the VAE caches). The
+    first chunk's (`chunk_index` 0) frames are the last 4·C − 3."""
+    return _decode(vae_graph, vae_state, x0, vae_caches, chunk_index == 0)
 
 
 @functools.partial(jax.jit, **_CHUNK_JIT)
@@ -125,8 +144,9 @@ def chunk_head_program(dit_graph, dit_state, vae_graph, vae_state, cache, vae_ca
                        chunk_index, key, repeat, *, schedule, frames_per_chunk):
     """A chunk's first part, for live play: its denoising steps and the decode of its first latent frame
     → (frames (1, 4, H, W, 3), x0, x, the DiT cache, the VAE caches); `chunk_tail_program` finishes the
-    chunk from x0 and x. The two together make bitwise `chunk_program`'s frames and caches, and the first
-    frames come a cache pass and two latent frames' decode sooner. The arguments are `chunk_program`'s."""
+    chunk from x0 and x. The two together make bitwise a stream's frames and caches (`chunk_denoise_program`
+    then `chunk_decode_program`), and the first frames come a cache pass and two latent frames' decode
+    sooner. The arguments are `chunk_args`'."""
     from wan_tpu.matrix_game.sampling import denoise_chunk
 
     noise, cond, k_steps = _chunk_inputs(latents, chunk_index, key, repeat, frames_per_chunk)
