@@ -313,6 +313,13 @@ XLA_LOG = re.compile(r"[IWEF]\d{4} \d\d:\d\d:\d\d\.\d+\s+(\d+) \S+\] (.*)$")
 PASS_TIMERS = {"TF_CPP_MIN_LOG_LEVEL": "0", "TF_CPP_VMODULE": "gpu_compiler=1,hlo_pass_pipeline=1"}
 
 
+def xla_lines(text: str):
+    """(thread id, message) of each XLA log line (glog format) in a run's output."""
+    for line in text.split("\n"):
+        if (m := XLA_LOG.search(line)):
+            yield m.groups()
+
+
 def compile_anatomy(text: str) -> dict:
     """XLA's own timers in a run's output (`PASS_TIMERS`) → {module: {"count", "passes", "backend" (seconds,
     summed over its compiles), "longest" ({pass: its longest single run, s})}}. A pass is the module's that
@@ -320,11 +327,7 @@ def compile_anatomy(text: str) -> dict:
     pass runs on pieces of it, e.g. the Triton normalization rewriter's, count within that pass)."""
     current, out = {}, {}
     entry = lambda module: out.setdefault(module, {"count": 0, "passes": 0.0, "backend": 0.0, "longest": {}})  # noqa: E731
-    for line in text.split("\n"):
-        m = XLA_LOG.search(line)
-        if not m:
-            continue
-        thread, message = m.groups()
+    for thread, message in xla_lines(text):
         if (g := re.match(r"Running HLO pass pipeline on module (jit_\S+): ", message)):
             current[thread] = g[1]
         elif (g := re.match(r"HLO pass: (\S+) time: .*?\((\d+) us\)", message)) and thread in current:
@@ -344,11 +347,7 @@ def remat_sources(text: str) -> list[tuple[str, str]]:
     autotuner's candidate `cudnn-conv-bias-activation.N`) and, for a piece, the programs whose autotuning
     (`config-assigner`) was under way then."""
     last, tuning, out = {}, {}, []
-    for line in text.split("\n"):
-        m = XLA_LOG.search(line)
-        if not m:
-            continue
-        thread, message = m.groups()
+    for thread, message in xla_lines(text):
         if (g := re.match(r"Running HLO pass pipeline on module (\S+): (\S+)", message)):
             last[thread] = g[1]
             if g[1].startswith("jit_") and g[2] == "config-assigner":
