@@ -39,8 +39,8 @@ loads, compiles and calls only.
 Each chunk is two compiled programs (`wan_tpu.matrix_game.programs`): the DiT's whole chunk (its denoising
 steps, re-noising, the clean cache-update pass: `chunk_denoise_program`), then the VAE's streaming decode of
 the chunk (`chunk_decode_program`), caches carried and donated, uint8 frames out; one compilation of each
-serves every chunk, the first included (its attention window, which holds only its own frames, and the VAE's special first latent
-frame are chosen inside the program by the traced chunk index: `wan_tpu.matrix_game.programs`). A stream
+serves every chunk, the first included (its attention window, which holds only its own frames, and the VAE's
+special first latent frame are chosen inside the programs by the traced chunk index). A stream
 and a one-shot call with the same image, seed and actions give identical frames: the one-shot call
 is a stream. Noise: chunk k draws its initial noise and its re-noising from `fold_in(key(seed), k)`.
 Live play splits each chunk in two programs (`session.begin_step` / `end_step`, compiled ahead by
