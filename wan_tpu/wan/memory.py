@@ -227,14 +227,13 @@ def _dtype_name(dtype) -> str:
 
 @functools.lru_cache(maxsize=8)
 def _abstract_vae(config, dtype: str = "float32"):
-    """(an abstract WanVAE of `config` in `dtype`, its parameter count): shapes only, nothing allocated; the
-    loader's own (`abstract_vae`, read back from the executable cache)."""
+    """(an abstract WanVAE of `config` in `dtype`, its parameter count): shapes only, nothing allocated."""
     import jax
     from flax import nnx
 
-    from wan_tpu.vae.loading import abstract_vae
+    from wan_tpu.vae.model import WanVAE
 
-    vae = abstract_vae(config, dtype)
+    vae = nnx.eval_shape(lambda: WanVAE(config, dtype=dtype, rngs=nnx.Rngs(0)))
     return vae, sum(x.size for x in jax.tree.leaves(nnx.state(vae)))
 
 
