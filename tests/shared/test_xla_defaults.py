@@ -4,10 +4,14 @@ import os
 import subprocess
 import sys
 
+import pytest
+
+from wan_tpu.runtime import xla_defaults
 from wan_tpu.runtime.xla_defaults import XLA_DEFAULTS, apply_xla_defaults
 
 
 def test_defaults_join_the_users_flags_and_never_override_them(monkeypatch):
+    monkeypatch.setattr(xla_defaults, "accelerator_present", lambda: True)
     monkeypatch.delenv("XLA_FLAGS", raising=False)
     assert apply_xla_defaults() == ["--xla_gpu_enable_triton_gemm=false"]
     assert os.environ["XLA_FLAGS"] == "--xla_gpu_enable_triton_gemm=false"
@@ -20,6 +24,25 @@ def test_defaults_join_the_users_flags_and_never_override_them(monkeypatch):
     monkeypatch.setenv("XLA_FLAGS", "--xla_dump_to=/tmp/d")
     apply_xla_defaults()
     assert os.environ["XLA_FLAGS"].split() == ["--xla_dump_to=/tmp/d", *(f"--{k}={v}" for k, v in XLA_DEFAULTS.items())]
+
+
+def test_a_process_without_an_accelerator_compiles_at_llvm_level_1(monkeypatch):
+    """Without a GPU or TPU, LLVM's level 1 joins the defaults (the user's own level wins); with one, it does not."""
+    monkeypatch.delenv("XLA_FLAGS", raising=False)
+    monkeypatch.setattr(xla_defaults, "accelerator_present", lambda: False)
+    assert apply_xla_defaults() == ["--xla_gpu_enable_triton_gemm=false", "--xla_backend_optimization_level=1"]
+    monkeypatch.setenv("XLA_FLAGS", "--xla_backend_optimization_level=0")
+    assert apply_xla_defaults() == ["--xla_gpu_enable_triton_gemm=false"]
+    assert os.environ["XLA_FLAGS"] == "--xla_backend_optimization_level=0 --xla_gpu_enable_triton_gemm=false"
+    monkeypatch.delenv("XLA_FLAGS")
+    monkeypatch.setattr(xla_defaults, "accelerator_present", lambda: True)
+    assert apply_xla_defaults() == ["--xla_gpu_enable_triton_gemm=false"]
+
+
+@pytest.mark.parametrize("platforms, present", [("cpu", False), (" cpu ,", False), ("cuda", True), ("cpu,tpu", True)])
+def test_jax_platforms_decides_whether_an_accelerator_is_used(monkeypatch, platforms, present):
+    monkeypatch.setenv("JAX_PLATFORMS", platforms)
+    assert xla_defaults.accelerator_present() is present
 
 
 def test_every_platform_parses_the_defaults():

@@ -9,23 +9,49 @@ that search costs compile time and the whole programs come out slower. Measured 
 0.11.2, 2026-11-26, docs/PERFORMANCE.md): the 1.3B DiT forward 477.5 → 466.8 ms, FP8 456.1 → 450.5 ms
 and the FP8 compile 56 → 4 s (`benchmarks/bench_dit.py`); UnifoLM-WMA 0.084 → 0.061 s/step, its first
 sampling 68.2 → 42.2 s (`benchmarks/bench_unifolm.py`); the 14B DiT and Matrix-Game-2 unchanged. It names
-GPU options only: CPU and TPU runs parse it and do not change. A flag the user already put in
-`XLA_FLAGS` is left as they set it, and a caller from Python keeps its environment unless it calls
-this (after the backends started, the flags would have no effect).
+GPU options only: CPU and TPU runs parse it and do not change.
+
+`--xla_backend_optimization_level=1`, in a process without an accelerator only (`accelerator_present`):
+on a CPU, LLVM's optimisation of the generated code is most of a program's compile, and its second level
+buys these programs nothing. Measured on a 2-core CPU (2026-11-29, `benchmarks/profile_compile.py
+unifolm|matrix-game|wan --runs 1`, cold → with the flag): UnifoLM-WMA tiny `--mode decision` 22.3 → 19.2 s
+(its sampling program's compile 12.1 → 8.4 s, the sampling 1.08 → 1.09 s), Matrix-Game-2 tiny 14.5 →
+9.2 s, Wan tiny 7.4 → 6.0 s; warm runs unchanged. Level 0 halves the compile again but runs the
+sampling 2.3× slower. On a GPU the flag sets the level of the kernels' own LLVM pass and changed no
+compile there (H200, within run-to-run noise), so a GPU or TPU process keeps XLA's default.
+
+A flag the user already put in `XLA_FLAGS` is left as they set it, and a caller from Python keeps its
+environment unless it calls this (after the backends started, the flags would have no effect).
 """
 
 from __future__ import annotations
 
+import glob
 import os
+import shutil
 
 XLA_DEFAULTS = {"xla_gpu_enable_triton_gemm": "false"}
+CPU_XLA_DEFAULTS = {"xla_backend_optimization_level": "1"}  # a process without an accelerator
+
+
+def accelerator_present() -> bool:
+    """Whether JAX will find a GPU or TPU here, decided without starting JAX's backends (XLA reads its flags
+    when the first one starts): `JAX_PLATFORMS` when set, else an NVIDIA or AMD driver or a TPU's device
+    files on the machine."""
+    platforms = [p.strip() for p in os.environ.get("JAX_PLATFORMS", "").split(",") if p.strip()]
+    if platforms:
+        return any(p != "cpu" for p in platforms)
+    return bool(shutil.which("nvidia-smi") or os.path.exists("/dev/nvidiactl") or os.path.exists("/dev/kfd")
+                or glob.glob("/dev/accel[0-9]*") or glob.glob("/dev/vfio/[0-9]*"))
 
 
 def apply_xla_defaults() -> list[str]:
-    """Append each of `XLA_DEFAULTS` to `XLA_FLAGS` unless the user named that flag; returns those added."""
+    """Append each of `XLA_DEFAULTS` (and `CPU_XLA_DEFAULTS` without an accelerator) to `XLA_FLAGS` unless the
+    user named that flag; returns those added."""
     flags = os.environ.get("XLA_FLAGS", "")
     named = {flag.lstrip("-").split("=")[0] for flag in flags.split()}
-    added = [f"--{name}={value}" for name, value in XLA_DEFAULTS.items() if name not in named]
+    defaults = XLA_DEFAULTS if accelerator_present() else {**XLA_DEFAULTS, **CPU_XLA_DEFAULTS}
+    added = [f"--{name}={value}" for name, value in defaults.items() if name not in named]
     if added:
         os.environ["XLA_FLAGS"] = " ".join([flags, *added]).strip()
     return added
