@@ -12,13 +12,15 @@ sampling 68.2 → 42.2 s (`benchmarks/bench_unifolm.py`); the 14B DiT and Matrix
 GPU options only: CPU and TPU runs parse it and do not change.
 
 `--xla_backend_optimization_level=1`, in a process without an accelerator only (`accelerator_present`):
-on a CPU, LLVM's optimisation of the generated code is most of a program's compile, and its second level
-buys these programs nothing. Measured on a 2-core CPU (2026-11-29, `benchmarks/profile_compile.py
-unifolm|matrix-game|wan --runs 1`, cold → with the flag): UnifoLM-WMA tiny `--mode decision` 22.3 → 19.2 s
-(its sampling program's compile 12.1 → 8.4 s, the sampling 1.08 → 1.09 s), Matrix-Game-2 tiny 14.5 →
-9.2 s, Wan tiny 7.4 → 6.0 s; warm runs unchanged. Level 0 halves the compile again but runs the
-sampling 2.3× slower. On a GPU the flag sets the level of the kernels' own LLVM pass and changed no
-compile there (H200, within run-to-run noise), so a GPU or TPU process keeps XLA's default.
+on a CPU, LLVM's optimisation of the generated code is most of a program's compile, and XLA's default
+(level 3) buys these programs nothing. Measured on a 2-core CPU (2026-11-29, same hour, median of 3,
+`XLA_FLAGS=--xla_backend_optimization_level=N python benchmarks/profile_compile.py unifolm|matrix-game|wan
+--runs 3`), cold at levels 3 / 2 / 1: Matrix-Game-2 tiny 18.0 / 11.1 / 10.9 s, UnifoLM-WMA tiny
+`--mode decision` 23.8 / 23.6 / 20.5 s (its sampling program's compile 12.1 → 8.4 s, the sampling 1.08 →
+1.09 s), Wan tiny 8.0 / - / 7.0 s; warm runs unchanged. Level 0 halves the compile again but runs the
+sampling 2.3× slower. On a GPU the flag sets the level of the kernels' own LLVM pass: on an H200 the
+backend's seconds moved within run-to-run noise (UnifoLM's sampling 9.1 → 8.0 s, Matrix-Game-2's decode
+1.7 → 2.1 s), so a GPU or TPU process keeps XLA's default.
 
 A flag the user already put in `XLA_FLAGS` is left as they set it, and a caller from Python keeps its
 environment unless it calls this (after the backends started, the flags would have no effect).
