@@ -73,3 +73,16 @@ def test_serves_wants_the_abstract_modules_graph_shapes_and_an_uncommitted_place
     assert not serves(committed, abstract)
     loaded.extra = nnx.Param(jnp.zeros(1))  # another graph
     assert not serves(loaded, abstract)
+
+
+def test_start_imports_imports_in_a_thread_once_and_leaves_failures_to_the_caller(monkeypatch):
+    import sys
+
+    from wan_tpu.runtime.compile_ahead import start_imports
+
+    monkeypatch.delitem(sys.modules, "colorsys", raising=False)
+    thread = start_imports("colorsys", "wan_tpu_no_such_module")
+    assert thread.name == "wan_tpu-imports" and thread.daemon
+    thread.join(30)
+    assert "colorsys" in sys.modules and "wan_tpu_no_such_module" not in sys.modules
+    assert start_imports("colorsys", "wan_tpu_no_such_module") is thread  # once per set of modules
