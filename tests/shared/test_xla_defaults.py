@@ -43,6 +43,10 @@ def test_a_process_without_an_accelerator_compiles_at_llvm_level_1(monkeypatch):
 def test_jax_platforms_decides_whether_an_accelerator_is_used(monkeypatch, platforms, present):
     monkeypatch.setenv("JAX_PLATFORMS", platforms)
     assert xla_defaults.accelerator_present() is present
+    # An NVIDIA GPU (Wan's early import of its Mosaic GPU kernel, the memory claim's driver query): only cuda/gpu.
+    assert xla_defaults.nvidia_gpu_allowed() is (platforms == "cuda")
+    if platforms != "cuda":
+        assert not xla_defaults.nvidia_gpu_present()
 
 
 def test_every_platform_parses_the_defaults():

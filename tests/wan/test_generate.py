@@ -297,13 +297,3 @@ def test_prompt_may_be_empty_with_guidance(tmp_path):
     """An empty prompt runs with CFG against the (official) negative prompt, as the README says."""
     assert main(["--prompt", "", *FAST, "--size", "32*32", "--output", str(tmp_path / "v.mp4")]) == 0
 
-
-def test_the_mosaic_gpu_kernel_is_imported_ahead_only_where_jax_may_use_an_nvidia_gpu(monkeypatch):
-    """`generate` imports the Hopper attention kernel in a thread at start (`start_imports`) only where JAX may
-    run on an NVIDIA GPU: `JAX_PLATFORMS` naming other platforms, or no NVIDIA driver, rules it out."""
-    from wan_tpu.wan import cli as wan_cli
-
-    monkeypatch.setenv("JAX_PLATFORMS", "cpu")
-    assert not wan_cli._nvidia_gpu()
-    monkeypatch.setenv("JAX_PLATFORMS", "cuda")
-    assert wan_cli._nvidia_gpu() == os.path.exists("/dev/nvidiactl")

@@ -56,8 +56,9 @@ def gpu_total_bytes() -> int | None:
     use other platforms."""
     import ctypes
 
-    platforms = os.environ.get("JAX_PLATFORMS", "").lower()
-    if platforms and not any(name in platforms for name in ("cuda", "gpu")):
+    from wan_tpu.runtime.xla_defaults import nvidia_gpu_allowed
+
+    if not nvidia_gpu_allowed():
         return None
     try:
         cuda = ctypes.CDLL("libcuda.so.1")

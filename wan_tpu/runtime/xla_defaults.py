@@ -36,15 +36,28 @@ XLA_DEFAULTS = {"xla_gpu_enable_triton_gemm": "false"}
 CPU_XLA_DEFAULTS = {"xla_backend_optimization_level": "1"}  # a process without an accelerator
 
 
+def _platforms() -> list[str]:
+    return [p.strip().lower() for p in os.environ.get("JAX_PLATFORMS", "").split(",") if p.strip()]
+
+
 def accelerator_present() -> bool:
     """Whether JAX will find a GPU or TPU here, decided without starting JAX's backends (XLA reads its flags
     when the first one starts): `JAX_PLATFORMS` when set, else an NVIDIA or AMD driver or a TPU's device
     files on the machine."""
-    platforms = [p.strip() for p in os.environ.get("JAX_PLATFORMS", "").split(",") if p.strip()]
-    if platforms:
-        return any(p != "cpu" for p in platforms)
-    return bool(shutil.which("nvidia-smi") or os.path.exists("/dev/nvidiactl") or os.path.exists("/dev/kfd")
-                or glob.glob("/dev/accel[0-9]*") or glob.glob("/dev/vfio/[0-9]*"))
+    if _platforms():
+        return any(p != "cpu" for p in _platforms())
+    return bool(nvidia_gpu_allowed() and (shutil.which("nvidia-smi") or os.path.exists("/dev/nvidiactl"))
+                or os.path.exists("/dev/kfd") or glob.glob("/dev/accel[0-9]*") or glob.glob("/dev/vfio/[0-9]*"))
+
+
+def nvidia_gpu_allowed() -> bool:
+    """Whether `JAX_PLATFORMS` (when set) lets JAX use an NVIDIA GPU; asked without starting JAX."""
+    return not _platforms() or any(name in p for p in _platforms() for name in ("cuda", "gpu"))
+
+
+def nvidia_gpu_present() -> bool:
+    """Whether JAX may run on an NVIDIA GPU here: allowed, and the driver's device file is on the machine."""
+    return nvidia_gpu_allowed() and os.path.exists("/dev/nvidiactl")
 
 
 def apply_xla_defaults() -> list[str]:

@@ -206,14 +206,6 @@ def resolve_defaults(args, meta=None) -> None:
         print(f"seed: {args.seed} (random; pass --seed {args.seed} to make the same video again)")
 
 
-def _nvidia_gpu() -> bool:
-    """Whether JAX may run on an NVIDIA GPU here, asked without starting it."""
-    platforms = os.environ.get("JAX_PLATFORMS", "").lower()
-    if platforms and not any(name in platforms for name in ("cuda", "gpu")):
-        return False
-    return os.path.exists("/dev/nvidiactl")
-
-
 def load_pipeline(args):
     from wan_tpu.wan.pipeline import WanPipeline
 
@@ -445,7 +437,9 @@ def generate(args) -> None:
     from wan_tpu.wan.stages import save_stage
 
     resolve_defaults(args)
-    if _nvidia_gpu():
+    from wan_tpu.runtime.xla_defaults import nvidia_gpu_present
+
+    if nvidia_gpu_present():
         from wan_tpu.runtime.compile_ahead import start_imports
 
         start_imports("wan_tpu.kernels.flash_mgpu")  # the Hopper attention kernel a cold step's trace imports
