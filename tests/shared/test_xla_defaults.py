@@ -96,3 +96,37 @@ def test_a_command_line_starts_the_device_client_before_its_work(monkeypatch):
     started.clear()
     monkeypatch.setattr(sys, "argv", ["generate", "--x", "nope"])
     assert run_cli(lambda args: None, bad) == 2 and started == []  # bad arguments: no device touched
+
+
+def test_programs_run_once_per_stream_compile_without_the_fusion_autotuner():
+    """The programs a run or a stream calls once (the VAE's first-frame encode on request, the gray frames' encode,
+    the DiT cache's first pass, CLIP's encode) carry `PER_RUN` in the jitted function itself, so a call without
+    `prepare` compiles the program `prepare` compiles; the per-chunk programs keep XLA's autotuning. On a CPU the
+    option changes nothing: the VAE's encode gives the same bits either way (reference: the encode without it)."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from wan_tpu.configs.vae import VAE_PRESETS
+    from wan_tpu.encoders import clip
+    from wan_tpu.loading.random_init import random_module
+    from wan_tpu.matrix_game import condition, programs
+    from wan_tpu.vae.loading import abstract_vae
+    from wan_tpu.vae.model import WanVAE
+
+    per_run = tuple(xla_defaults.PER_RUN.items())
+    assert per_run == (("xla_gpu_experimental_enable_fusion_autotuner", False),)
+    options = lambda jitted: jitted._jit_info.compiler_options_kvs  # noqa: E731
+    for jitted in (condition.gray_latents, programs.cache_program, clip._run):
+        assert options(jitted) == per_run, jitted
+    for jitted in (programs.chunk_denoise_program, programs.chunk_decode_program):
+        assert options(jitted) == (), jitted
+    vae = random_module(None, 0, abstract=abstract_vae(VAE_PRESETS["tiny"], jnp.float32))
+    assert isinstance(vae, WanVAE)
+    shape = (1, vae.config.video_channels, 1, 16, 16)
+    assert vae.lower_encode_chunk(shape, per_run=True)._lowering._compiler_options_kvs == per_run
+    assert vae.lower_encode_chunk(shape)._lowering._compiler_options_kvs == ()
+    frame = jax.random.uniform(jax.random.key(0), shape, minval=-1, maxval=1)
+    tuned, untuned = vae.encode_chunk(frame), vae.encode_chunk(frame, per_run=True)
+    for a, b in zip(jax.tree.leaves(tuned), jax.tree.leaves(untuned)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))

@@ -165,7 +165,7 @@ def _vae_config(pipe, abstract):
 def _encode_first(pipe, abstract):
     """The VAE's encode of the image (its first frame alone), lowered."""
     config = _vae_config(pipe, abstract)
-    return abstract("vae").lower_encode_chunk((1, config.video_channels, 1, *pipe.size))
+    return abstract("vae").lower_encode_chunk((1, config.video_channels, 1, *pipe.size), per_run=True)
 
 
 def _condition(pipe, abstract, stop, first: concurrent.futures.Future) -> None:

@@ -20,6 +20,8 @@ import numpy as np
 from flax import nnx
 from jax import lax
 
+from wan_tpu.runtime.xla_defaults import PER_RUN
+
 
 class ImageCondition:
     """The normalized VAE latents of an image followed by gray frames, computed until they repeat.
@@ -84,7 +86,7 @@ class _GrayRuns:
         # Cast on the host and put on the device as it is: a cast or `jnp.asarray` there would be one more
         # program to compile before the first frame.
         pixels = jax.device_put(np.asarray(image[:, :, None], vae.dtype))
-        self.caches, mu = self.run("encode-first", (self.state, pixels, None), lambda: vae.encode_chunk(pixels)[::-1])
+        self.caches, mu = self.run("encode-first", (self.state, pixels, None), lambda: vae.encode_chunk(pixels, per_run=True)[::-1])
         self.latents = self.run("start-latents", (mu,), lambda: start_latents(mu, CONDITION_FRAMES))
         self.count, self.repeat, self.same = 1, None, None
 
@@ -141,7 +143,7 @@ def start_latents(mu, frames: int):
     return jnp.zeros((*mu.shape[:2], frames, *mu.shape[3:]), mu.dtype).at[:, :, :1].set(mu)
 
 
-@functools.partial(jax.jit, static_argnums=(0, 5, 6), donate_argnums=3)
+@functools.partial(jax.jit, static_argnums=(0, 5, 6), donate_argnums=3, compiler_options=PER_RUN)
 def gray_latents(graphdef, state, caches, latents, offset, count, frame_shape):
     """`count` latent frames of gray video (chunks of 4 zero frames, `frame_shape`) after `caches`, written
     into `latents` from frame `offset` → (caches, latents, whether the caches after equal those before,

@@ -33,11 +33,12 @@ import numpy as np
 from flax import nnx
 
 from wan_tpu.matrix_game.condition import ImageCondition
+from wan_tpu.runtime.xla_defaults import PER_RUN
 
 MASK_CHANNELS = 4  # the temporal compression: one mask channel per video frame a latent frame stands for
 
 
-@functools.partial(jax.jit, static_argnums=(0, 2, 5, 6))
+@functools.partial(jax.jit, static_argnums=(0, 2, 5, 6), compiler_options=PER_RUN)
 def cache_program(dit_graph, dit_state, vae_graph, vae_state, visual_context, latent_size, frames_per_chunk):
     """A stream's empty caches: the DiT's (`init_cache`, its cross-attention keys from `visual_context`) and
     the VAE decode's (`start_decode_caches`: zeros; only their shapes are read of the VAE's state)."""

@@ -31,6 +31,7 @@ from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
 from wan_tpu.configs.vae import WanVAEConfig
 from wan_tpu.errors import WanInputError
+from wan_tpu.runtime.xla_defaults import PER_RUN
 from wan_tpu.vae.blocks import CausalConv3d, ChunkState, Decoder3d, Encoder3d, RingCache
 
 
@@ -125,28 +126,31 @@ class WanVAE(nnx.Module):
             out = self._decode(z, wmesh, strips=strips, run=_Run(compiles, wmesh))
         return jax.ShapeDtypeStruct(out.shape, out.dtype, sharding=getattr(out, "sharding", None))
 
-    def encode_chunk(self, video, caches=None):
+    def encode_chunk(self, video, caches=None, *, per_run: bool = False):
         """Streaming encode: the next frames of a video → (posterior mean of their latent frame
         (B, z_dim, 1, h, w), the caches for the next call). `caches=None` starts a video with its first
         frame alone (B, C, 1, H, W); every later call takes 4 frames. The latents of the calls
         concatenated equal `encode` of the whole video (the same chunk function). Pure: a caller's jitted
-        program can include it."""
+        program can include it. `per_run`: a program compiled with `xla_defaults.PER_RUN` (for a call made
+        once per stream, e.g. Matrix-Game-2's image)."""
         video = jnp.asarray(video)
         want = 1 if caches is None else 4
         if video.ndim != 5 or video.shape[1] != self.config.video_channels or video.shape[2] != want:
             raise WanInputError(f"encode_chunk expects video (B, {self.config.video_channels}, {want}, H, W) "
                                 f"({'the first frame' if caches is None else 'the next 4 frames'}), got shape {tuple(video.shape)}")
         graphdef, state = nnx.split(self)
-        caches, mu = _encode_chunk(graphdef, state, video.astype(self.dtype), caches, None)
+        program = _encode_chunk_per_run if per_run else _encode_chunk
+        caches, mu = program(graphdef, state, video.astype(self.dtype), caches, None)
         return mu, caches
 
-    def lower_encode_chunk(self, shape, caches=None):
+    def lower_encode_chunk(self, shape, caches=None, *, per_run: bool = False):
         """The program `encode_chunk` runs on video of `shape` after `caches` (abstract, or None for a video's
         first frame), lowered, without running it; also on an abstract VAE (`nnx.eval_shape`), before any
         weight exists. Its `out_info` is the abstract (caches, latent frame) it gives; called compiled, it
         takes (state, video, caches), the VAE's `nnx.split` state."""
         graphdef, state = nnx.split(self)
-        return _encode_chunk.lower(graphdef, state, jax.ShapeDtypeStruct(tuple(shape), self.dtype), caches, None)
+        program = _encode_chunk_per_run if per_run else _encode_chunk
+        return program.lower(graphdef, state, jax.ShapeDtypeStruct(tuple(shape), self.dtype), caches, None)
 
     def decode_chunk(self, z, caches=None, start=None):
         """Streaming decode: the next latent frames (B, z_dim, F, h, w) of a video → (video frames
@@ -431,8 +435,7 @@ def _nested(levels, constrain):
     return fn
 
 
-@partial(jax.jit, static_argnums=(0, 4), donate_argnums=(3,))
-def _encode_chunk(graphdef, state, video, caches, wmesh):
+def _encode_chunk_body(graphdef, state, video, caches, wmesh):
     """One encoder chunk (the first frame when `caches` is None, else 4 frames) → (caches, mean)."""
     model: WanVAE = nnx.merge(graphdef, state)
     constrain = _constrain(wmesh)
@@ -447,6 +450,10 @@ def _encode_chunk(graphdef, state, video, caches, wmesh):
     x = model.encoder.rest(x, chunk_st)
     mu = model.quant_conv(x, chunk_st)[..., : model.config.z_dim]
     return (frame_caches, chunk_st.out), mu.transpose(0, 4, 1, 2, 3)
+
+
+_encode_chunk = jax.jit(_encode_chunk_body, static_argnums=(0, 4), donate_argnums=(3,))
+_encode_chunk_per_run = jax.jit(_encode_chunk_body, static_argnums=(0, 4), donate_argnums=(3,), compiler_options=PER_RUN)
 
 
 def _stem_start_caches(graphdef, state, z, wmesh, run):
