@@ -83,6 +83,9 @@ def test_one_trace_serves_the_first_chunk_and_the_later_ones(tiny_vae, monkeypat
     form's, the first chunk's after 3 frames of padding."""
     z = jax.random.normal(jax.random.key(1), (2, 4, 9, 4, 6))
     caches = tiny_vae.start_decode_caches((2, 4, 3, 4, 6))
+    # Built from one latent frame's trace: the shapes a whole first chunk leaves.
+    spec = lambda tree: jax.tree.map(lambda a: (a.shape, a.dtype), tree)  # noqa: E731
+    assert spec(caches) == spec(tiny_vae.decode_chunk(z[:, :, :3])[1])
     traces = _count_stem_traces(tiny_vae, monkeypatch)
     videos = []
     for k in range(3):

@@ -12,12 +12,15 @@ References, float32, ≤ 1e-5 relative (max-abs error over max-abs value):
 import importlib.abc
 import importlib.machinery
 import sys
+import threading
 import types
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
+from flax import nnx
 
 from wan_tpu.encoders.openclip import (
     CLIP_MEAN,
@@ -33,6 +36,7 @@ from wan_tpu.encoders.openclip import (
     write_tower,
 )
 from wan_tpu.errors import WanInputError
+from wan_tpu.runtime import executable_cache
 
 TOL = 1e-5
 PROMPTS = [
@@ -180,3 +184,31 @@ def test_a_pickle_where_safetensors_are_expected_is_named(tmp_path):
     torch.save({"x": torch.zeros(1)}, tmp_path / "model.safetensors")  # a pickle under the safetensors name
     with pytest.raises(WanInputError, match="model.safetensors: (not a safetensors file|corrupt safetensors header)"):
         OpenCLIPImageEncoder.from_pretrained(tmp_path)
+
+
+def test_the_encode_program_compiled_from_the_abstract_tower_serves_the_loaded_one(tmp_path):
+    """`abstract(folder)` and `from_pretrained(folder)` give equal graphdefs and program keys; the encode program
+    compiled ahead from the abstract tower (`executable_cache.ahead`, as a pipeline's `prepare` does it, in a
+    thread of its own) is the one the loaded tower then runs, nothing compiled on the caller's thread. Reference:
+    the same tower without a program key (the jitted path), bitwise."""
+    from transformers import CLIPVisionConfig, CLIPVisionModel
+
+    torch.manual_seed(0)
+    CLIPVisionModel(CLIPVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                                     image_size=16, patch_size=4)).save_pretrained(tmp_path / "image_encoder")
+    encoder = OpenCLIPImageEncoder.from_pretrained(tmp_path / "image_encoder")
+    abstract = OpenCLIPImageEncoder.abstract(tmp_path / "image_encoder")
+    assert abstract.program_key == encoder.program_key is not None
+    assert nnx.graphdef(abstract.model) == nnx.graphdef(encoder.model)
+    images = np.random.default_rng(2).uniform(-1, 1, (1, 3, 20, 24)).astype(np.float32)
+    compiles = []
+    jax.monitoring.register_event_duration_secs_listener(lambda event, duration, **kw: compiles.append(
+        (threading.current_thread().name, str(kw.get("fun_name"))))
+        if event == "/jax/core/compile/backend_compile_duration" else None)
+    with executable_cache.ahead():
+        jax.eval_shape(lambda: abstract.encode(images))
+    assert ("wan_tpu-compile-openclip-image", "jit(_image_tokens)") in compiles
+    start = len(compiles)
+    out = np.asarray(encoder.encode(images))
+    assert ("MainThread", "jit(_image_tokens)") not in compiles[start:]
+    np.testing.assert_array_equal(out, np.asarray(OpenCLIPImageEncoder(encoder.model).encode(images)))

@@ -99,8 +99,8 @@ def test_a_command_line_starts_the_device_client_before_its_work(monkeypatch):
 
 
 def test_programs_run_once_per_stream_compile_without_the_fusion_autotuner():
-    """The programs a run or a stream calls once (the VAE's first-frame encode on request, the gray frames' encode,
-    the DiT cache's first pass, CLIP's encode) carry `PER_RUN` in the jitted function itself, so a call without
+    """The programs a stream calls once (the VAE's first-frame encode on request, the gray frames' encode, the DiT
+    cache's first pass) carry `PER_RUN` in the jitted function itself, so a call without
     `prepare` compiles the program `prepare` compiles; the per-chunk programs keep XLA's autotuning. On a CPU the
     option changes nothing: the VAE's encode gives the same bits either way (reference: the encode without it)."""
     import jax
@@ -108,7 +108,6 @@ def test_programs_run_once_per_stream_compile_without_the_fusion_autotuner():
     import numpy as np
 
     from wan_tpu.configs.vae import VAE_PRESETS
-    from wan_tpu.encoders import clip
     from wan_tpu.loading.random_init import random_module
     from wan_tpu.matrix_game import condition, programs
     from wan_tpu.vae.loading import abstract_vae
@@ -117,7 +116,7 @@ def test_programs_run_once_per_stream_compile_without_the_fusion_autotuner():
     per_run = tuple(xla_defaults.PER_RUN.items())
     assert per_run == (("xla_gpu_experimental_enable_fusion_autotuner", False),)
     options = lambda jitted: jitted._jit_info.compiler_options_kvs  # noqa: E731
-    for jitted in (condition.gray_latents, programs.cache_program, clip._run):
+    for jitted in (condition.gray_latents, programs.cache_program):
         assert options(jitted) == per_run, jitted
     for jitted in (programs.chunk_denoise_program, programs.chunk_decode_program):
         assert options(jitted) == (), jitted

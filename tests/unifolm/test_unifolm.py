@@ -102,8 +102,8 @@ def test_modes_and_queues(pipe):
 @pytest.mark.slow  # compiles the stage programs twice (about 90 s on 2 cores)
 def test_prepare_compiles_the_stage_programs_ahead_and_changes_no_bit(monkeypatch):
     """`prepare("decision")` loads the components and loads or compiles the prepare, sampling and decode
-    programs in its threads (one per program, side by side), none on the caller's; `decide` then gives bit-identical
-    outputs to a run without it. Each run with the cache off, JAX's caches cleared and the in-process
+    programs and the encoders' in its threads (one per program, side by side), none on the caller's; `decide` then
+    gives bit-identical outputs to a run without it. Each run with the cache off, JAX's caches cleared and the in-process
     program memo emptied first, so that it compiles its own programs. Reference: the run without
     `prepare`; tolerance: none."""
     import jax
@@ -129,13 +129,14 @@ def test_prepare_compiles_the_stage_programs_ahead_and_changes_no_bit(monkeypatc
         else:
             outputs[label] = run.decide("pick up the cup", images, states / 10, num_steps=2, seed=3)
         seen[label] = compiles[start:]
-    stages = {"jit(_prepare_program)", "jit(_sample_loop)", "jit(_decode_program)"}
+    stages = {"jit(_prepare_program)", "jit(_sample_loop)", "jit(_decode_program)", "jit(_text_tokens)",
+              "jit(_image_tokens)"}
     assert stages <= {f for thread, f in seen["plain"] if thread == "MainThread"}
     ahead = {(thread, f) for thread, f in seen["prepare"] if thread.startswith("wan_tpu-compile-") and f in stages}
     assert stages <= {f for _, f in ahead}
     assert len({thread for thread, _ in ahead}) == len(stages)  # side by side, a thread each
     main = {f for thread, f in seen["prepare"] if thread == "MainThread"}
-    assert not main & stages, main  # the encoders' small programs compile on use, as without `prepare`
+    assert not main & stages, main
     for field in ("video_raw", "actions_raw", "actions"):
         np.testing.assert_array_equal(getattr(outputs["prepare"], field), getattr(outputs["plain"], field))
 
@@ -306,9 +307,10 @@ def test_cli_generate_with_a_base_model(tmp_path):
 
 def test_a_second_process_loads_the_stage_programs_whole(tmp_path):
     """Two fresh processes, one cache folder: the first compiles and stores the prepare, sampling and
-    decode programs (`wan_tpu.runtime.executable_cache`, keyed by `UnifolmPipeline.program_key`), the second
-    loads all three without tracing them, and its actions are bit-identical (XLA:CPU once failed to
-    run such loaded programs; `executable_cache.store` compiles afresh what JAX's cache served). The
+    decode programs (`wan_tpu.runtime.executable_cache`, keyed by `UnifolmPipeline.program_key`) and the two
+    encoders' (keyed by their towers' `program_key`), the second loads all five without tracing them, and its
+    actions are bit-identical (XLA:CPU once failed to run such loaded programs; `executable_cache.store` compiles
+    afresh what JAX's cache served). The
     preset's random weights are kept there too (`executable_cache.cached_arrays`), and its default is
     `presets.TINY_STEPS` DDIM steps."""
     from wan_tpu.unifolm.presets import TINY_STEPS
@@ -327,9 +329,9 @@ def test_a_second_process_loads_the_stage_programs_whole(tmp_path):
             # What the second process reads from its start, beside the loads (`executable_cache.prefetch`).
             (manifest,) = (tmp_path / "cache").glob("*/executables/manifest-unifolm-*.bin")
             listed = pickle.loads(manifest.read_bytes())
-            assert sorted(name.rsplit("-", 1)[0] for name in listed) == ["unifolm-decode", "unifolm-prepare",
-                                                                         "unifolm-sample"], listed
-    assert loaded == [("0", "3"), ("3", "0")], loaded
+            assert sorted(name.rsplit("-", 1)[0] for name in listed) == [
+                "openclip-image", "openclip-text", "unifolm-decode", "unifolm-prepare", "unifolm-sample"], listed
+    assert loaded == [("0", "5"), ("5", "0")], loaded
     assert json.loads((tmp_path / "first.json").read_text())["steps"] == TINY_STEPS == 2
     first, second = np.load(tmp_path / "first.npz"), np.load(tmp_path / "second.npz")
     np.testing.assert_array_equal(first["actions"], second["actions"])

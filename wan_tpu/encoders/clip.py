@@ -36,7 +36,6 @@ from flax import nnx
 from wan_tpu.errors import WanInputError
 from wan_tpu.layers import attention as attention_lib
 from wan_tpu.layers.norms import layer_norm
-from wan_tpu.runtime.xla_defaults import PER_RUN
 
 ACTIVATIONS = {
     "gelu": lambda x: jax.nn.gelu(x, approximate=False),
@@ -280,7 +279,7 @@ class CLIPTextTransformer(nnx.Module):
         return self.final_layer_norm(self.encoder(self.embeddings(input_ids)))
 
 
-@functools.partial(jax.jit, static_argnums=0, compiler_options=PER_RUN)  # one image per run or stream
+@functools.partial(jax.jit, static_argnums=0)
 def _run(graphdef, state, inputs):
     """A tower on a split model, compiled once per input shape."""
     return nnx.merge(graphdef, state).apply(inputs)

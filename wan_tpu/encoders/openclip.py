@@ -40,6 +40,7 @@ from flax import nnx
 
 from wan_tpu.errors import WanInputError
 from wan_tpu.loading.checkpoint import require_file
+from wan_tpu.runtime import executable_cache
 
 try:  # open_clip's tokenizer fixes mojibake with ftfy; so do we when it is installed.
     import ftfy
@@ -134,19 +135,31 @@ def write_tower(folder, config, tensors: dict) -> None:
     save_file({k: v.contiguous() for k, v in tensors.items()}, os.path.join(folder, "model.safetensors"), metadata={"format": "pt"})
 
 
-class OpenCLIPImageEncoder:
-    """`encode(images) -> (B, 257, width)`: the authors' `FrozenOpenCLIPImageEmbedderV2`."""
+def program_key(model, dtype, attention_impl=None) -> tuple:
+    """What determines a tower's encode program besides its input's shape: its config, dtype and attention
+    setting (the loaders and the abstract builds make equal modules from them)."""
+    return (type(model).__name__, model.config, jnp.dtype(dtype).name, attention_impl)
 
-    def __init__(self, model):
+
+class OpenCLIPImageEncoder:
+    """`encode(images) -> (B, 257, width)`: the authors' `FrozenOpenCLIPImageEmbedderV2`.
+
+    `program_key` (`from_pretrained` and `abstract` set it): with it the encode program is kept in the executable
+    cache (`wan_tpu.runtime.executable_cache.cached_call`), so a pipeline's `prepare` compiles it ahead, from the
+    abstract tower, and a warm start loads it without tracing; without it, `encode` compiles on use."""
+
+    def __init__(self, model, program_key: tuple | None = None):
         self.model = model  # a `CLIPVisionTransformer`
         self.config = model.config
+        self.program_key = program_key
 
     @classmethod
     def from_pretrained(cls, folder, dtype=jnp.float32, mesh=None, attention_impl=None) -> OpenCLIPImageEncoder:
         from wan_tpu.encoders.clip_loading import load_clip_vision
 
         require_file(folder, "config.json", "image_encoder")
-        return cls(load_clip_vision(folder, dtype=dtype, mesh=mesh, attention_impl=attention_impl))
+        model = load_clip_vision(folder, dtype=dtype, mesh=mesh, attention_impl=attention_impl)
+        return cls(model, program_key(model, dtype, attention_impl))
 
     @classmethod
     def abstract(cls, folder, dtype=jnp.float32, attention_impl=None) -> OpenCLIPImageEncoder:
@@ -154,10 +167,13 @@ class OpenCLIPImageEncoder:
         `jax.eval_shape` gives the loaded one's output shape and dtype before its weights are read."""
         from wan_tpu.encoders.clip_loading import abstract_clip_vision, clip_vision_config
 
-        return cls(abstract_clip_vision(clip_vision_config(folder), dtype, attention_impl))
+        model = abstract_clip_vision(clip_vision_config(folder), dtype, attention_impl)
+        return cls(model, program_key(model, dtype, attention_impl))
 
     def encode(self, images) -> jax.Array:
-        return _image_tokens(*nnx.split(self.model), jnp.asarray(images, jnp.float32))
+        return executable_cache.cached_call(
+            "openclip-image", self.program_key, _image_tokens,
+            (*nnx.split(self.model), jnp.asarray(images, jnp.float32)), static_argnums=(0,), key_names_statics=True)
 
 
 @functools.partial(jax.jit, static_argnums=0)
@@ -182,9 +198,10 @@ def clean_text(text: str) -> str:
 class OpenCLIPTextEncoder:
     """`encode(prompts) -> (B, 77, width)`: the authors' `FrozenOpenCLIPEmbedder(layer="penultimate")`."""
 
-    def __init__(self, model, tokenizer):
+    def __init__(self, model, tokenizer, program_key: tuple | None = None):
         self.model, self.tokenizer = model, tokenizer  # a `CLIPTextTransformer`, a `CLIPBPETokenizer`
         self.config = model.config
+        self.program_key = program_key  # as `OpenCLIPImageEncoder.program_key`
 
     @classmethod
     def from_pretrained(cls, folder, tokenizer_folder, dtype=jnp.float32, mesh=None) -> OpenCLIPTextEncoder:
@@ -193,7 +210,8 @@ class OpenCLIPTextEncoder:
 
         require_file(folder, "config.json", "text_encoder")
         require_file(tokenizer_folder, "tokenizer_config.json", "tokenizer")
-        return cls(load_clip_text(folder, dtype=dtype, mesh=mesh), CLIPBPETokenizer.from_folder(tokenizer_folder))
+        model = load_clip_text(folder, dtype=dtype, mesh=mesh)
+        return cls(model, CLIPBPETokenizer.from_folder(tokenizer_folder), program_key(model, dtype))
 
     @classmethod
     def abstract(cls, folder, tokenizer_folder, dtype=jnp.float32) -> OpenCLIPTextEncoder:
@@ -202,7 +220,8 @@ class OpenCLIPTextEncoder:
         from wan_tpu.encoders.clip_loading import abstract_clip_text, clip_text_config
         from wan_tpu.encoders.clip_tokenizer import CLIPBPETokenizer
 
-        return cls(abstract_clip_text(clip_text_config(folder), dtype), CLIPBPETokenizer.from_folder(tokenizer_folder))
+        model = abstract_clip_text(clip_text_config(folder), dtype)
+        return cls(model, CLIPBPETokenizer.from_folder(tokenizer_folder), program_key(model, dtype))
 
     def tokenize(self, prompts: list[str]) -> np.ndarray:
         """(B, 77) int32 ids, exactly `open_clip.tokenize(prompts)`."""
@@ -221,7 +240,9 @@ class OpenCLIPTextEncoder:
 
     def encode_tokens(self, input_ids) -> jax.Array:
         """(B, 77) token ids (as `tokenize` makes them) → (B, 77, width)."""
-        return _text_tokens(*nnx.split(self.model), jnp.asarray(input_ids, jnp.int32))
+        return executable_cache.cached_call(
+            "openclip-text", self.program_key, _text_tokens, (*nnx.split(self.model), jnp.asarray(input_ids, jnp.int32)),
+            static_argnums=(0,), key_names_statics=True)
 
 
 # ---- open_clip → transformers names ----------------------------------------------------------------

@@ -36,15 +36,15 @@ XLA_DEFAULTS = {"xla_gpu_enable_triton_gemm": "false"}
 CPU_XLA_DEFAULTS = {"xla_backend_optimization_level": "1"}  # a process without an accelerator
 
 
-# XLA options (`jax.jit(..., compiler_options=PER_RUN)`) of a program a run or a stream calls once or a few times
-# (a condition's encode, the DiT cache's first pass, CLIP's encode of one image): XLA's fusion autotuner times
-# each fusion's candidate emitters on the device, seconds of a cold start that a single call never repays. The
-# autotuning of convolutions and matrix products stays (their untuned algorithms run for minutes). Matrix-Game-2
-# universal on an H200, cold, 3 runs each in turns (2026-11-29, `benchmarks/profile_compile.py matrix-game --device
-# --program-options NAME:xla_gpu_experimental_enable_fusion_autotuner=false` for the four per-stream programs):
-# first chunk 22.27 / 22.33 / 23.41 s vs 23.54 / 25.28 / 27.67 s, XLA compile 42.0 vs 51.1 s in all; warm 4.94-5.56 vs
-# 4.83-5.51 s. An option of XLA's GPU compiler, which a CPU compile ignores. Set on the jitted function itself, so
-# that a call compiles the very program `prepare` compiles ahead (bit-identical results with and without it).
+# XLA options (`jax.jit(..., compiler_options=PER_RUN)`) of a program a stream calls once (Matrix-Game-2's condition
+# encodes, the DiT cache's first pass): XLA's fusion autotuner times each fusion's candidate emitters on the device,
+# seconds of a cold start that a single call never repays. The autotuning of convolutions and matrix products stays
+# (their untuned algorithms run for minutes). Matrix-Game-2 universal on an H200, cold, in turns (2026-11-29,
+# `benchmarks/profile_compile.py matrix-game --device`): XLA compile 38.1-38.4 vs 41.0-54.8 s in all, first chunk
+# 16.00-17.25 vs 18.42-21.47 s (with the decode's caches from one frame's trace); warm 3.38-3.96 vs 3.55-3.99 s. An
+# option of XLA's GPU compiler, which a CPU compile ignores. Set on the jitted function itself, so that a call compiles
+# the very program `prepare` compiles ahead (bit-identical results with and without it); only a top-level jit may
+# take it, not one nested in another program.
 PER_RUN = {"xla_gpu_experimental_enable_fusion_autotuner": False}
 
 

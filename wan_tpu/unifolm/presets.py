@@ -26,10 +26,11 @@ TINY_STEPS = 2
 def tiny_image_tower(image_width: int, seed: int = TINY_SEED):
     """A random one-block OpenCLIP image tower (float32, drawn by `random_clip`)."""
     from wan_tpu.encoders.clip import CLIPVisionTransformer, random_clip
-    from wan_tpu.encoders.openclip import OpenCLIPImageEncoder, vision_config
+    from wan_tpu.encoders.openclip import OpenCLIPImageEncoder, program_key, vision_config
 
     vision = vision_config(image_width, 1, max(image_width // 16, 1), 14)
-    return OpenCLIPImageEncoder(random_clip(lambda: CLIPVisionTransformer(vision), seed))
+    model = random_clip(lambda: CLIPVisionTransformer(vision), seed)
+    return OpenCLIPImageEncoder(model, program_key(model, jnp.float32))
 
 
 def tiny_text_tower(text_width: int, seed: int = TINY_SEED):
@@ -37,11 +38,12 @@ def tiny_text_tower(text_width: int, seed: int = TINY_SEED):
     tokenizer."""
     from wan_tpu.encoders.clip import CLIPTextTransformer, random_clip
     from wan_tpu.encoders.clip_tokenizer import tiny_clip_tokenizer
-    from wan_tpu.encoders.openclip import OpenCLIPTextEncoder, text_config
+    from wan_tpu.encoders.openclip import OpenCLIPTextEncoder, program_key, text_config
 
     tokenizer = tiny_clip_tokenizer()
     text = text_config(text_width, 1, max(text_width // 16, 1), len(tokenizer))
-    return OpenCLIPTextEncoder(random_clip(lambda: CLIPTextTransformer(text), seed), tokenizer)
+    model = random_clip(lambda: CLIPTextTransformer(text), seed)
+    return OpenCLIPTextEncoder(model, tokenizer, program_key(model, jnp.float32))
 
 
 def tiny_towers(text_width: int, image_width: int, seed: int = TINY_SEED):

@@ -131,8 +131,8 @@ class WanVAE(nnx.Module):
         (B, z_dim, 1, h, w), the caches for the next call). `caches=None` starts a video with its first
         frame alone (B, C, 1, H, W); every later call takes 4 frames. The latents of the calls
         concatenated equal `encode` of the whole video (the same chunk function). Pure: a caller's jitted
-        program can include it. `per_run`: a program compiled with `xla_defaults.PER_RUN` (for a call made
-        once per stream, e.g. Matrix-Game-2's image)."""
+        program can include it. `per_run`: a program compiled with `xla_defaults.PER_RUN`, for a top-level call made
+        once per stream (Matrix-Game-2's image; JAX refuses compiler options on a jit nested in another)."""
         video = jnp.asarray(video)
         want = 1 if caches is None else 4
         if video.ndim != 5 or video.shape[1] != self.config.video_channels or video.shape[2] != want:
@@ -180,7 +180,10 @@ class WanVAE(nnx.Module):
         """Zeros shaped as the caches `decode_chunk` carries for latents of `z_shape`: what
         `decode_chunk(z, caches, start=True)` takes for a video's first chunk. Traceable (shapes only)."""
         graphdef, state = nnx.split(self)
-        caches, _ = _decode_chunk.eval_shape(graphdef, state, jax.ShapeDtypeStruct(tuple(z_shape), self.dtype), None)
+        # The caches have their shape from the first latent frame on: one frame's trace (one pass of the decoder
+        # instead of the first frame's and the scan's) gives it.
+        one = jax.ShapeDtypeStruct((*z_shape[:2], 1, *z_shape[3:]), self.dtype)
+        caches, _ = _decode_chunk.eval_shape(graphdef, state, one, None)
         return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), caches)
 
     def normalize_latents(self, z):
