@@ -1,5 +1,6 @@
 """`benchmarks/bench_compile_side_by_side.py` on the CPU: each case in a fresh process, the decode program
-compiled alone and two copies of other widths side by side, a row per case with each program's seconds."""
+compiled alone and two copies of other widths side by side, in threads and sent to two compile worker processes,
+a row per case with each program's seconds."""
 
 import re
 
@@ -8,13 +9,20 @@ import pytest
 
 
 def test_cases_compile_and_make_a_row_each(capsys):
-    assert bench_compile_side_by_side.main(["--vae", "tiny", "--height", "8", "--width", "12", "--copies", "1,2"]) == 0
+    assert bench_compile_side_by_side.main(["--vae", "tiny", "--height", "8", "--width", "12", "--copies", "1,2",
+                                            "--workers", "0,2"]) == 0
     out = capsys.readouterr().out
-    rows = re.findall(r"^\| (\d) \| ([\d.]+) \| ([\d. /]+) \| ([^|]+) \|$", out, re.M)
-    assert [r[0] for r in rows] == ["1", "2"], out
-    for n, wall, each, busy in rows:
+    rows = re.findall(r"^\| (\d) \| (\d) \| ([\d.]+) \| ([\d. /]+) \| ([^|]+) \| ([^|]+) \|$", out, re.M)
+    assert [r[:2] for r in rows] == [("1", "0"), ("2", "0"), ("1", "2"), ("2", "2")], out
+    for n, workers, wall, each, busy, pool in rows:
         seconds = [float(s) for s in each.split(" / ")]
         assert len(seconds) == int(n) and all(0 < s <= float(wall) + 0.01 for s in seconds)
-        assert re.fullmatch(r"\d+% of \d+|—", busy), busy
+        assert re.fullmatch(r"\d+% of \d+|—", busy.strip()), busy
+        if workers == "0":
+            assert pool.strip() == "—"
+        else:  # every copy compiled in a worker once both were ready
+            assert re.fullmatch(rf"2 ready at [\d.]+ s, {n} compiled there", pool.strip()), pool
     with pytest.raises(SystemExit, match="--copies must be"):
         bench_compile_side_by_side.main(["--width", "8", "--copies", "3"])
+    with pytest.raises(SystemExit, match="--workers must be"):
+        bench_compile_side_by_side.main(["--workers", "-1"])

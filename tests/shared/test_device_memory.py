@@ -95,14 +95,15 @@ def test_a_command_line_reserves_what_its_family_names(clean_env, tmp_path):
 @pytest.mark.parametrize("module", ["wan_tpu.matrix_game.cli", "wan_tpu.unifolm.cli", "wan_tpu.serve.cli"])
 def test_world_model_commands_pass_their_need(clean_env, module, tmp_path):
     """Each world model's command line (and a server of one) hands `run_cli` its need (`run_cli` stubbed: nothing
-    parses or loads)."""
+    parses or loads), and whether it compiles in worker processes: UnifoLM's command (not the one that becomes a
+    server) and a Wan or UnifoLM server do; Matrix-Game-2's does not (they gained it nothing)."""
     import importlib
 
     cli = importlib.import_module(module)
     got = {}
 
-    def fake_run_cli(run, parser, argv=None, *, device_memory=None):
-        got["need"] = device_memory
+    def fake_run_cli(run, parser, argv=None, *, device_memory=None, compile_workers=None):
+        got["need"], got["workers"] = device_memory, compile_workers
         return 0
 
     clean_env.setattr(cli, "run_cli", fake_run_cli)
@@ -115,3 +116,11 @@ def test_world_model_commands_pass_their_need(clean_env, module, tmp_path):
         assert need(argparse.Namespace(model="matrix-game-tiny", family=None, max_sessions=3)) == 48 * GiB
     else:
         assert need(argparse.Namespace(model=str(tmp_path))) == 16 * GiB
+    workers = got["workers"]
+    if module == "wan_tpu.matrix_game.cli":
+        assert workers is None
+    elif module == "wan_tpu.unifolm.cli":
+        assert workers(argparse.Namespace(serve=None)) and not workers(argparse.Namespace(serve=8000))
+    else:
+        assert [workers(argparse.Namespace(model=m, family=None)) for m in ("tiny", "unifolm-tiny", "matrix-game-tiny")
+                ] == [True, True, False]

@@ -145,10 +145,16 @@ def test_prepare_compiles_the_stage_programs_ahead_and_changes_no_bit(monkeypatc
 @pytest.mark.slow
 def test_prepare_compiles_a_split_step_side_by_side(monkeypatch):
     """With `sampling_programs=3` `prepare` compiles the step's programs (and the noise's) each in a thread of its
-    own, beside the stage programs; `decide` then runs them without compiling any on its thread."""
+    own, beside the stage programs, meeting them at the first step only (the other steps would trace the same
+    calls again); `decide` then runs them, every step, without compiling any on its thread."""
     import jax
 
     from wan_tpu.runtime import executable_cache
+    from wan_tpu.unifolm import sampling
+
+    steps_built = []
+    constants = sampling._step_constants
+    monkeypatch.setattr(sampling, "_step_constants", lambda *a: steps_built.append(a[2]) or constants(*a))
 
     images, states = observation(seed=4)
     compiles = []
@@ -158,8 +164,11 @@ def test_prepare_compiles_a_split_step_side_by_side(monkeypatch):
     monkeypatch.setattr(executable_cache, "_CALLED", {})
     jax.clear_caches()
     run = UnifolmPipeline.from_pretrained("unifolm-tiny", compile_cache=False, sampling_programs=3)
-    with run.prepare("decision", num_steps=2):
+    with run.prepare("decision", num_steps=2) as warmup:
+        warmup.wait_compiled("stages")
+        assert steps_built == [0]
         out = run.decide("pick up the cup", images, states / 10, num_steps=2, seed=3)
+    assert steps_built == [0, 0, 1]
     assert out.actions.shape == (16, DOF) and np.isfinite(out.actions_raw).all()
     step = {"jit(_noise_program)", "jit(_first_program)", "jit(_middle_program)", "jit(_last_program)"}
     ahead = {(thread, f) for thread, f in compiles if thread.startswith("wan_tpu-compile-") and f in step}
@@ -167,6 +176,20 @@ def test_prepare_compiles_a_split_step_side_by_side(monkeypatch):
     assert not {f for thread, f in compiles if thread == "MainThread"} & step
     with pytest.raises(WanInputError, match="sampling programs must be a whole number from 1 to"):
         UnifolmPipeline.from_pretrained("unifolm-tiny", sampling_programs=0)
+
+def test_the_step_is_cut_in_pieces_by_default_where_compile_workers_run(monkeypatch):
+    """`sampling_programs=None` (the default): `WORKER_SAMPLING_PROGRAMS` pieces where compile worker processes run
+    (they compile the pieces at once), else the whole sampling as one program; a number given is kept."""
+    from wan_tpu.runtime import compile_workers
+    from wan_tpu.unifolm.pipeline import WORKER_SAMPLING_PROGRAMS
+
+    monkeypatch.setattr(compile_workers, "running", lambda: False)
+    assert UnifolmPipeline.from_pretrained("unifolm-tiny").sampling_programs == 1
+    monkeypatch.setattr(compile_workers, "running", lambda: True)
+    assert UnifolmPipeline.from_pretrained("unifolm-tiny").sampling_programs == WORKER_SAMPLING_PROGRAMS == 4
+    assert UnifolmPipeline.from_pretrained("unifolm-tiny", sampling_programs=2).sampling_programs == 2
+    assert UnifolmPipeline.from_pretrained("unifolm-tiny").set_sampling_programs(1).sampling_programs == 1
+
 
 def test_prepare_checks_its_mode():
     pipe = UnifolmPipeline.from_pretrained("unifolm-tiny")

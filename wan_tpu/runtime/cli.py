@@ -136,11 +136,14 @@ def dtype_of(name: str):
 
 
 def run_cli(run: Callable, parser: argparse.ArgumentParser, argv=None, *,
-            device_memory: Callable[[argparse.Namespace], int | None] | None = None) -> int:
+            device_memory: Callable[[argparse.Namespace], int | None] | None = None,
+            compile_workers: Callable[[argparse.Namespace], bool] | None = None) -> int:
     """Run `run(args)` under the command contract (module docstring); `argv=None` means a command line
     (the process is ours: device memory and XLA defaults are claimed), a list means a call from Python.
     `device_memory(args)`: the bytes the run needs on a device at most, which a command line reserves
-    instead of most of the GPU (`wan_tpu.runtime.memory.claim_device_memory`)."""
+    instead of most of the GPU (`wan_tpu.runtime.memory.claim_device_memory`). `compile_workers(args)`: whether the
+    command compiles its large programs in worker processes (`wan_tpu.runtime.compile_workers`, where its default
+    count is not 0); `WAN_TPU_COMPILE_WORKERS` set decides for every command line."""
     called = time.perf_counter()
     import warnings
 
@@ -161,8 +164,15 @@ def run_cli(run: Callable, parser: argparse.ArgumentParser, argv=None, *,
             from wan_tpu.runtime import distributed
             from wan_tpu.runtime.profiling import process_start
 
-            distributed.initialize_from_args(args)  # before any device use
+            in_job = distributed.initialize_from_args(args)  # before any device use
             if argv is None:
+                from wan_tpu.runtime import compile_workers as workers
+
+                # Now, before this process's backend: ready by the first large compile. Not in a job of several
+                # processes, whose programs span them.
+                asked = os.environ.get(workers.ENV, "").strip() or (compile_workers is not None and compile_workers(args))
+                if asked and not in_job:
+                    workers.start()
                 from wan_tpu.runtime.compile_ahead import start_transfers
 
                 # The accelerator's client starts now, in a thread, while this thread imports the family's

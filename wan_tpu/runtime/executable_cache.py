@@ -448,6 +448,11 @@ def ahead():
         raise failed[0]
 
 
+def ahead_active() -> bool:
+    """Whether this thread is within `ahead()`: calls load or compile their programs and run nothing."""
+    return getattr(_AHEAD, "on", False)
+
+
 class _Background(threading.Thread):
     """A program loaded or compiled for `ahead` (output `shapes`), kept in `_CALLED` when done; its failure in
     `error`."""
@@ -676,9 +681,9 @@ def _environment() -> tuple[str, ...]:
     import numpy
 
     devices = jax.devices()
-    # Where the cache lives and the interrupt test hook change no program.
-    settings = sorted((k, v) for k, v in os.environ.items()
-                      if k.startswith("WAN_TPU_") and k not in ("WAN_TPU_CACHE_DIR", "WAN_TPU_PAUSE_AT"))
+    # Where the cache lives, where programs compile and the interrupt test hook change no program.
+    settings = sorted((k, v) for k, v in os.environ.items() if k.startswith("WAN_TPU_")
+                      and k not in ("WAN_TPU_CACHE_DIR", "WAN_TPU_PAUSE_AT", "WAN_TPU_COMPILE_WORKERS"))
     config = {name: getattr(jax.config, name, None) for name in (
         "jax_enable_x64", "jax_default_matmul_precision", "jax_threefry_partitionable", "jax_default_prng_impl",
         "jax_numpy_rank_promotion", "jax_use_shardy_partitioner")}

@@ -70,8 +70,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--fs", type=int, default=None, help="UnifoLM: frame-stride condition (default: the config's)")
     p.add_argument("--stats", default=None, help="UnifoLM: LeRobot stats.safetensors (default: the checkpoint's)")
     p.add_argument("--encoder-dtype", choices=("float32", "bfloat16"), default="float32", help="UnifoLM: CLIP towers' dtype")
-    p.add_argument("--sampling-programs", type=int, default=1, metavar="K",
-                   help="UnifoLM: each DDIM step as K programs compiled side by side (default 1: one program)")
+    p.add_argument("--sampling-programs", type=int, default=None, metavar="K",
+                   help="UnifoLM: each DDIM step as K programs compiled side by side (default: 4 where compile "
+                        "workers run, else 1: one program)")
     p.add_argument("--variant", default=None, help="Matrix-Game-2: universal, gta_drive or templerun")
     p.add_argument("--max-sessions", type=int, default=1, help="Matrix-Game-2: live sessions at once (default 1)")
     return p
@@ -116,7 +117,7 @@ def check_args(args) -> str | None:
         raise WanInputError(f"--port must be 0..65535, got {args.port}")
     for flag, value, low in (("--queue-size", args.queue_size, 1), ("--max-sessions", args.max_sessions, 1),
                              ("--sampling-programs", args.sampling_programs, 1)):
-        if value < low:
+        if value is not None and value < low:
             raise WanInputError(f"{flag} must be at least {low}, got {value}")
     if not args.grace >= 0:
         raise WanInputError(f"--grace must be 0 or more seconds, got {args.grace}")
@@ -355,4 +356,6 @@ def device_memory(args) -> int | None:
 
 
 def main(argv=None) -> int:
-    return run_cli(run, build_parser(), argv, device_memory=device_memory)
+    # A Wan or UnifoLM server's large programs compile at once in worker processes (Matrix-Game-2's gained nothing).
+    return run_cli(run, build_parser(), argv, device_memory=device_memory,
+                   compile_workers=lambda args: (args.family or detect_family(args.model)) in ("wan", "unifolm"))

@@ -49,9 +49,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--iterations", type=int, default=1, help="interaction iterations (interact)")
     p.add_argument("--encoder-dtype", choices=("float32", "bfloat16"), default="float32",
                    help="the CLIP towers' dtype (bfloat16 halves their memory; the tiny presets' stay float32)")
-    p.add_argument("--sampling-programs", type=int, default=1, metavar="K",
-                   help="run each DDIM step as K programs, each compiled in a thread of its own and shared by every "
-                        "step count (default 1: the whole sampling as one program)")
+    p.add_argument("--sampling-programs", type=int, default=None, metavar="K",
+                   help="run each DDIM step as K programs, compiled side by side and shared by every step count "
+                        "(default: 4 where compile workers run, an NVIDIA GPU of 40 GB or more; else 1, the whole "
+                        "sampling as one program)")
     p.add_argument("--serve", type=int, metavar="PORT", help="serve POST /predict_action on 127.0.0.1:PORT instead of one "
                    "run (the process becomes wan-serve with the same flags)")
     return p
@@ -114,7 +115,7 @@ def check_settings(args) -> None:
         raise WanInputError(f"--fs must be at least 1 (fps // frame stride), got {args.fs}")
     if args.mode != "world" and args.actions is not None:
         raise WanInputError("--actions is the chunk --mode world plays; drop it for other modes")
-    if args.sampling_programs < 1:
+    if args.sampling_programs is not None and args.sampling_programs < 1:
         raise WanInputError(f"--sampling-programs must be at least 1, got {args.sampling_programs}")
 
 
@@ -235,4 +236,6 @@ def command(args) -> None:
 def main(argv=None) -> int:
     from wan_tpu.runtime.memory import world_model_need
 
-    return run_cli(command, build_parser(), argv, device_memory=world_model_need)
+    # The sampling's pieces compile at once in worker processes (a server starts its own, in `wan-serve`).
+    return run_cli(command, build_parser(), argv, device_memory=world_model_need,
+                   compile_workers=lambda args: args.serve is None)

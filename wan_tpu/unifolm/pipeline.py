@@ -65,6 +65,12 @@ MODES = ("decision", "world", "interact", "generate")  # what `prepare(mode)` co
 # DDIM steps of each mode unless given: the authors' (their scripts: 50 for the world model's modes, 16 for
 # the base model's generation); the tiny presets' are fewer (`presets.TINY_STEPS`).
 DEFAULT_STEPS = {"decision": 50, "world": 50, "interact": 50, "generate": 16}
+# A step's programs where compile workers run (`set_sampling_programs`): the UNet in 4 pieces compiled at once in
+# separate processes. UnifoLM-WMA-0 `--mode decision --steps 16` on an H200, same call, in turns (2026-11-29,
+# `benchmarks/profile_compile.py unifolm --device`): first sampling 43.3 / 40.2 s cold vs 70.9 / 69.7 s for one
+# program in one process, warm 10.9 / 9.9 vs 10.0 / 10.0 s. In another call 8 pieces in 8 workers: 48.6 s cold vs
+# 46.2 s for 4 in 4 (docs/TRIED.md).
+WORKER_SAMPLING_PROGRAMS = 4
 
 
 @dataclass(frozen=True)
@@ -176,7 +182,8 @@ class UnifolmPipeline:
     @classmethod
     def from_pretrained(cls, path_or_preset: str, *, mesh=None, dtype=jnp.float32, attention: str | None = None,
                         compile_cache: bool = True, stats: str | None = None,
-                        encoder_dtype=jnp.float32, offload: str = "auto", sampling_programs: int = 1) -> UnifolmPipeline:
+                        encoder_dtype=jnp.float32, offload: str = "auto",
+                        sampling_programs: int | None = None) -> UnifolmPipeline:
         """A converted checkpoint folder (`wan-convert-unifolm` (`wan_tpu/unifolm/convert.py`)) or a preset name
         (`unifolm-tiny`, `unifolm-tiny-base`: random weights, seconds on a CPU).
 
@@ -263,14 +270,19 @@ class UnifolmPipeline:
         self.offload = offload
         return self
 
-    def set_sampling_programs(self, programs: int = 1) -> UnifolmPipeline:
-        """The programs each DDIM step runs as (`wan_tpu.unifolm.sampling.sample`'s `programs`): 1 (default), the
-        whole sampling loop in one program; K > 1, the step's UNet blocks cut in K programs, which `prepare`
-        compiles side by side (a thread each) and which serve every step count, run by a loop over the steps.
-        Results agree within float32 rounding (other fusions), not bit for bit."""
+    def set_sampling_programs(self, programs: int | None = None) -> UnifolmPipeline:
+        """The programs each DDIM step runs as (`wan_tpu.unifolm.sampling.sample`'s `programs`): 1, the whole
+        sampling loop in one program; K > 1, the step's UNet blocks cut in K programs, which `prepare` compiles
+        side by side and which serve every step count, run by a loop over the steps. None (default):
+        `WORKER_SAMPLING_PROGRAMS` where compile worker processes run (`wan_tpu.runtime.compile_workers`, which
+        compile the pieces at the same time), else 1. Results agree within float32 rounding (other fusions), not
+        bit for bit."""
+        from wan_tpu.runtime import compile_workers
         from wan_tpu.unifolm.unet import unit_count
 
         most = unit_count(self.config.unet)
+        if programs is None:
+            programs = min(WORKER_SAMPLING_PROGRAMS, most) if compile_workers.running() else 1
         if isinstance(programs, bool) or not isinstance(programs, int) or not 1 <= programs <= most:
             raise WanInputError(f"sampling programs must be a whole number from 1 to {most} (the UNet's blocks), "
                                 f"got {programs!r}")

@@ -98,10 +98,9 @@ def predict_action(pipe, payload: dict, num_steps: int = 16, eta: float = 1.0, s
 def serve_argv(args) -> list[str]:
     """`wan-unifolm --serve PORT ...` as the `wan-serve` command line that serves the same model, flags and port."""
     argv = ["--family", "unifolm", "--model", args.model, "--port", str(args.serve), "--eta", str(args.eta),
-            "--encoder-dtype", args.encoder_dtype, "--seed", str(args.seed), "--dtype", args.dtype,
-            "--sampling-programs", str(args.sampling_programs)]
+            "--encoder-dtype", args.encoder_dtype, "--seed", str(args.seed), "--dtype", args.dtype]
     for flag, value in (("--mesh", args.mesh), ("--attention", args.attention), ("--steps", args.steps),
-                        ("--fs", args.fs), ("--stats", args.stats)):
+                        ("--fs", args.fs), ("--stats", args.stats), ("--sampling-programs", args.sampling_programs)):
         if value is not None:
             argv += [flag, str(value)]
     return argv + (["--no-compile-cache"] if args.no_compile_cache else []) + (["--quiet"] if args.quiet else [])

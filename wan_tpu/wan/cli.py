@@ -479,4 +479,5 @@ def generate(args) -> None:
 
 
 def main(argv=None) -> int:
-    return run_cli(generate, build_parser(), argv)
+    # The denoise step's and the decode's programs compile at once in worker processes.
+    return run_cli(generate, build_parser(), argv, compile_workers=lambda args: True)
