@@ -75,7 +75,11 @@ def test_a_worker_that_died_costs_a_compile_here(pool):
     assert after["workers"] == 0 and after["fell_back"] == before["fell_back"] + 1
     assert after["compiled"] == before["compiled"]
     program(3.0)(x)  # no worker left: compiled here at once, without waiting for one
-    assert compile_workers.stats()["fell_back"] == after["fell_back"]
+    assert compile_workers.stats()["fell_back"] == after["fell_back"] and not pool.local_busy
+    pool.local_busy = True  # another thread's compile holds this process's slot: no wait either, the slot kept
+    program(5.0)(x)
+    assert pool.local_busy
+    pool.local_busy = False
 
 
 def _gone(pid: int) -> bool:

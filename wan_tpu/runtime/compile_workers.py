@@ -42,8 +42,10 @@ import threading
 import time
 
 ENV = "WAN_TPU_COMPILE_WORKERS"
-# StableHLO bytecode at or above which a program compiles in a worker. Matrix-Game-2's and UnifoLM's stage
-# programs are 0.1–2 MB; one op (`jnp.add`, a cast) well under 1 kB, a parameter's layout program a few kB.
+# StableHLO bytecode at or above which a program compiles in a worker. The unifolm-tiny preset's: its stage programs
+# 27–124 kB, its random-number programs and single ops 1–9 kB. On an H200 the real models' stage programs (UnifoLM's
+# prepare, sampling pieces, image tower and decode; Wan's denoise step and decode) went to workers, the loaders'
+# layout programs did not.
 MIN_BYTES = 32 * 1024
 MAX_DEFAULT = 4
 MIN_GPU_BYTES = 40 * 2**30
@@ -183,11 +185,11 @@ def _compile(backend, module, executable_devices, options, host_callbacks):
     if len(data) < MIN_BYTES:
         return _ORIGINAL(backend, module, executable_devices, options, host_callbacks)
     worker = pool.acquire()
-    if worker is None:  # this process's own slot
+    if not isinstance(worker, _Worker):  # here: in this process's own slot, or with no worker left
         try:
             return _ORIGINAL(backend, module, executable_devices, options, host_callbacks)
         finally:
-            pool.release(None)
+            pool.release(worker)
     from wan_tpu.runtime.executable_cache import span
 
     try:
@@ -225,14 +227,17 @@ class _WorkerGone(Exception):
     pass
 
 
+HERE_SLOT, HERE = "here, in this process's slot", "here, no worker left"
+
+
 class _Worker:
     """One worker process and its pipes: one request at a time, framed pickles (`_send` / `_recv`)."""
 
     def __init__(self, platform: str):
         env = dict(os.environ)
         # No pool of device memory held: the worker's autotuning allocates what it measures and gives it back
-        # (CUDA's own allocator); a pool grown on demand kept tens of GB after a program's autotuning, and this
-        # process's next allocation beyond its reservation then failed (Matrix-Game-2 on an H200).
+        # (CUDA's own allocator). A pool grown on demand keeps what autotuning took, and this process's next
+        # allocation beyond its reservation then failed (Matrix-Game-2 on an H200: CUDA_ERROR_OUT_OF_MEMORY).
         env["XLA_PYTHON_CLIENT_PREALLOCATE"] = "false"
         env["XLA_PYTHON_CLIENT_ALLOCATOR"] = "platform"
         for name in ("XLA_PYTHON_CLIENT_MEM_FRACTION", "XLA_CLIENT_MEM_FRACTION", "WAN_TPU_PAUSE_AT"):
@@ -242,14 +247,12 @@ class _Worker:
         env["_WAN_TPU_COMPILE_PARENT"] = str(os.getpid())
         self.proc = subprocess.Popen([sys.executable, "-m", "wan_tpu.runtime.compile_workers"], stdin=subprocess.PIPE,
                                      stdout=subprocess.PIPE, env=env)
-        self.devices: set[int] = set()
 
     def wait_ready(self) -> None:
-        """Wait for the worker's hello: its device ids."""
+        """Wait for the worker's hello (its backend started)."""
         reply = self._recv()
         if reply is None or reply[0] != "ready":
             raise _WorkerGone()
-        self.devices = set(reply[1])
 
     def request(self, message):
         try:
@@ -337,26 +340,28 @@ class _Pool:
         except Exception:  # noqa: BLE001 - a client without process indices: one process
             return True
 
-    def acquire(self) -> _Worker | None:
-        """An idle worker, else None (this process's slot) when that is free or no worker is left or coming;
-        else wait for whichever frees first."""
+    def acquire(self) -> _Worker | str:
+        """An idle worker; else `HERE_SLOT` (this process's slot, taken) when that is free, or `HERE` when no
+        worker is left or coming (compiled here, side by side as without a pool); else wait for whichever frees
+        first."""
         with self.cond:
             while True:
                 if self.idle:
                     return self.idle.pop()
                 if not self.local_busy:
                     self.local_busy = True
-                    return None
+                    return HERE_SLOT
                 if not self.workers and not self.starting:
-                    return None  # no worker at all: compiles here, side by side as without a pool
+                    return HERE
                 self.cond.wait()
 
-    def release(self, worker: _Worker | None) -> None:
+    def release(self, taken: _Worker | str) -> None:
+        """Give back what `acquire` gave."""
         with self.cond:
-            if worker is None:
+            if taken == HERE_SLOT:
                 self.local_busy = False
-            elif not self.closed:
-                self.idle.append(worker)
+            elif isinstance(taken, _Worker) and not self.closed:
+                self.idle.append(taken)
             self.cond.notify_all()
 
     def drop(self, worker: _Worker) -> None:
