@@ -36,7 +36,10 @@ median cold and the median warm run: what ran when and in which thread, from JAX
 lowering to StableHLO, XLA's compile — autotuning included — and persistent-cache reads) and the
 package's (`wan_tpu.runtime.executable_cache.TIMELINE`: whole programs loaded or compiled and stored,
 abstract modules, random weights, `prepare`'s background loads and compiles, and the main thread's
-waits for them), with the command's stages; spans shorter than `--min-seconds` are summed per kind.
+waits for them), with the command's stages; spans shorter than `--min-seconds` are summed per kind. Under each
+timeline, its critical path: the main thread's last wait before the first result, the program whose compile
+ended last within it, when that program was traced, lowered and compiled (in a worker process or here), and
+how long other programs were traced and lowered meanwhile (`critical_path`).
 `--autotune-split` (GPUs) adds a cold run that loads the autotuning results the first cold run wrote
 (`--xla_gpu_dump_autotune_results_to`, then `--xla_gpu_load_autotune_results_from`): per program, the difference
 of XLA's compile seconds is its autotuning (level 0 instead picks untuned algorithms, which left 3-D convolutions
@@ -484,6 +487,72 @@ def first_result(run: dict, stage_name: str) -> float | None:
     return min(ends) - run["spawn"] if ends else None
 
 
+SLACK = 0.05  # seconds: spans that follow one another end and start within this of each other
+
+
+def critical_path(run: dict, stage_name: str) -> dict | None:
+    """What a run's first result waited for last: the main thread's last wait before the stage `stage_name`
+    ended, the program whose compile ended last within that wait, and that program's trace and lowering
+    (the latest spans of its name ending before the next step began), with the seconds spent tracing and
+    lowering other programs meanwhile (the same process's GIL). None where the main thread waited for nothing.
+    Times are seconds from the process's spawn."""
+    spans, spawn = run["spans"], run["spawn"]
+    ends = [end for _, end, _, kind, name in spans if kind == STAGE and name == stage_name]
+    if not ends:
+        return None
+    waits = [s for s in spans if s[2] == "MainThread" and s[3] == "wait" and s[1] <= min(ends) + SLACK
+             and s[1] - s[0] > SLACK]  # a wait for what was done already says nothing
+    if not waits:
+        return None
+    wait = max(waits, key=lambda s: s[1])
+    out = dict(wait=(wait[0] - spawn, wait[1] - spawn, wait[4]))
+
+    def latest(kind, name, before, thread=None):
+        found = [s for s in spans if s[3] == kind and s[4] == name and s[1] <= before + SLACK
+                 and (thread is None or s[2] == thread)]
+        return max(found, key=lambda s: s[1]) if found else None
+
+    compiles = [s for s in spans if s[3] == "XLA compile" and s[2] != "MainThread"
+                and wait[0] - SLACK <= s[1] <= wait[1] + SLACK]
+    if not compiles:
+        return out
+    compile_ = max(compiles, key=lambda s: s[1])
+    name = compile_[4]
+    inner = name[4:-1] if name.startswith("jit(") and name.endswith(")") else name
+    lower = latest("lower", name, compile_[0])
+    trace = latest("trace", inner, lower[0] if lower else compile_[0])
+    worker = [s for s in spans if s[3] == "compile in a worker" and s[2] == compile_[2]
+              and s[0] >= compile_[0] - SLACK and s[1] <= compile_[1] + SLACK]
+    rel = lambda s: None if s is None else (s[0] - spawn, s[1] - spawn)  # noqa: E731
+    out.update(program=name, compile=rel(compile_), lower=rel(lower), trace=rel(trace),
+               worker=worker[0][1] - worker[0][0] if worker else None)
+    start = (trace or lower or compile_)[0]
+    stop = lower[1] if lower else compile_[0]
+    mine = {id(s) for s in (trace, lower) if s is not None}
+    out["others_python"] = sum(max(0.0, min(s[1], stop) - max(s[0], start)) for s in spans
+                               if s[3] in ("trace", "lower") and id(s) not in mine)
+    return out
+
+
+def print_critical_path(run: dict, stage_name: str) -> None:
+    path = critical_path(run, stage_name)
+    if path is None:
+        print(f"\ncritical path: the main thread waited for nothing before the end of {stage_name!r}")
+        return
+    start, end, what = path["wait"]
+    line = (f"\ncritical path: the main thread's last wait before the end of {stage_name!r}: {what!r}, "
+            f"{start:.2f}–{end:.2f} s")
+    if "program" not in path:
+        print(line + "; no compile ended within it")
+        return
+    span = lambda s: "within another trace" if s is None else f"{s[0]:.2f}–{s[1]:.2f} s"  # noqa: E731
+    c = path["compile"]
+    where = f", in a worker process {path['worker']:.2f} s" if path["worker"] is not None else ", in this process"
+    print(line + f"; the last compile to end in it: {path['program']}, traced {span(path['trace'])}, lowered "
+          f"{span(path['lower'])}, compiled {span(c)} ({c[1] - c[0]:.2f} s{where}); meanwhile other programs were "
+          f"traced and lowered for {path['others_python']:.2f} s")
+
+
 def print_timeline(title: str, run: dict, min_seconds: float) -> None:
     stopped = " (stopped at --timeout: the spans that had ended)" if run.get("timed_out") else ""
     print(f"\n### {title}: {run['wall']:.2f} s whole command{stopped}; persistent-cache events {run['counts']}")
@@ -575,7 +644,9 @@ def cold_start(args) -> None:
         print_autotune_split(cold[0], split)
     median = lambda runs: sorted(runs, key=lambda r: r["wall"])[len(runs) // 2]
     print_timeline("cold (median run)", median(cold), args.min_seconds)
+    print_critical_path(median(cold), first)
     print_timeline("warm (median run)", median(warm), args.min_seconds)
+    print_critical_path(median(warm), first)
     if args.pass_times:
         print_anatomy("cold (median run)", median(cold)["anatomy"])
         if split is not None:

@@ -1,6 +1,6 @@
 """`benchmarks/profile_compile.py`'s own parts: per-program XLA options (parsed, and applied to the named
 program only), a run stopped at `--timeout` that still says where it was, XLA's pass and backend timers read
-per module (`--pass-times`, lines as an H200 run printed them) and the autotuning split's table."""
+per module (`--pass-times`, lines as an H200 run printed them), the autotuning split's table and the critical path."""
 
 import os
 import pathlib
@@ -165,3 +165,40 @@ def test_wan_device_command_takes_bench_e2e_recipe(monkeypatch, tmp_path):
     # The later flags win (argparse keeps the last): 720p and 4 steps over the 1.3B defaults; `--` args last.
     assert argv.index("1280*720") > argv.index("832*480") and argv[-1] == "--quiet"
     assert "--lora" in argv and argv[argv.index("--lora") + 1].endswith("-lora-r64.safetensors")
+
+
+def test_critical_path_names_the_last_compile_waited_for(capsys):
+    """Spans as a cold Wan 1.3B run on an H200 recorded them (seconds from spawn 100): the first step waited
+    for the decode's second strip program, lowered after the step's own lowering held the GIL."""
+    s = lambda a, b, thread, kind, name: (100 + a, 100 + b, thread, kind, name)  # noqa: E731
+    run = {"spawn": 100, "spans": [
+        s(5.05, 9.38, "wan_tpu-compile-denoise", "lower", "jit(_step)"),
+        s(5.16, 5.53, "wan_tpu-compile-decode", "trace", "_decode_strip"),
+        s(6.63, 8.57, "wan_tpu-compile-decode", "lower", "jit(_decode_strip)"),
+        s(8.58, 15.73, "wan_tpu-compile-decode-9", "XLA compile", "jit(_decode_strip)"),
+        s(8.67, 8.98, "wan_tpu-compile-decode", "trace", "_decode_strip"),
+        s(9.01, 9.41, "wan_tpu-compile-decode", "lower", "jit(_decode_strip)"),
+        s(9.39, 14.94, "wan_tpu-compile-wan-step", "XLA compile", "jit(_step)"),
+        s(9.41, 17.21, "wan_tpu-compile-decode-12", "XLA compile", "jit(_decode_strip)"),
+        s(9.43, 16.82, "wan_tpu-compile-decode-12", "compile in a worker", "jit__decode_strip"),
+        s(10.88, 12.07, "MainThread", "wait", "background"),
+        s(12.47, 60.68, "MainThread", profile_compile.STAGE, "denoise"),
+        s(12.47, 14.97, "MainThread", "wait", "denoise"),
+        s(14.97, 17.24, "MainThread", "wait", "decode"),
+        s(17.25, 17.25, "MainThread", "wait", "vae"),  # done already: not what the step waited for
+        s(60.84, 62.53, "MainThread", profile_compile.STAGE, "decode"),
+    ]}
+    path = profile_compile.critical_path(run, "denoise")
+    assert path["wait"][:2] == pytest.approx((14.97, 17.24)) and path["wait"][2] == "decode"
+    assert path["program"] == "jit(_decode_strip)"
+    assert path["compile"] == pytest.approx((9.41, 17.21)) and path["worker"] == pytest.approx(7.39)
+    assert path["lower"] == pytest.approx((9.01, 9.41)) and path["trace"] == pytest.approx((8.67, 8.98))
+    assert path["others_python"] == pytest.approx(0.71)  # the step's lowering, 8.67-9.38 s, and not its own spans
+    profile_compile.print_critical_path(run, "denoise")
+    out = capsys.readouterr().out
+    assert "'decode', 14.97–17.24 s" in out and "jit(_decode_strip), traced 8.67–8.98 s, lowered 9.01–9.41 s" in out
+    assert "compiled 9.41–17.21 s (7.80 s, in a worker process 7.39 s)" in out
+    warm = {"spawn": 0, "spans": [(8.2, 11.8, "MainThread", profile_compile.STAGE, "denoise")]}
+    assert profile_compile.critical_path(warm, "denoise") is None
+    profile_compile.print_critical_path(warm, "denoise")
+    assert "waited for nothing" in capsys.readouterr().out
