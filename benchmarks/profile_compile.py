@@ -641,7 +641,7 @@ def cold_start(args) -> None:
     for module, warning in (source for run in cold + warm for source in run.get("remat_sources", ())):
         print(f"  {module}: {warning}")
     if split is not None:
-        print_autotune_split(cold[0], split)
+        print_autotune_split(cold[0], split, first)
     median = lambda runs: sorted(runs, key=lambda r: r["wall"])[len(runs) // 2]
     print_timeline("cold (median run)", median(cold), args.min_seconds)
     print_critical_path(median(cold), first)
@@ -664,16 +664,19 @@ def xla_seconds(run: dict) -> dict:
     return out
 
 
-def print_autotune_split(cold: dict, tuned: dict, min_seconds: float = 0.5) -> None:
+def print_autotune_split(cold: dict, tuned: dict, first: str | None = None, min_seconds: float = 0.5) -> None:
     """Per program, XLA's compile seconds in the first cold run and in the cold run that loaded its autotuning
     results: the difference is that program's autotuning (programs compiled at once share the GPU, so
-    their autotuning also slows each other)."""
+    their autotuning also slows each other). `first`: the stage whose end is the first result, given for both."""
     a, b = xla_seconds(cold), xla_seconds(tuned)
     rows = [(name, f"{a[name]:.2f}", f"{b.get(name, 0.0):.2f}", f"{a[name] - b.get(name, 0.0):.2f}")
             for name in sorted(a, key=lambda n: -a[n]) if a[name] >= min_seconds]
     rows.append(("all", f"{sum(a.values()):.2f}", f"{sum(b.values()):.2f}", f"{sum(a.values()) - sum(b.values()):.2f}"))
     print(f"\nautotuning: the cold run again with the first's autotuning results loaded: {said(tuned)} whole "
           f"command (cold {said(cold)}); rematerialisation warnings {len(tuned['remat'])} (cold {len(cold['remat'])})")
+    results = [None if first is None else first_result(run, first) for run in (tuned, cold)]
+    if None not in results:
+        print(f"first result (end of {first!r}): {results[0]:.2f} s with the results loaded, {results[1]:.2f} s cold")
     print(harness.table(("program", "XLA compile s, cold", "results loaded", "autotuning s"), rows))
 
 

@@ -115,6 +115,12 @@ def test_autotune_split_table(capsys):
              "spans": [span(0, 45.5, "jit(_sample_loop)"), span(1, 5.5, "jit(_prepare_program)"), span(2, 2.1, "jit(k)")]}
     profile_compile.print_autotune_split(cold, tuned)
     out = capsys.readouterr().out
+    assert "first result" not in out  # no stage named
+    for run, end in ((cold, 78.0), (tuned, 73.25)):
+        run.update(spawn=0.5, spans=run["spans"] + [(60.0, end, "main", profile_compile.STAGE, "sample")])
+    profile_compile.print_autotune_split(cold, tuned, "sample")
+    out = capsys.readouterr().out
+    assert "first result (end of 'sample'): 72.75 s with the results loaded, 77.50 s cold" in out
     assert "75.00 s whole command (cold 79.50 s); rematerialisation warnings 0 (cold 3)" in out
     assert "| jit(_sample_loop) | 53.00 | 45.50 | 7.50 |" in out
     assert "| jit(_prepare_program) | 12.50 | 4.50 | 8.00 |" in out
