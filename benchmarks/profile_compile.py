@@ -40,15 +40,17 @@ waits for them), with the command's stages; spans shorter than `--min-seconds` a
 timeline, its critical path: the main thread's last wait before the first result, the program whose compile
 ended last within it, when that program was traced, lowered and compiled (in a worker process or here), and
 how long other programs were traced and lowered meanwhile (`critical_path`).
-`--autotune-split` (GPUs) adds a cold run that loads the autotuning results the first cold run wrote
-(`--xla_gpu_dump_autotune_results_to`, then `--xla_gpu_load_autotune_results_from`): per program, the difference
-of XLA's compile seconds is its autotuning (level 0 instead picks untuned algorithms, which left 3-D convolutions
-too slow for a run to end). `--pass-times` (GPUs) turns on XLA's own timers in the cold runs
-(`TF_CPP_VMODULE=gpu_compiler=1,hlo_pass_pipeline=1`) and prints, per compiled module, the seconds of its HLO
-passes (autotuning among them) and of its backend (LLVM, PTX), with its longest passes, and names the module
-each of XLA's rematerialisation warnings came from; `--child-log FILE` keeps every run's own output; `--keep DIR`
-the inputs and cache folders (`DIR/cache-0` is the warm runs'). `--decode-beside-denoise` (Wan, GPUs): the VAE
-decode's compiles overlap the denoise instead of the first step's waiting for them (`compile_ahead.WAIT_FOR_DEVICE_AUTOTUNING` off).
+`--autotune-split` (GPUs) adds a cold run whose cache folder holds only the autotuning results the first cold run
+wrote (XLA's per-fusion autotuning folder, `AUTOTUNE_FOLDER`, which every process of a run reads and writes, compile
+workers included; a results file, `--xla_gpu_dump_autotune_results_to`, would hold one process's): per program,
+the difference of XLA's compile seconds is its autotuning (level 0 instead picks untuned algorithms, which left 3-D
+convolutions too slow for a run to end), and the first result's is what tuning shipped for this GPU would save.
+`--pass-times` (GPUs) turns on XLA's own timers in the cold runs (`TF_CPP_VMODULE=gpu_compiler=1,hlo_pass_pipeline=1`)
+and prints, per compiled module, the seconds of its HLO passes (autotuning among them) and of its backend (LLVM, PTX),
+with its longest passes, and names the module each of XLA's rematerialisation warnings came from; `--child-log FILE`
+keeps every run's own output; `--keep DIR` the inputs and cache folders (`DIR/cache-0` is the warm runs').
+`--decode-beside-denoise` (Wan, GPUs): the VAE decode's compiles overlap the denoise instead of the first step's
+waiting for them (`compile_ahead.WAIT_FOR_DEVICE_AUTOTUNING` off).
 `--timeout S` stops a run past S seconds and shows the spans that had ended and the command's last lines (a
 run that would not finish still says where it was). `--program-options NAME:OPTION=VALUE` compiles one program
 with XLA options of its own (`_sample_loop:xla_gpu_autotune_level=0`: that program without autotuning, the
@@ -602,24 +604,20 @@ def cold_start(args) -> None:
         run = lambda cache, env=None: run_timed(argv, {"WAN_TPU_CACHE_DIR": cache, **extra, **(env or {})},  # noqa: E731
                                                 args.timeout)
         timers = PASS_TIMERS if args.pass_times else {}
-        tuned = os.path.join(tmp, "autotune.textproto")  # .textproto: XLA writes and reads it as text
-        flags = lambda flag: {"XLA_FLAGS": f"{os.environ.get('XLA_FLAGS', '')} {flag}".strip()}  # noqa: E731
-        # The first cold run writes its autotuning results; JAX keys its cache by XLA's flags too, so the warm
-        # runs, which read that run's cache, get the same flags (they compile nothing, so write nothing).
-        dump = flags(f"--xla_gpu_dump_autotune_results_to={tuned}") if args.autotune_split else {}
         split = None
         for i in range(args.runs):
-            cold.append(run(os.path.join(tmp, f"cache-{i}"), {**timers, **(dump if i == 0 else {})}))
+            cold.append(run(os.path.join(tmp, f"cache-{i}"), timers))
             print(f"cold run {i + 1}: {said(cold[-1])}", flush=True)
-            if i == 0 and args.autotune_split and os.path.isfile(tuned):
-                split = run(os.path.join(tmp, "cache-tuned"),
-                            {**timers, **flags(f"--xla_gpu_load_autotune_results_from={tuned}")})
-                print(f"cold run with its autotuning results loaded: {said(split)}", flush=True)
-            elif i == 0 and args.autotune_split:
-                print("--autotune-split: the first cold run wrote no autotuning results (no GPU, or it did not end)")
+            if i == 0 and args.autotune_split:
+                tuned = os.path.join(tmp, "cache-tuned")
+                if (copied := seed_autotuning(os.path.join(tmp, "cache-0"), tuned)):
+                    split = run(tuned, timers)
+                    print(f"cold run with its autotuning results loaded ({copied} files): {said(split)}", flush=True)
+                else:
+                    print("--autotune-split: the first cold run wrote no autotuning results (no GPU, or it did not end)")
         warm = []
         for i in range(args.runs):
-            warm.append(run(warm_cache, dump))
+            warm.append(run(warm_cache))
             print(f"warm run {i + 1}: {said(warm[-1])}", flush=True)
     first = FAMILIES[args.what]["first"]
     rows = []
@@ -653,6 +651,20 @@ def cold_start(args) -> None:
             print_anatomy("cold, autotuning results loaded", split["anatomy"])
     if split is not None and split["timed_out"]:
         print_timeline("cold, autotuning results loaded", split, args.min_seconds)
+
+
+AUTOTUNE_FOLDER = "xla_gpu_per_fusion_autotune_cache_dir"  # in each version folder (`wan_tpu.runtime.compile_cache`)
+
+
+def seed_autotuning(source: str, target: str) -> int:
+    """A fresh cache folder `target` holding only the autotuning results in cache folder `source` (each version
+    folder's `AUTOTUNE_FOLDER`), at the same places → how many result files were copied."""
+    shutil.rmtree(target, ignore_errors=True)
+    copied = 0
+    for folder in glob.glob(os.path.join(source, "*", AUTOTUNE_FOLDER)):
+        shutil.copytree(folder, os.path.join(target, os.path.relpath(folder, source)))
+        copied += sum(len(files) for _, _, files in os.walk(folder))
+    return copied
 
 
 def xla_seconds(run: dict) -> dict:
@@ -716,7 +728,7 @@ def main(argv=None) -> None:
                    help="--device wan: a random rank-R kohya LoRA merged (bench_e2e.py's)")
     p.add_argument("--min-seconds", type=float, default=0.1, help="timeline: shorter spans are summed per kind")
     p.add_argument("--autotune-split", action="store_true",
-                   help="GPU: one more cold run that loads the first cold run's autotuning results (see the docstring)")
+                   help="GPU: one more cold run with the first cold run's autotuning results (see the docstring)")
     p.add_argument("--pass-times", action="store_true",
                    help="GPU: XLA's pass and backend timers in the cold runs, per compiled module")
     p.add_argument("--decode-beside-denoise", action="store_true",

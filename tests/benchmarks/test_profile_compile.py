@@ -2,7 +2,6 @@
 program only), a run stopped at `--timeout` that still says where it was, XLA's pass and backend timers read
 per module (`--pass-times`, lines as an H200 run printed them), the autotuning split's table and the critical path."""
 
-import os
 import pathlib
 import sys
 import textwrap
@@ -128,28 +127,34 @@ def test_autotune_split_table(capsys):
     assert "| all | 65.60 | 50.10 | 15.50 |" in out
 
 
-def test_autotune_split_runs_after_the_first_cold_run_and_warm_runs_keep_its_flags(monkeypatch, tmp_path):
+def test_autotune_split_runs_after_the_first_cold_run_with_only_its_autotuning_results(monkeypatch, tmp_path):
+    """The split's run starts from a cache folder holding the first cold run's per-fusion autotuning results
+    (which every process of a run, compile workers included, reads and writes) and nothing else; the other
+    runs keep their own flags and folders."""
     calls = []
+    version = "jax-0.11.2_jaxlib-0.11.2_gpu_NVIDIA-H200"
 
     def fake_run(argv, env, timeout=None):
-        flags = env.get("XLA_FLAGS", "")
-        calls.append((os.path.basename(env["WAN_TPU_CACHE_DIR"]), flags, env.get("TF_CPP_VMODULE")))
-        if "--xla_gpu_dump_autotune_results_to=" in flags:  # what XLA does on a GPU
-            pathlib.Path(flags.split("--xla_gpu_dump_autotune_results_to=")[1].split()[0]).write_text("results")
+        cache = pathlib.Path(env["WAN_TPU_CACHE_DIR"])
+        found = sorted(str(f.relative_to(cache)) for f in cache.rglob("*") if f.is_file()) if cache.exists() else []
+        calls.append((cache.name, env.get("XLA_FLAGS", ""), env.get("TF_CPP_VMODULE"), found))
+        if cache.name == "cache-0" and not found:  # what a GPU run writes: programs and autotuning results
+            tuning = cache / version / profile_compile.AUTOTUNE_FOLDER
+            tuning.mkdir(parents=True)
+            (tuning / "a1b2.textproto").write_text("results")
+            (cache / version / "jit__step-0123").write_bytes(b"program")
         return dict(wall=2.0, first_output=1.0, remat=[], timed_out=False, anatomy={}, spans=[], spawn=0.0, counts={})
 
     monkeypatch.setattr(profile_compile, "run_timed", fake_run)
     monkeypatch.setattr(profile_compile, "write_inputs", lambda *a: None)
     monkeypatch.setattr(profile_compile, "command", lambda *a: ["python"] * 6)
     monkeypatch.delenv("XLA_FLAGS", raising=False)
-    profile_compile.main(["matrix-game", "--runs", "2", "--autotune-split", "--pass-times"])
-    caches = [c for c, _, _ in calls]
-    assert caches == ["cache-0", "cache-tuned", "cache-1", "cache-0", "cache-0"]
-    dump, load = calls[0][1], calls[1][1]
-    assert dump.startswith("--xla_gpu_dump_autotune_results_to=") and load.startswith(
-        "--xla_gpu_load_autotune_results_from=") and dump.split("=")[1] == load.split("=")[1]
-    assert calls[2][1] == "" and calls[3][1] == calls[4][1] == dump  # the warm runs read cache-0: its flags
-    assert [v for _, _, v in calls] == [profile_compile.PASS_TIMERS["TF_CPP_VMODULE"]] * 3 + [None] * 2
+    profile_compile.main(["matrix-game", "--runs", "2", "--autotune-split", "--pass-times", "--keep", str(tmp_path)])
+    assert [c for c, *_ in calls] == ["cache-0", "cache-tuned", "cache-1", "cache-0", "cache-0"]
+    assert calls[1][3] == [f"{version}/{profile_compile.AUTOTUNE_FOLDER}/a1b2.textproto"]
+    assert all(flags == "" for _, flags, _, _ in calls)
+    assert [v for _, _, v, _ in calls] == [profile_compile.PASS_TIMERS["TF_CPP_VMODULE"]] * 3 + [None] * 2
+    assert profile_compile.seed_autotuning(str(tmp_path / "cache-1"), str(tmp_path / "none")) == 0  # no GPU: none
 
 
 def test_wan_device_command_takes_bench_e2e_recipe(monkeypatch, tmp_path):

@@ -22,7 +22,9 @@ folder per jax version, jaxlib version, backend and device kind (e.g.
 `jax-0.11.2_jaxlib-0.11.2_gpu_NVIDIA-H200/`): JAX's own keys already hash the versions and devices,
 but XLA's per-fusion GPU autotuning cache (a sub-folder, `xla_gpu_per_fusion_autotune_cache_dir/`) is
 not validated by XLA, so results measured on another device kind or XLA version must never be found.
-A cache written by another version or device is thus ignored (and left alone), never an error.
+A cache written by another version or device is thus ignored (and left alone), never an error. A version
+folder's autotuning sub-folder starts with the results the package ships for its name, where it ships some
+(`wan_tpu.runtime.autotune_packs`: measured on that GPU, so a first run there tunes nothing they hold).
 
 Every program is cached, however small or quick to compile (`jax_persistent_cache_min_compile_time_secs
 = 0`, no entry-size floor): a cache hit costs a file read, and the tiny preset's programs, each
@@ -133,6 +135,12 @@ def _version_folder(base: str) -> str:
     every call)."""
     target = os.path.join(base, version_key())
     os.makedirs(target, exist_ok=True)
+    from wan_tpu.runtime import autotune_packs
+
+    try:  # the GPU autotuning results shipped for these versions and this device, if any
+        autotune_packs.seed(target)
+    except (OSError, ValueError) as e:  # an optimisation only: the compiles then tune as without it
+        warnings.warn(f"the shipped autotuning results were not used ({e})", stacklevel=2)
     return target
 
 
