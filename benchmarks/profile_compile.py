@@ -41,7 +41,7 @@ timeline, its critical path: the main thread's last wait before the first result
 ended last within it, when that program was traced, lowered and compiled (in a worker process or here), and
 how long other programs were traced and lowered meanwhile (`critical_path`).
 `--autotune-split` (GPUs) adds a cold run whose cache folder holds only the autotuning results the first cold run
-wrote (XLA's per-fusion autotuning folder, `AUTOTUNE_FOLDER`, which every process of a run reads and writes, compile
+wrote (XLA's per-fusion autotuning folder, `autotune_packs.FOLDER`, which every process of a run reads and writes, compile
 workers included; a results file, `--xla_gpu_dump_autotune_results_to`, would hold one process's): per program,
 the difference of XLA's compile seconds is its autotuning (level 0 instead picks untuned algorithms, which left 3-D
 convolutions too slow for a run to end), and the first result's is what tuning shipped for this GPU would save.
@@ -653,15 +653,15 @@ def cold_start(args) -> None:
         print_timeline("cold, autotuning results loaded", split, args.min_seconds)
 
 
-AUTOTUNE_FOLDER = "xla_gpu_per_fusion_autotune_cache_dir"  # in each version folder (`wan_tpu.runtime.compile_cache`)
-
-
 def seed_autotuning(source: str, target: str) -> int:
     """A fresh cache folder `target` holding only the autotuning results in cache folder `source` (each version
-    folder's `AUTOTUNE_FOLDER`), at the same places → how many result files were copied."""
+    folder's per-fusion folder, `wan_tpu.runtime.autotune_packs.FOLDER`), at the same places → how many result
+    files were copied."""
+    from wan_tpu.runtime.autotune_packs import FOLDER
+
     shutil.rmtree(target, ignore_errors=True)
     copied = 0
-    for folder in glob.glob(os.path.join(source, "*", AUTOTUNE_FOLDER)):
+    for folder in glob.glob(os.path.join(source, "*", FOLDER)):
         shutil.copytree(folder, os.path.join(target, os.path.relpath(folder, source)))
         copied += sum(len(files) for _, _, files in os.walk(folder))
     return copied

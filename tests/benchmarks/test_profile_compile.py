@@ -11,6 +11,8 @@ import jax.numpy as jnp
 import profile_compile
 import pytest
 
+from wan_tpu.runtime.autotune_packs import FOLDER
+
 
 def test_program_options_parse():
     got = profile_compile.program_options(["_sample_loop:xla_gpu_autotune_level=0,xla_dump_to=/d",
@@ -139,7 +141,7 @@ def test_autotune_split_runs_after_the_first_cold_run_with_only_its_autotuning_r
         found = sorted(str(f.relative_to(cache)) for f in cache.rglob("*") if f.is_file()) if cache.exists() else []
         calls.append((cache.name, env.get("XLA_FLAGS", ""), env.get("TF_CPP_VMODULE"), found))
         if cache.name == "cache-0" and not found:  # what a GPU run writes: programs and autotuning results
-            tuning = cache / version / profile_compile.AUTOTUNE_FOLDER
+            tuning = cache / version / FOLDER
             tuning.mkdir(parents=True)
             (tuning / "a1b2.textproto").write_text("results")
             (cache / version / "jit__step-0123").write_bytes(b"program")
@@ -151,7 +153,7 @@ def test_autotune_split_runs_after_the_first_cold_run_with_only_its_autotuning_r
     monkeypatch.delenv("XLA_FLAGS", raising=False)
     profile_compile.main(["matrix-game", "--runs", "2", "--autotune-split", "--pass-times", "--keep", str(tmp_path)])
     assert [c for c, *_ in calls] == ["cache-0", "cache-tuned", "cache-1", "cache-0", "cache-0"]
-    assert calls[1][3] == [f"{version}/{profile_compile.AUTOTUNE_FOLDER}/a1b2.textproto"]
+    assert calls[1][3] == [f"{version}/{FOLDER}/a1b2.textproto"]
     assert all(flags == "" for _, flags, _, _ in calls)
     assert [v for _, _, v, _ in calls] == [profile_compile.PASS_TIMERS["TF_CPP_VMODULE"]] * 3 + [None] * 2
     assert profile_compile.seed_autotuning(str(tmp_path / "cache-1"), str(tmp_path / "none")) == 0  # no GPU: none
