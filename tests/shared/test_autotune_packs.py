@@ -47,7 +47,7 @@ def test_the_shipped_pack_holds_xlas_own_result_files():
         assert data[:1] == b"\n" and device.encode() in data and key.encode() in data, name
 
 
-def test_a_new_version_folder_starts_with_the_pack_of_its_name(tmp_path, monkeypatch):
+def test_a_new_version_folder_starts_with_the_pack_of_its_name(tmp_path, monkeypatch, capsys):
     version = compile_cache.version_key()
     entries = xla_entries(5)
     monkeypatch.setattr(autotune_packs, "PACKS", str(tmp_path / "packs"))
@@ -80,6 +80,10 @@ def test_a_new_version_folder_starts_with_the_pack_of_its_name(tmp_path, monkeyp
     with pytest.warns(UserWarning, match="shipped autotuning results were not used"):
         damaged = compile_cache._version_folder(str(tmp_path / "damaged"))
     assert os.path.isdir(damaged) and not os.path.exists(os.path.join(damaged, autotune_packs.FOLDER))
+    capsys.readouterr()
+    assert autotune_packs.main(["list"]) == 2
+    err = capsys.readouterr().err
+    assert "is not an autotuning pack" in err and len(err.strip().splitlines()) == 1
 
 
 def test_export_merges_runs_and_says_what_is_wrong(tmp_path):

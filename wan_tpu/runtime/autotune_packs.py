@@ -148,7 +148,11 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     if args.what == "list":
         for version in shipped():
-            print(f"{version}: {len(read(pack_path(version))['files'])} results")
+            try:
+                print(f"{version}: {len(read(pack_path(version))['files'])} results")
+            except ValueError as e:
+                print(f"error: {e}; reinstall the package", file=sys.stderr)
+                return 2
         return 0
     missing = [d for d in args.cache_dirs if not os.path.isdir(d)]
     if missing:
