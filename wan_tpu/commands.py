@@ -19,6 +19,7 @@ COMMANDS = {
     "wan-unifolm": "wan_tpu.unifolm.cli",
     "wan-convert-unifolm": "wan_tpu.unifolm.convert",
     "wan-serve": "wan_tpu.serve.cli",
+    "wan-autotune-packs": "wan_tpu.runtime.autotune_cli",
 }
 
 
@@ -72,3 +73,7 @@ def convert_unifolm(argv=None):
 
 def serve(argv=None):
     run("wan-serve", argv)
+
+
+def autotune_packs(argv=None):
+    run("wan-autotune-packs", argv)

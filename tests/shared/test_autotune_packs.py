@@ -11,7 +11,7 @@ import warnings
 
 import pytest
 
-from wan_tpu.runtime import autotune_packs, compile_cache
+from wan_tpu.runtime import autotune_cli, autotune_packs, compile_cache
 
 H200 = "jax-0.11.2_jaxlib-0.11.2_gpu_NVIDIA-H200"
 SHIPPED = os.path.join(autotune_packs.PACKS, H200 + autotune_packs.SUFFIX)
@@ -81,7 +81,7 @@ def test_a_new_version_folder_starts_with_the_pack_of_its_name(tmp_path, monkeyp
         damaged = compile_cache._version_folder(str(tmp_path / "damaged"))
     assert os.path.isdir(damaged) and not os.path.exists(os.path.join(damaged, autotune_packs.FOLDER))
     capsys.readouterr()
-    assert autotune_packs.main(["list"]) == 2
+    assert autotune_cli.main(["list"]) == 2
     err = capsys.readouterr().err
     assert "is not an autotuning pack" in err and len(err.strip().splitlines()) == 1
 
@@ -94,7 +94,7 @@ def test_export_merges_runs_and_says_what_is_wrong(tmp_path):
     out = tmp_path / "packs"
 
     def cli(*argv):
-        return subprocess.run([sys.executable, "-m", "wan_tpu.runtime.autotune_packs", *argv], capture_output=True,
+        return subprocess.run([sys.executable, "-m", "wan_tpu.runtime.autotune_cli", *argv], capture_output=True,
                               text=True, timeout=120)
 
     done = cli("export", a, os.path.join(b, H200), "--out", str(out))  # a cache folder, or one of its version folders

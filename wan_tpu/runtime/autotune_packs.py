@@ -1,7 +1,7 @@
 """GPU autotuning results shipped with the package: a first run on a GPU they were measured on tunes nothing.
 
-    python -m wan_tpu.runtime.autotune_packs export CACHE_DIR [CACHE_DIR ...]   # a pack from runs' cache folders
-    python -m wan_tpu.runtime.autotune_packs list                               # the packs shipped
+    wan-autotune-packs export CACHE_DIR [CACHE_DIR ...]   # a pack from cold runs' cache folders (`autotune_cli`)
+    wan-autotune-packs list                               # the packs shipped
 
 XLA times candidate kernels on the device for every convolution, matrix product and fusion it compiles (its
 autotuning) and keeps each result as a file in the compilation cache's per-fusion folder (`FOLDER`, in the version
@@ -21,24 +21,24 @@ would time itself. `WAN_TPU_AUTOTUNE_PACKS=0` turns the packs off.
 
 Packs are gzip'd JSON ({"version": the version folder name, "files": {path in FOLDER: its bytes in base64}}, XLA's
 files being serialised protos, in a sub-folder per device), written by `export` from the cache folders of cold runs
-made with the same versions on the same GPU; shipped in `wan_tpu/runtime/autotune_packs/`. A code change that
+made with the same versions on the same GPU; shipped in `wan_tpu/runtime/autotune/`. A code change that
 changes a program's instructions leaves their results unused (a miss, never a wrong result) until the pack is made
 again (docs/PERFORMANCE.md says how).
 """
 
 from __future__ import annotations
 
-import argparse
 import base64
 import binascii
 import gzip
 import json
 import os
-import sys
+
+from wan_tpu.runtime import interrupt
 
 FOLDER = "xla_gpu_per_fusion_autotune_cache_dir"
 ENV = "WAN_TPU_AUTOTUNE_PACKS"
-PACKS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "autotune_packs")
+PACKS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "autotune")
 SUFFIX = ".json.gz"
 
 
@@ -65,7 +65,7 @@ def read(path: str) -> dict:
     except (OSError, EOFError, json.JSONDecodeError) as e:
         raise ValueError(f"{path} is not an autotuning pack ({e})") from None
     files = pack.get("files") if isinstance(pack, dict) else None
-    if not isinstance(pack.get("version"), str) or not isinstance(files, dict) or not all(
+    if not isinstance(files, dict) or not isinstance(pack.get("version"), str) or not all(
             isinstance(k, str) and isinstance(v, str) and _safe(k) for k, v in files.items()):
         raise ValueError(f"{path} is not an autotuning pack (a version and a map of relative paths to base64)")
     try:
@@ -107,7 +107,7 @@ def seed(version_folder: str) -> int:
 def export(cache_dirs: list[str], out_dir: str | None = None) -> dict[str, int]:
     """Packs from cache folders (a `WAN_TPU_CACHE_DIR`, or one of its version folders): per version folder
     name, the union of their per-fusion results, merged into the pack of that name in `out_dir` (default: the
-    package's, `PACKS`) → {pack path: files in it}."""
+    package's, `PACKS`) → {pack path: files in it}. Each pack is written whole, then renamed."""
     out_dir = PACKS if out_dir is None else out_dir
     found: dict[str, dict[str, bytes]] = {}
     for cache in cache_dirs:
@@ -132,41 +132,11 @@ def export(cache_dirs: list[str], out_dir: str | None = None) -> dict[str, int]:
             files = {**read(path)["files"], **files}
         encoded = {name: base64.b64encode(data).decode() for name, data in files.items()}
         data = json.dumps({"version": version, "files": encoded}, sort_keys=True, indent=0).encode()
-        with open(path, "wb") as raw, gzip.GzipFile(fileobj=raw, mode="wb", mtime=0) as f:  # same bytes for same files
-            f.write(data)
+        tmp = f"{path}.{os.getpid()}.tmp"
+        with interrupt.temporary(tmp):  # written whole, then renamed: a stopped export leaves the old pack
+            with open(tmp, "wb") as raw, gzip.GzipFile(filename="", fileobj=raw, mode="wb", mtime=0) as f:  # same bytes, same files
+                f.write(data)
+            os.replace(tmp, path)
+        interrupt.record(path)
         written[path] = len(files)
     return written
-
-
-def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m wan_tpu.runtime.autotune_packs", description=__doc__.split("\n\n")[0])
-    sub = p.add_subparsers(dest="what", required=True)
-    e = sub.add_parser("export", help="merge the per-fusion autotuning results of cache folders into packs")
-    e.add_argument("cache_dirs", nargs="+", metavar="CACHE_DIR")
-    e.add_argument("--out", default=None, help="where the packs go (default: the package's, wan_tpu/runtime/autotune_packs)")
-    sub.add_parser("list", help="the packs shipped, with their file counts")
-    args = p.parse_args(argv)
-    if args.what == "list":
-        for version in shipped():
-            try:
-                print(f"{version}: {len(read(pack_path(version))['files'])} results")
-            except ValueError as e:
-                print(f"error: {e}; reinstall the package", file=sys.stderr)
-                return 2
-        return 0
-    missing = [d for d in args.cache_dirs if not os.path.isdir(d)]
-    if missing:
-        print(f"error: {missing[0]} is not a folder; give the WAN_TPU_CACHE_DIR of a cold run", file=sys.stderr)
-        return 2
-    written = export(args.cache_dirs, args.out)
-    if not written:
-        print(f"error: no {FOLDER} in {', '.join(args.cache_dirs)} (only GPU runs write autotuning results)",
-              file=sys.stderr)
-        return 2
-    for path, count in written.items():
-        print(f"wrote {path}: {count} results")
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
