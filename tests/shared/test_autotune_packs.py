@@ -7,7 +7,6 @@ import os
 import re
 import subprocess
 import sys
-import warnings
 
 import pytest
 
@@ -107,7 +106,5 @@ def test_export_merges_runs_and_says_what_is_wrong(tmp_path):
     for argv, says in (((str(tmp_path / "none"),), "is not a folder"), ((str(tmp_path),), "only GPU runs write")):
         bad = cli("export", *argv, "--out", str(out))
         assert bad.returncode == 2 and says in bad.stderr and len(bad.stderr.strip().splitlines()) == 1
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        listed = cli("list")
+    listed = cli("list")
     assert listed.returncode == 0 and f"{H200}: " in listed.stdout
