@@ -101,8 +101,9 @@ def test_a_command_line_starts_the_device_client_before_its_work(monkeypatch):
 def test_programs_run_once_per_stream_compile_without_the_fusion_autotuner():
     """The programs a stream calls once (the VAE's first-frame encode on request, the gray frames' encode, the DiT
     cache's first pass) carry `PER_RUN` in the jitted function itself, so a call without
-    `prepare` compiles the program `prepare` compiles; the per-chunk programs keep XLA's autotuning. On a CPU the
-    option changes nothing: the VAE's encode gives the same bits either way (reference: the encode without it)."""
+    `prepare` compiles the program `prepare` compiles; the per-chunk programs keep XLA's autotuning. Every
+    Matrix-Game-2 program carries `NO_SOFTMAX_REWRITER`. On a CPU the options change nothing: the VAE's encode gives
+    the same bits either way (reference: the encode without them)."""
     import jax
     import jax.numpy as jnp
     import numpy as np
@@ -113,13 +114,15 @@ def test_programs_run_once_per_stream_compile_without_the_fusion_autotuner():
     from wan_tpu.vae.loading import abstract_vae
     from wan_tpu.vae.model import WanVAE
 
-    per_run = tuple(xla_defaults.PER_RUN.items())
-    assert per_run == (("xla_gpu_experimental_enable_fusion_autotuner", False),)
+    assert xla_defaults.PER_RUN == {"xla_gpu_experimental_enable_fusion_autotuner": False}
+    stream = tuple(xla_defaults.NO_SOFTMAX_REWRITER.items())
+    per_run = tuple({**xla_defaults.PER_RUN, **xla_defaults.NO_SOFTMAX_REWRITER}.items())
     options = lambda jitted: jitted._jit_info.compiler_options_kvs  # noqa: E731
     for jitted in (condition.gray_latents, programs.cache_program):
         assert options(jitted) == per_run, jitted
-    for jitted in (programs.chunk_denoise_program, programs.chunk_decode_program):
-        assert options(jitted) == (), jitted
+    for jitted in (programs.chunk_denoise_program, programs.chunk_decode_program, programs.chunk_head_program,
+                   programs.chunk_tail_program):
+        assert options(jitted) == stream, jitted
     vae = random_module(None, 0, abstract=abstract_vae(VAE_PRESETS["tiny"], jnp.float32))
     assert isinstance(vae, WanVAE)
     shape = (1, vae.config.video_channels, 1, 16, 16)
@@ -129,3 +132,21 @@ def test_programs_run_once_per_stream_compile_without_the_fusion_autotuner():
     tuned, untuned = vae.encode_chunk(frame), vae.encode_chunk(frame, per_run=True)
     for a, b in zip(jax.tree.leaves(tuned), jax.tree.leaves(untuned)):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_no_softmax_rewriter_keeps_the_passes_the_user_turned_off(monkeypatch):
+    """A program's `xla_disable_hlo_passes` replaces the flag's list for that program, so the option names the
+    passes of the user's `XLA_FLAGS` too, once each; and XLA reads it: a pass named there does not run (CPU,
+    `fusion`, without which each elementwise op is a kernel of its own)."""
+    import jax
+    import jax.numpy as jnp
+
+    monkeypatch.setenv("XLA_FLAGS", "--xla_force_host_platform_device_count=2 "
+                                    "--xla_disable_hlo_passes=algsimp,triton-softmax-rewriter")
+    assert xla_defaults._without_passes("triton-softmax-rewriter") == {
+        "xla_disable_hlo_passes": "algsimp,triton-softmax-rewriter"}
+    monkeypatch.setenv("XLA_FLAGS", "")
+    assert xla_defaults._without_passes("a", "b") == {"xla_disable_hlo_passes": "a,b"}
+    f = jax.jit(lambda x: jnp.exp(x * 2.0 + 1.0).sum())
+    kernels = lambda options: f.lower(jnp.ones(4)).compile(options).as_text().split("ENTRY")[-1].count(" fusion(")  # noqa: E731
+    assert kernels({}) == 1 and kernels(xla_defaults._without_passes("fusion")) > 1

@@ -20,7 +20,7 @@ import numpy as np
 from flax import nnx
 from jax import lax
 
-from wan_tpu.runtime.xla_defaults import PER_RUN
+from wan_tpu.runtime.xla_defaults import NO_SOFTMAX_REWRITER, PER_RUN
 
 
 class ImageCondition:
@@ -143,7 +143,8 @@ def start_latents(mu, frames: int):
     return jnp.zeros((*mu.shape[:2], frames, *mu.shape[3:]), mu.dtype).at[:, :, :1].set(mu)
 
 
-@functools.partial(jax.jit, static_argnums=(0, 5, 6), donate_argnums=3, compiler_options=PER_RUN)
+@functools.partial(jax.jit, static_argnums=(0, 5, 6), donate_argnums=3,
+                   compiler_options={**PER_RUN, **NO_SOFTMAX_REWRITER})
 def gray_latents(graphdef, state, caches, latents, offset, count, frame_shape):
     """`count` latent frames of gray video (chunks of 4 zero frames, `frame_shape`) after `caches`, written
     into `latents` from frame `offset` → (caches, latents, whether the caches after equal those before,

@@ -33,12 +33,12 @@ import numpy as np
 from flax import nnx
 
 from wan_tpu.matrix_game.condition import ImageCondition
-from wan_tpu.runtime.xla_defaults import PER_RUN
+from wan_tpu.runtime.xla_defaults import NO_SOFTMAX_REWRITER, PER_RUN
 
 MASK_CHANNELS = 4  # the temporal compression: one mask channel per video frame a latent frame stands for
 
 
-@functools.partial(jax.jit, static_argnums=(0, 2, 5, 6), compiler_options=PER_RUN)
+@functools.partial(jax.jit, static_argnums=(0, 2, 5, 6), compiler_options={**PER_RUN, **NO_SOFTMAX_REWRITER})
 def cache_program(dit_graph, dit_state, vae_graph, vae_state, visual_context, latent_size, frames_per_chunk):
     """A stream's empty caches: the DiT's (`init_cache`, its cross-attention keys from `visual_context`) and
     the VAE decode's (`start_decode_caches`: zeros; only their shapes are read of the VAE's state)."""
@@ -105,7 +105,8 @@ def _decode(vae_graph, vae_state, x0, vae_caches, start):
     return frames.transpose(0, 2, 3, 4, 1), vae_caches
 
 
-_CHUNK_JIT = dict(static_argnums=(0, 2), static_argnames=("schedule", "frames_per_chunk"), donate_argnums=(4, 5))
+_CHUNK_JIT = dict(static_argnums=(0, 2), static_argnames=("schedule", "frames_per_chunk"), donate_argnums=(4, 5),
+                  compiler_options=NO_SOFTMAX_REWRITER)
 
 
 def denoise_args(args: tuple) -> tuple:
@@ -118,7 +119,8 @@ def decode_args(args: tuple, x0) -> tuple:
     return (*args[2:4], args[5], x0, args[-3])
 
 
-@functools.partial(jax.jit, static_argnums=(0,), static_argnames=("schedule", "frames_per_chunk"), donate_argnums=(2,))
+@functools.partial(jax.jit, static_argnums=(0,), static_argnames=("schedule", "frames_per_chunk"), donate_argnums=(2,),
+                   compiler_options=NO_SOFTMAX_REWRITER)
 def chunk_denoise_program(dit_graph, dit_state, cache, latents, keyboard, mouse, chunk_index, key, repeat, *, schedule,
                           frames_per_chunk):
     """One chunk's DiT part: noise, condition, the denoising (`denoise_chunk`) → (clean latents x0, the DiT
@@ -132,7 +134,7 @@ def chunk_denoise_program(dit_graph, dit_state, cache, latents, keyboard, mouse,
                              schedule=schedule)
 
 
-@functools.partial(jax.jit, static_argnums=(0,), donate_argnums=(2,))
+@functools.partial(jax.jit, static_argnums=(0,), donate_argnums=(2,), compiler_options=NO_SOFTMAX_REWRITER)
 def chunk_decode_program(vae_graph, vae_state, vae_caches, x0, chunk_index):
     """One chunk's VAE part: the streaming decode of `chunk_denoise_program`'s x0 and uint8 frames (the
     authors' `((x + 1) · 127.5).clip(0, 255)`, truncated) → (frames (1, 4·C, H, W, 3), the VAE caches). The

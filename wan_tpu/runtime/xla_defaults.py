@@ -48,6 +48,25 @@ CPU_XLA_DEFAULTS = {"xla_backend_optimization_level": "1"}  # a process without 
 PER_RUN = {"xla_gpu_experimental_enable_fusion_autotuner": False}
 
 
+def _without_passes(*names: str) -> dict:
+    """XLA options that turn off the HLO passes `names` besides those the user's `XLA_FLAGS` turn off (a program's
+    option replaces the flag's list, which would otherwise come back on for it)."""
+    flags = os.environ.get("XLA_FLAGS", "").split()
+    users = [flag.split("=", 1)[1] for flag in flags if flag.lstrip("-").startswith("xla_disable_hlo_passes=")]
+    passes = [p for value in users for p in value.split(",") if p] + list(names)
+    return {"xla_disable_hlo_passes": ",".join(dict.fromkeys(passes))}
+
+
+# XLA options of Matrix-Game-2's programs: no Triton softmax rewriter, which turns normalisations and softmaxes into
+# Triton fusions whose tiling and emitting were most of their compiles, for no faster a chunk. Matrix-Game-2 universal
+# on an H200 (jax 0.11.2, with the shipped tuning, cold, in turns, 2026-11-29, `benchmarks/profile_compile.py
+# matrix-game --device`): first chunk 13.82 / 14.35 vs 17.12 / 17.42 s; the decode's compile 4.6 vs 9.2 s, the
+# first frame's encode 0.9 vs 2.9 s, XLA compile 18.1 vs 26.9 s in all; each later chunk 0.28-0.29 s either way.
+# UnifoLM-WMA's sampling, the same day, ran 2.64 s without it against 2.23 s with it, so only these programs take
+# it. A CPU or TPU compile has no such pass and ignores the option.
+NO_SOFTMAX_REWRITER = _without_passes("triton-softmax-rewriter")
+
+
 def _platforms() -> list[str]:
     return [p.strip().lower() for p in os.environ.get("JAX_PLATFORMS", "").split(",") if p.strip()]
 

@@ -31,7 +31,7 @@ from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
 from wan_tpu.configs.vae import WanVAEConfig
 from wan_tpu.errors import WanInputError
-from wan_tpu.runtime.xla_defaults import PER_RUN
+from wan_tpu.runtime.xla_defaults import NO_SOFTMAX_REWRITER, PER_RUN
 from wan_tpu.vae.blocks import CausalConv3d, ChunkState, Decoder3d, Encoder3d, RingCache
 
 
@@ -131,8 +131,9 @@ class WanVAE(nnx.Module):
         (B, z_dim, 1, h, w), the caches for the next call). `caches=None` starts a video with its first
         frame alone (B, C, 1, H, W); every later call takes 4 frames. The latents of the calls
         concatenated equal `encode` of the whole video (the same chunk function). Pure: a caller's jitted
-        program can include it. `per_run`: a program compiled with `xla_defaults.PER_RUN`, for a top-level call made
-        once per stream (Matrix-Game-2's image; JAX refuses compiler options on a jit nested in another)."""
+        program can include it. `per_run`: a program compiled with `xla_defaults.PER_RUN` and `NO_SOFTMAX_REWRITER`, for
+        a top-level call made once per stream (Matrix-Game-2's image; JAX refuses compiler options on a jit nested in
+        another)."""
         video = jnp.asarray(video)
         want = 1 if caches is None else 4
         if video.ndim != 5 or video.shape[1] != self.config.video_channels or video.shape[2] != want:
@@ -456,7 +457,8 @@ def _encode_chunk(graphdef, state, video, caches, wmesh):
 
 
 # Both programs keep the function's name (`jit(_encode_chunk)` in traces and timelines).
-_encode_chunk_per_run = jax.jit(_encode_chunk, static_argnums=(0, 4), donate_argnums=(3,), compiler_options=PER_RUN)
+_encode_chunk_per_run = jax.jit(_encode_chunk, static_argnums=(0, 4), donate_argnums=(3,),
+                                compiler_options={**PER_RUN, **NO_SOFTMAX_REWRITER})
 _encode_chunk = jax.jit(_encode_chunk, static_argnums=(0, 4), donate_argnums=(3,))
 
 
