@@ -68,6 +68,16 @@ def test_a_new_version_folder_starts_with_the_pack_of_its_name(tmp_path, monkeyp
     assert got == {**entries, first: kept}  # the other version's pack is not used
     assert autotune_packs.seed(target) == 0  # all there: nothing written twice
 
+    # A write that fails (a full disk): a warning, and no half-written file left among the results.
+    def full(*args):
+        raise OSError(28, "No space left on device")
+
+    with monkeypatch.context() as m:
+        m.setattr(autotune_packs.os, "replace", full)
+        with pytest.warns(UserWarning, match="No space left on device"):
+            partial = compile_cache._version_folder(str(tmp_path / "full"))
+    assert [n for _, _, names in os.walk(partial) for n in names] == []
+
     monkeypatch.setenv(autotune_packs.ENV, "0")
     off = compile_cache._version_folder(str(tmp_path / "off"))
     assert not os.path.exists(os.path.join(off, autotune_packs.FOLDER))

@@ -97,9 +97,14 @@ def seed(version_folder: str) -> int:
             continue
         os.makedirs(os.path.dirname(out), exist_ok=True)
         tmp = f"{out}.{os.getpid()}.tmp"
-        with open(tmp, "wb") as f:
-            f.write(data)
-        os.replace(tmp, out)
+        try:
+            with interrupt.temporary(tmp), open(tmp, "wb") as f:
+                f.write(data)
+            os.replace(tmp, out)
+        except BaseException:  # a full disk or a stop: no half-written file left in the cache folder
+            if os.path.exists(tmp):
+                os.remove(tmp)
+            raise
         written += 1
     return written
 
