@@ -16,7 +16,7 @@ Variants (`base` and `split:K` ship, the others were measured and left out: docs
   * `scan`: a ResBlock's four temporal convolutions (GroupNorm, SiLU, conv) in a `lax.scan` over their
     stacked weights (one copy of them to compile);
   * `split:K`: one step as K programs (`sample(..., programs=K)`, `--sampling-programs K` of the command
-    lines: the UNet's blocks cut into K runs of about equal layer counts; the first also takes the step's
+    lines: the UNet's blocks cut into K runs whose largest is the least it can be (`cut_units`); the first also takes the step's
     inputs, the last also runs the heads and the DDIM update), compiled side by side as `prepare` compiles them
     (`executable_cache.ahead`) and run as a command runs them (the programs found once, then called at every
     step); XLA compiles one module per thread, so the table gives the largest program's XLA seconds, then the

@@ -163,6 +163,33 @@ def test_sampling_as_several_programs_meets_the_authors(tiny, monkeypatch):
         sampling.cut_units(tiny.diffusion_model, unit_count(tiny.config.unet) + 1)
 
 
+def test_the_step_is_cut_in_pieces_whose_largest_is_the_least_it_can_be():
+    """`cut_units(unet, K)`: exactly K runs of consecutive units, all of them in order, whose largest weight
+    (`unit_layers`, the end's `end_layers` in the last run) no other cut betters (every cut tried); the heads
+    weigh as the layers their compile takes, none without heads."""
+    import itertools
+
+    from wan_tpu.configs.unifolm import TINY_BASE
+    from wan_tpu.unifolm import sampling
+    from wan_tpu.unifolm.model import abstract_unifolm
+    from wan_tpu.unifolm.presets import preset_config
+
+    unet = abstract_unifolm(preset_config("unifolm-tiny"), jnp.float32).diffusion_model
+    units, weights, end = unet.units(), sampling.unit_layers(unet), sampling.end_layers(unet)
+    assert end == 8 and sampling.end_layers(abstract_unifolm(TINY_BASE, jnp.float32).diffusion_model) == 1
+
+    def largest(bounds):
+        spans = zip((0, *bounds), (*bounds, len(units)))
+        return max(sum(weights[a:b]) + (end if b == len(units) else 0) for a, b in spans)
+
+    for k in (1, 2, 3, 4, len(units)):
+        runs = sampling.cut_units(unet, k)
+        assert len(runs) == k and all(runs) and [u for run in runs for u in run] == units
+        bounds = tuple(itertools.accumulate(len(run) for run in runs[:-1]))
+        best = min(largest(b) for b in itertools.combinations(range(1, len(units)), k - 1))
+        assert largest(bounds) == best, (k, runs)
+
+
 @pytest.mark.slow
 def test_bfloat16_sampling_error_is_measured(folder):
     """bf16 weights and activations (norms, softmax and the sampler's arithmetic in float32) against

@@ -9,8 +9,8 @@ folder of `wan_tpu.runtime.compile_cache`), where a later compile of the same in
 pays all of that tuning. On an H200 (jax 0.11.2, 2026-11-29, `benchmarks/profile_compile.py`, cold = an empty cache
 folder) with the pack shipped here, cold over warm: Wan 2.1 1.3B 480p 50 steps 4.15 and 5.68 s (6.0–10.5 without),
 14B 720p 4 steps with a LoRA 3.81 s (7.5–12.6 without); Matrix-Game-2's first chunk 11.97–13.44 s cold (16.0–25.0
-without); UnifoLM-WMA's first sampling 29.81–37.81 s (33.5–44.0 without: its pieces' compiles, not their tuning,
-are what it waits for). With the pack none of them prints XLA's rematerialisation warnings, which the convolution
+without); UnifoLM-WMA's first sampling 33.41–34.91 s (45.39 without: its pieces' compiles, not their tuning, are
+what it waits for). With the pack none of them prints XLA's rematerialisation warnings, which the convolution
 autotuner's candidates cause. A pack is those files, gathered from the cold runs of the commands people run first, one
 per version folder name (jax, jaxlib, device kind): when the compilation cache makes a version folder, the pack of
 that name, if shipped, fills its per-fusion folder with the files it lacks (never replacing one). Like vLLM's kernel

@@ -189,25 +189,59 @@ def _sample_loop(graphdef, state, cond, uncond, tables, key, noise, guidance_sca
 
 
 def cut_units(unet, programs: int) -> tuple[tuple[tuple[str, int], ...], ...]:
-    """`unet.units()` in `programs` consecutive runs of about equal layer counts (the output convolution and
-    the two heads counted as `END_LAYERS`, in the last run): the pieces of a step run as several programs."""
-    if programs < 1 or programs > len(unet.units()):
-        raise WanInputError(f"sampling programs must be 1 to {len(unet.units())} (the UNet's blocks), got {programs}")
-    size = {"in": lambda i: len(unet.input_blocks[i]) + (i == 0), "mid": lambda i: len(unet.middle_block),
-            "out": lambda i: len(unet.output_blocks[i])}
+    """`unet.units()` in `programs` consecutive runs whose largest layer count is the least it can be (the
+    output convolution and the heads counted as `end_layers`, in the last run): the pieces of a step run as
+    several programs, which compile side by side, so the largest one's compile is what a cold start waits for."""
     units = unet.units()
-    weights = [size[kind](i) for kind, i in units]
-    total, runs, run, done = sum(weights) + END_LAYERS, [], [], 0
-    for unit, weight in zip(units, weights):
-        if run and len(runs) < programs - 1 and done + weight / 2 > total * (len(runs) + 1) / programs:
-            runs.append(tuple(run))
-            run = []
-        run.append(unit)
-        done += weight
-    return tuple(runs) + (tuple(run),)
+    if programs < 1 or programs > len(units):
+        raise WanInputError(f"sampling programs must be 1 to {len(units)} (the UNet's blocks), got {programs}")
+    weights = unit_layers(unet)
+    edges = [0]
+    for weight in weights:
+        edges.append(edges[-1] + weight)
+    end = end_layers(unet)
+    # most[k][i]: the least largest run weight of units[:i] in k runs; cut[k][i]: where its last run begins.
+    n, inf = len(units), float("inf")
+    most = [[inf] * (n + 1) for _ in range(programs)]
+    cut = [[0] * (n + 1) for _ in range(programs)]
+    most[0] = [float(edges[i]) for i in range(n + 1)]
+    for k in range(1, programs):
+        for i in range(k + 1, n + 1):
+            for j in range(k, i):
+                largest = max(most[k - 1][j], edges[i] - edges[j] + (end if i == n else 0))
+                if largest < most[k][i]:
+                    most[k][i], cut[k][i] = largest, j
+    runs, i = [], n
+    for k in range(programs - 1, 0, -1):
+        runs.append(tuple(units[cut[k][i]:i]))
+        i = cut[k][i]
+    return (tuple(units[:i]),) + tuple(reversed(runs))
 
 
-END_LAYERS = 4  # `cut_units`' weight of the output convolution and the heads, in layers
+def unit_layers(unet) -> list[int]:
+    """`cut_units`' weight of each of `unet.units()`: its layers (ResBlocks, spatial and temporal transformers;
+    the first unit's input convolution one more), a resampling convolution none (one operation beside a
+    layer's hundreds)."""
+    from wan_tpu.unifolm.blocks import Downsample, Upsample
+
+    blocks = {"in": unet.input_blocks, "out": unet.output_blocks}
+    return [sum(not isinstance(layer, (Downsample, Upsample)) for layer in
+                (unet.middle_block if kind == "mid" else blocks[kind][i])) + (kind == "in" and i == 0)
+            for kind, i in unet.units()]
+
+
+def end_layers(unet) -> int:
+    """`cut_units`' weight of the step's end (the output convolution and the heads) in UNet layers (a ResBlock,
+    a spatial or a temporal transformer): a head's 1-D residual block compiles in about a fifth of a layer's
+    time. UnifoLM-WMA-0 on an H200 (the pieces' compiles in worker processes, `profile_compile.py unifolm
+    --device`): 0.8 s a layer, its heads' 36 blocks 6.7 s; by operation count (4,412 in the heads, 260–290
+    a layer) they were 19 layers, and the pieces cut so compiled in 8.6–9.8 s with the heads, 13.3–18.3 s
+    without."""
+    from wan_tpu.unifolm.heads import ConditionalResidualBlock1D
+
+    heads = [h for h in (unet.action_unet, unet.state_unet) if h is not None]
+    blocks = sum(isinstance(m, ConditionalResidualBlock1D) for h in heads for _, m in nnx.iter_graph(h))
+    return 1 + round(blocks / 5)
 
 
 def _run_units(unet, units, carry):
