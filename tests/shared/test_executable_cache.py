@@ -273,6 +273,8 @@ def test_cached_program_finds_its_program_once_and_runs_it_for_new_values(cache,
         zeros = executable_cache.cached_program("scaled", "key", _scaled, (x,), dict(scale=2.0),
                                                 static_argnames=("scale",))(x, scale=2.0)
     np.testing.assert_array_equal(zeros, np.zeros(4))
+    # A view of one zero: a stage's outputs (activations of gigabytes) take no host memory ahead.
+    assert zeros.strides == (0,) and zeros.base is not None and zeros.base.size == 1
     with pytest.warns(UserWarning, match="stored program scaled does not take these arguments"):
         np.testing.assert_array_equal(run(jnp.arange(3.0), scale=2.0), np.arange(3.0) * 2 + 1)
     with warnings.catch_warnings():
