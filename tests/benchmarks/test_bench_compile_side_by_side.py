@@ -1,6 +1,6 @@
-"""`benchmarks/bench_compile_side_by_side.py` on the CPU: each case in a fresh process, the decode program
-compiled alone and two copies of other widths side by side, in threads and sent to two compile worker processes,
-a row per case with each program's seconds."""
+"""`benchmarks/bench_compile_side_by_side.py` on the CPU: each case in a fresh process, two copies of the decode
+program of other widths side by side, in threads and sent to two compile worker processes, a row per case with
+each program's seconds."""
 
 import re
 
@@ -9,11 +9,13 @@ import pytest
 
 
 def test_cases_compile_and_make_a_row_each(capsys):
-    assert bench_compile_side_by_side.main(["--vae", "tiny", "--height", "8", "--width", "12", "--copies", "1,2",
+    # Two copies, without and with workers: each case is a fresh process (and two more with workers), about 14 s
+    # on a 2-core CPU, so the one-copy cases, the same code with a count of 1, are left to the device's runs.
+    assert bench_compile_side_by_side.main(["--vae", "tiny", "--height", "8", "--width", "12", "--copies", "2",
                                             "--workers", "0,2"]) == 0
     out = capsys.readouterr().out
     rows = re.findall(r"^\| (\d) \| (\d) \| ([\d.]+) \| ([\d. /]+) \| ([^|]+) \| ([^|]+) \|$", out, re.M)
-    assert [r[:2] for r in rows] == [("1", "0"), ("2", "0"), ("1", "2"), ("2", "2")], out
+    assert [r[:2] for r in rows] == [("2", "0"), ("2", "2")], out
     for n, workers, wall, each, busy, pool in rows:
         seconds = [float(s) for s in each.split(" / ")]
         assert len(seconds) == int(n) and all(0 < s <= float(wall) + 0.01 for s in seconds)
