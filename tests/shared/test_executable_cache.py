@@ -308,6 +308,17 @@ def test_an_abstract_module_is_read_back_with_its_structure_and_shapes(cache, mo
     assert len(built) == 2 and shapes(rebuilt) == shapes(first)
     executable_cache.cached_abstract("seq", None, build)  # no key: built, nothing stored
     assert len(built) == 3 and len(_entries(cache)) == 1
+    # `split`: the entry's (graphdef, state) as `nnx.split` gives them, each caller's state its own to fill.
+    monkeypatch.setattr(executable_cache, "_ABSTRACTS", {})
+    for _ in range(2):  # from disk, then from this process's copy
+        graphdef, state = executable_cache.cached_abstract("seq", ("seq", 3, 4), build, split=True)
+        assert graphdef == nnx.graphdef(first) and shapes(nnx.merge(graphdef, state)) == shapes(first)
+        flat = nnx.to_flat_state(state)
+        flat[0][1].set_value(np.zeros((3, 4), np.float32))
+    assert len(built) == 3 and isinstance(nnx.to_flat_state(state)[0][1].get_value(), np.ndarray)
+    assert shapes(executable_cache.cached_abstract("seq", ("seq", 3, 4), build)) == shapes(first)
+    again = nnx.to_flat_state(executable_cache.cached_abstract("seq", ("seq", 3, 4), build, split=True)[1])
+    assert isinstance(again[0][1].get_value(), jax.ShapeDtypeStruct)  # untouched by the callers before
 
 
 _SERVED = """import sys

@@ -34,7 +34,7 @@ from wan_tpu.loading.checkpoint import TensorSource
 from wan_tpu.loading.params import TRANSPOSE, Layout, StoredParam, load_params
 from wan_tpu.loading.wan_names import diffusers_name, diffusers_to_original_wan, original_wan_to_diffusers
 from wan_tpu.matrix_game.cache import MatrixGameCache
-from wan_tpu.matrix_game.model import MatrixGameTransformer
+from wan_tpu.matrix_game.model import MatrixGameTransformer, block_runs
 
 PREFIX = "model."
 # Our action-module submodules → the authors' (`nn.Sequential` indices).
@@ -132,10 +132,10 @@ def load_matrix_game_transformer(path: str, variant=None, dtype=jnp.float32, mes
     sharded and the model's hooks are set for it (`shard_matrix_game`)."""
     cfg = transformer_config(path, variant)
     tensors = TensorSource(_checkpoint_files(path))
-    abstract = abstract_transformer(cfg, dtype, attention_impl)
-    graphdef, state = nnx.split(abstract)
+    graphdef, state = abstract_transformer(cfg, dtype, attention_impl, split=True)
     flat = nnx.to_flat_state(state)
-    params = [_Param(tuple(key), var.get_value().shape, cfg, abstract.block_runs) for key, var in flat]
+    runs = block_runs(cfg)
+    params = [_Param(tuple(key), var.get_value().shape, cfg, runs) for key, var in flat]
     # Checkpoint names in diffusers form (the `model.` prefix of the authors' wrapper dropped).
     names = {original_wan_to_diffusers(n[len(PREFIX):] if n.startswith(PREFIX) else n): n for n in tensors}
     _check(params, tensors, names, path)
@@ -152,7 +152,7 @@ def load_matrix_game_transformer(path: str, variant=None, dtype=jnp.float32, mes
     return model if mesh is None else shard_matrix_game(model, mesh)
 
 
-def abstract_transformer(cfg: MatrixGameTransformerConfig, dtype=jnp.float32, attention_impl=None) -> MatrixGameTransformer:
+def abstract_transformer(cfg: MatrixGameTransformerConfig, dtype=jnp.float32, attention_impl=None, *, split: bool = False):
     """The DiT `load_matrix_game_transformer` fills (without a mesh), without weights (`nnx.eval_shape`):
     its graphdef is the loaded one's, so programs compiled for it serve the loaded model. Read back from the
     executable cache (`cached_abstract`) after the first build: building it took 0.4–0.5 s of a warm start's
@@ -162,7 +162,7 @@ def abstract_transformer(cfg: MatrixGameTransformerConfig, dtype=jnp.float32, at
     with stacking.shapes_only():
         return executable_cache.cached_abstract(
             "matrix-game-dit", (cfg, jnp.dtype(dtype).name, attention_impl),
-            lambda: MatrixGameTransformer(cfg, dtype=dtype, rngs=nnx.Rngs(0), attention_impl=attention_impl))
+            lambda: MatrixGameTransformer(cfg, dtype=dtype, rngs=nnx.Rngs(0), attention_impl=attention_impl), split=split)
 
 
 def shard_matrix_game(model: MatrixGameTransformer, mesh, **attention_kwargs) -> MatrixGameTransformer:

@@ -294,14 +294,18 @@ _ABSTRACTS_LOCK = threading.Lock()
 _ABSTRACTS: dict = {}  # (name, key text) → [a lock, (graphdef, pickled state) once built]
 
 
-def cached_abstract(name: str, key, build):
+def cached_abstract(name: str, key, build, *, split: bool = False):
     """`nnx.eval_shape(build)`, the module without weights (its structure and each parameter's shape,
     dtype and metadata), read back from this cache when a process with the same code and `key` (what
     `build` depends on: config, dtype, settings) built it before. Building one traces every layer's
     constructor: 1.6 s for UnifoLM's UNet on a 2-core CPU, 0.2 s to read back. Without a key or with
     the cache off: built. Once per process and key: a second caller meanwhile (a loader's thread and
     `prepare`'s compile thread both need UnifoLM's) waits for the first instead of building it again
-    beside it, and gets its own copy."""
+    beside it, and gets its own copy.
+
+    `split`: its `nnx.split` (graphdef, state) instead, what the entry holds, for a loader that fills the
+    state: splitting UnifoLM's UNet again took 0.25–0.34 s of the interpreter on a 2-core CPU (merging 0.04),
+    twice per warm load, beside the other components' loads."""
     from flax import nnx
 
     from wan_tpu.layers.conv import default_out_first
@@ -310,44 +314,47 @@ def cached_abstract(name: str, key, build):
     key = None if key is None else (key, "out-first" if default_out_first() else "spatial-first")
     text = None if key is None else repr(key)
     if text is None or " at 0x" in text:
-        return _cached_abstract(name, key, build)
-    with _ABSTRACTS_LOCK:
-        entry = _ABSTRACTS.setdefault((name, text), [threading.Lock(), None])
-    with entry[0]:
-        if entry[1] is None:
-            module = _cached_abstract(name, key, build)
-            graphdef, state = nnx.split(module)
-            try:
-                entry[1] = graphdef, pickle.dumps(state, protocol=pickle.HIGHEST_PROTOCOL)
-            except (pickle.PicklingError, TypeError, AttributeError):
-                pass
-            return module
-    # The first one's graphdef itself: equal graphdefs (the same hook objects in them) are the same static
-    # argument to `jax.jit`, so a program compiled for one module serves the other.
-    return nnx.merge(entry[1][0], pickle.loads(entry[1][1]))
+        graphdef, state = _cached_abstract(name, key, build)
+    else:
+        with _ABSTRACTS_LOCK:
+            entry = _ABSTRACTS.setdefault((name, text), [threading.Lock(), None])
+        with entry[0]:
+            if entry[1] is None:
+                graphdef, state = _cached_abstract(name, key, build)
+                try:
+                    entry[1] = graphdef, pickle.dumps(state, protocol=pickle.HIGHEST_PROTOCOL)
+                except (pickle.PicklingError, TypeError, AttributeError):
+                    pass
+            else:
+                # The first one's graphdef itself: equal graphdefs (the same hook objects in them) are the same
+                # static argument to `jax.jit`, so a program compiled for one module serves the other.
+                graphdef, state = entry[1][0], pickle.loads(entry[1][1])
+    return (graphdef, state) if split else nnx.merge(graphdef, state)
 
 
 def _cached_abstract(name: str, key, build):
+    """`cached_abstract`'s (graphdef, state), read from disk or built (and written)."""
     from flax import nnx
 
     path = _path(f"abstract-{name}", key)
     if path is not None and os.path.isfile(path):
         try:
             with span("abstract load", name), open(path, "rb") as f:
-                return nnx.merge(*pickle.load(f))
+                graphdef, state = pickle.load(f)
+            return graphdef, state
         except Exception as e:  # noqa: BLE001 - an unreadable entry is a miss, repaired below
             _remove(path)
             warnings.warn(f"executable cache: dropped an unreadable entry for {name} ({type(e).__name__}); it is "
                           "built again", stacklevel=2)
     with span("abstract build", name):
-        module = nnx.eval_shape(build)
+        graphdef, state = nnx.split(nnx.eval_shape(build))
     if path is not None:
         try:
-            data = pickle.dumps(nnx.split(module), protocol=pickle.HIGHEST_PROTOCOL)
+            data = pickle.dumps((graphdef, state), protocol=pickle.HIGHEST_PROTOCOL)
         except (pickle.PicklingError, TypeError, AttributeError):
-            return module  # something in it does not pickle: built every time
+            return graphdef, state  # something in it does not pickle: built every time
         _write(name, path, data)
-    return module
+    return graphdef, state
 
 
 def cached_arrays(name: str, key, make) -> list:

@@ -2,7 +2,7 @@
 
 `wan-convert-unifolm` (`wan_tpu/unifolm/convert.py`) writes UnifoLM's first stage in this format (the LDM names
 renamed with `ldm_to_diffusers_name`), so one loader serves both. Every parameter is read from exactly
-one checkpoint tensor, streamed (memory-mapped, converted, placed) and checked: a missing, unexpected
+one checkpoint tensor, streamed (memory-mapped, converted, placed: `wan_tpu.loading.params`) and checked: a missing, unexpected
 or wrongly shaped tensor is a `WanInputError` naming it. Names are diffusers' with the one-module list
 indices dropped (`downsamplers.0.` → `downsampler.`, `upsamplers.0.` → `upsampler.`,
 `attentions.0.` → `attention.`, `to_out.0.` → `to_out.`) and `kernel` for `weight`. Layouts: conv
@@ -23,6 +23,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from wan_tpu.configs.autoencoder_kl import config_from_json
 from wan_tpu.errors import WanInputError
 from wan_tpu.loading.checkpoint import open_checkpoint
+from wan_tpu.loading.params import Layout, StoredParam, load_params
 from wan_tpu.unifolm.autoencoder_kl import AutoencoderKL
 from wan_tpu.unifolm.model import KeyCounter  # nnx.Rngs' traced counter makes eval_shape quadratic
 
@@ -42,12 +43,13 @@ def diffusers_name(path: tuple) -> str:
     return name[: -len("kernel")] + "weight" if name.endswith("kernel") else name
 
 
-def _to_ours(array: np.ndarray, shape: tuple) -> np.ndarray:
+def _layout(stored: tuple, shape: tuple) -> Layout:
+    """Stored (diffusers) layout → ours for a parameter of our `shape` stored as `stored`."""
     if len(shape) == 4:
-        return array.transpose(2, 3, 1, 0)
+        return Layout(perm=(2, 3, 1, 0))
     if len(shape) == 2:
-        return array.reshape(array.shape[:2]).T
-    return array
+        return Layout(reshape=tuple(stored[:2]), perm=(1, 0))
+    return Layout()
 
 
 def _checkpoint_shapes(shape: tuple) -> list[tuple]:
@@ -58,25 +60,24 @@ def _checkpoint_shapes(shape: tuple) -> list[tuple]:
     return [shape]
 
 
-def abstract_autoencoder_kl(config, dtype=jnp.float32) -> AutoencoderKL:
+def abstract_autoencoder_kl(config, dtype=jnp.float32, *, split: bool = False):
     """The VAE `load_autoencoder_kl` fills, without weights (`nnx.eval_shape`), read back from the executable
     cache after the first build (`cached_abstract`; a warm start built it beside the weights' loads: 0.7 s of
     the interpreter's time) and shared with the pipeline's `prepare`, which compiles for it."""
     from wan_tpu.runtime import executable_cache
 
     return executable_cache.cached_abstract("autoencoder-kl", (config, jnp.dtype(dtype).name),
-                                            lambda: AutoencoderKL(config, dtype=dtype, rngs=KeyCounter(0)))
+                                            lambda: AutoencoderKL(config, dtype=dtype, rngs=KeyCounter(0)), split=split)
 
 
 def load_autoencoder_kl(path: str, dtype=jnp.float32, mesh=None) -> AutoencoderKL:
     """Load a diffusers `AutoencoderKL` folder; with a mesh, weights are replicated on all its devices."""
     config_dict, tensors = open_checkpoint(path, "VAE")
     config = config_from_json(config_dict)
-    abstract = abstract_autoencoder_kl(config, dtype)
-    graphdef, state = nnx.split(abstract)
+    graphdef, state = abstract_autoencoder_kl(config, dtype, split=True)
     sharding = None if mesh is None else NamedSharding(mesh, PartitionSpec())
     flat = nnx.to_flat_state(state)
-    used = set()
+    used, stored = set(), []
     for key, var in flat:
         name = diffusers_name(key)
         shape = tuple(var.shape)
@@ -87,13 +88,18 @@ def load_autoencoder_kl(path: str, dtype=jnp.float32, mesh=None) -> AutoencoderK
             raise WanInputError(
                 f"{path}: tensor {name!r} has shape {tuple(tensors.shape(name))}, expected {expected[0]} for this config.json"
             )
-        value = jnp.asarray(np.ascontiguousarray(_to_ours(np.asarray(tensors[name]), shape)), dtype=var.dtype)
-        var.set_value(value if sharding is None else jax.device_put(value, sharding))
+        stored.append(StoredParam(tensors, [name], _layout(tuple(tensors.shape(name)), shape), np.dtype(var.dtype)))
         used.add(name)
     extra = sorted(set(tensors) - used)
     if extra:
         raise WanInputError(f"{path}: unexpected tensor {extra[0]!r} ({len(extra)} unexpected in all); "
                             "the weights do not match config.json")
+    # The shared placement path (`wan_tpu.loading.params`): read in threads from the memory map, large kernels
+    # laid out on the device. Converted one by one in this thread, its host transposes and puts held the
+    # interpreter for 3.1 s of a warm UnifoLM start beside the UNet's load (H200 host, a sampling profile).
+    place = None if sharding is None else (lambda i, host: jax.device_put(host, sharding))
+    for (_, var), value in zip(flat, load_params(stored, place)):
+        var.set_value(value)
     return nnx.merge(graphdef, nnx.from_flat_state(flat))
 
 

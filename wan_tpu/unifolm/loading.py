@@ -149,9 +149,8 @@ def load_unifolm(path: str, dtype=jnp.float32, mesh=None, attention_impl=None) -
     sources = {c: open_component(path, c) for c in ("unet", "conditioning")}
     # Sharded, the convolutions keep (*k, in, out), the layout the sharding rules name.
     with kernel_layout(False) if mesh is not None else contextlib.nullcontext():
-        abstract = abstract_unifolm(cfg, dtype, attention_impl)
-    out_first = out_first_kernels(abstract)
-    graphdef, state = nnx.split(abstract)
+        graphdef, state = abstract_unifolm(cfg, dtype, attention_impl, split=True)
+    out_first = out_first_kernels(nnx.merge(graphdef, state))
     flat = nnx.to_flat_state(state)
 
     plan, missing, misshaped = [], [], []

@@ -57,14 +57,15 @@ class KeyCounter:
         return jax.random.fold_in(jax.random.key(self.seed), next(self._count))
 
 
-def abstract_unifolm(config: UnifolmConfig, dtype=jnp.float32, attention_impl=None) -> "UnifolmWMA":
+def abstract_unifolm(config: UnifolmConfig, dtype=jnp.float32, attention_impl=None, *, split: bool = False):
     """The model with `ShapeDtypeStruct` leaves (no memory): for loaders, sharding plans, `jax.export`.
-    Read back from the executable cache when built before with the same config and settings."""
+    Read back from the executable cache when built before with the same config and settings. `split`: its
+    (graphdef, state) instead (`executable_cache.cached_abstract`)."""
     from wan_tpu.runtime import executable_cache
 
     return executable_cache.cached_abstract(
         "unifolm", (config, jnp.dtype(dtype).name, attention_impl),
-        lambda: UnifolmWMA(config, dtype=dtype, rngs=KeyCounter(0), attention_impl=attention_impl))
+        lambda: UnifolmWMA(config, dtype=dtype, rngs=KeyCounter(0), attention_impl=attention_impl), split=split)
 
 
 def random_unifolm(config: UnifolmConfig, dtype=jnp.float32, seed: int = 0, attention_impl=None) -> "UnifolmWMA":

@@ -220,14 +220,14 @@ def vae_config(path: str) -> WanVAEConfig:
     return config_from_json(read_config(path, "VAE"))
 
 
-def abstract_vae(config: WanVAEConfig, dtype=jnp.float32) -> WanVAE:
+def abstract_vae(config: WanVAEConfig, dtype=jnp.float32, *, split: bool = False):
     """The VAE `load_vae` fills, without weights (`nnx.eval_shape`): its graphdef is the loaded one's, so
     programs compiled for it serve the loaded VAE. Read back from the executable cache when built before
     with the same config and dtype (0.27 s of tracing on a 2-core CPU)."""
     from wan_tpu.runtime import executable_cache
 
     return executable_cache.cached_abstract("wan-vae", (config, jnp.dtype(dtype).name),
-                                            lambda: WanVAE(config, dtype=dtype, rngs=nnx.Rngs(0)))
+                                            lambda: WanVAE(config, dtype=dtype, rngs=nnx.Rngs(0)), split=split)
 
 
 def load_vae(path: str, dtype=jnp.float32, mesh=None) -> WanVAE:
@@ -236,8 +236,7 @@ def load_vae(path: str, dtype=jnp.float32, mesh=None) -> WanVAE:
     config_dict, tensors = open_vae(path, dtype)
     fix = "re-download the file" if is_weights_file(path) else "re-save with save_pretrained"
     config = config_from_json(config_dict)
-    abstract = abstract_vae(config, dtype)
-    graphdef, state = nnx.split(abstract)
+    graphdef, state = abstract_vae(config, dtype, split=True)
     wmesh = width_mesh(mesh)
     sharding = None if wmesh is None else NamedSharding(wmesh, PartitionSpec())
     flat = nnx.to_flat_state(state)
