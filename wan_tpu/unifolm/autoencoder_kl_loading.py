@@ -2,9 +2,9 @@
 
 `wan-convert-unifolm` (`wan_tpu/unifolm/convert.py`) writes UnifoLM's first stage in this format (the LDM names
 renamed with `ldm_to_diffusers_name`), so one loader serves both. Every parameter is read from exactly
-one checkpoint tensor, streamed (memory-mapped, converted, placed: `wan_tpu.loading.params`) and checked: a missing, unexpected
-or wrongly shaped tensor is a `WanInputError` naming it. Names are diffusers' with the one-module list
-indices dropped (`downsamplers.0.` → `downsampler.`, `upsamplers.0.` → `upsampler.`,
+one checkpoint tensor, streamed (memory-mapped, converted, placed: `wan_tpu.loading.params`) and checked: a
+missing, unexpected or wrongly shaped tensor is a `WanInputError` naming it. Names are diffusers' with the
+one-module list indices dropped (`downsamplers.0.` → `downsampler.`, `upsamplers.0.` → `upsampler.`,
 `attentions.0.` → `attention.`, `to_out.0.` → `to_out.`) and `kernel` for `weight`. Layouts: conv
 (out, in, kh, kw) → (kh, kw, in, out); linear (out, in) → (in, out) (old 1x1-conv attention weights
 (out, in, 1, 1) are accepted too).
@@ -95,8 +95,8 @@ def load_autoencoder_kl(path: str, dtype=jnp.float32, mesh=None) -> AutoencoderK
         raise WanInputError(f"{path}: unexpected tensor {extra[0]!r} ({len(extra)} unexpected in all); "
                             "the weights do not match config.json")
     # The shared placement path (`wan_tpu.loading.params`): read in threads from the memory map, large kernels
-    # laid out on the device. Converted one by one in this thread, its host transposes and puts held the
-    # interpreter for 3.1 s of a warm UnifoLM start beside the UNet's load (H200 host, a sampling profile).
+    # laid out on the device. Converted and put one by one in this thread, they took 3.1 s of it in a warm
+    # UnifoLM start, beside the UNet's load (H200 host, a sampling profile).
     place = None if sharding is None else (lambda i, host: jax.device_put(host, sharding))
     for (_, var), value in zip(flat, load_params(stored, place)):
         var.set_value(value)
