@@ -249,7 +249,8 @@ def main(argv=None) -> int:
         r = results[-1]
         anatomy = profile_compile.compile_anatomy(proc.output)
         # split:K: its largest program's (the compiles run side by side), with the others' after it.
-        programs = ("_sample_loop", "_noise_program", "_first_program", "_middle_program", "_last_program")
+        programs = ("_sample_loop", "_noise_program", "_first_program", "_middle_program", "_last_program",
+                    "_last_video_program", "_head_program")
         modules = sorted((m for m in anatomy if m.startswith(tuple(f"jit_{p}" for p in programs))),
                          key=lambda m: -(anatomy[m]["passes"] + anatomy[m]["backend"]))
         xla = anatomy[modules[0]] if modules else {}

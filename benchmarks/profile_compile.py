@@ -55,6 +55,10 @@ waiting for them (`compile_ahead.WAIT_FOR_DEVICE_AUTOTUNING` off).
 run that would not finish still says where it was). `--program-options NAME:OPTION=VALUE` compiles one program
 with XLA options of its own (`_sample_loop:xla_gpu_autotune_level=0`: that program without autotuning, the
 others as they are), to weigh each program's compile seconds against its run's in one whole command.
+Python's bytecode: an installed package has it, so a fair start-up reads it. Where the environment sets
+`PYTHONDONTWRITEBYTECODE` over packages that ship none (the GPU machines' image), run with it unset and
+`PYTHONPYCACHEPREFIX=/tmp/pyc` after one priming run (each child inherits both); otherwise every import is compiled
+again in every run (2.5–2.8 s of a warm world-model command on an H200).
 `--device`: real sizes; `--model` is a converted folder with random
 weights (`random_folders.py unifolm DIR` / `random_folders.py matrix-game DIR` write one with our code
 alone; so do `bench_unifolm.py --size real --random --workdir DIR` and `bench_matrix_game.py --random

@@ -29,6 +29,9 @@ if "WAN_TPU_CACHE_DIR" not in os.environ:
     os.environ["WAN_TPU_CACHE_DIR"] = tempfile.mkdtemp(prefix="wan_tpu_test_cache_")
     atexit.register(shutil.rmtree, os.environ["WAN_TPU_CACHE_DIR"], True)
 
+# As a command line lowers its programs (`xla_defaults.JAX_DEFAULTS`): one source line per operation, not its traceback.
+os.environ.setdefault("JAX_TRACEBACK_IN_LOCATIONS_LIMIT", "1")
+
 import jax  # noqa: E402
 import pytest  # noqa: E402
 

@@ -68,6 +68,22 @@ def test_another_key_or_name_misses(cache):
     assert executable_cache.load("affine", ("affine", 5)) is not None
 
 
+def test_a_program_lowered_with_tracebacks_is_another_entry(cache):
+    """A program's locations (`jax_traceback_in_locations_limit`) change no result, but an executable carrying
+    tracebacks loads slower: the setting keys the entries, so neither setting is served the other's."""
+    name = "jax_traceback_in_locations_limit"
+    before = getattr(jax.config, name)
+    try:
+        jax.config.update(name, 1)
+        executable_cache.store("affine", ("affine", 5), _lowered())
+        jax.config.update(name, 100)
+        assert executable_cache.load("affine", ("affine", 5)) is None
+        jax.config.update(name, 1)
+        assert executable_cache.load("affine", ("affine", 5)) is not None
+    finally:
+        jax.config.update(name, before)
+
+
 def test_an_unstable_or_missing_key_is_never_stored(cache):
     executable_cache.store("affine", None, _lowered())
     executable_cache.store("affine", ("affine", object()), _lowered())  # repr holds an address

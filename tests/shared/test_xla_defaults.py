@@ -7,7 +7,7 @@ import sys
 import pytest
 
 from wan_tpu.runtime import xla_defaults
-from wan_tpu.runtime.xla_defaults import XLA_DEFAULTS, apply_xla_defaults
+from wan_tpu.runtime.xla_defaults import XLA_DEFAULTS, apply_jax_defaults, apply_xla_defaults
 
 
 def test_defaults_join_the_users_flags_and_never_override_them(monkeypatch):
@@ -59,19 +59,63 @@ def test_every_platform_parses_the_defaults():
 
 
 def test_a_command_line_applies_them_and_a_python_call_does_not(monkeypatch):
-    """`wan_tpu.runtime.cli.run_cli` (every command line's entry) sets the defaults only when the process is
-    its own (argv from the command line), as it does for the GPU memory fraction."""
+    """`wan_tpu.runtime.cli.run_cli` (every command line's entry) sets the defaults, and spaces out Python's
+    garbage collections, only when the process is its own (argv from the command line), as it does for the GPU
+    memory fraction."""
     import argparse
+    import gc
 
-    from wan_tpu.runtime.cli import run_cli
+    from wan_tpu.runtime.cli import GC_THRESHOLDS, run_cli
 
     monkeypatch.setattr(sys, "argv", ["generate"])
-    seen = []
-    for argv, applied in ((None, True), ([], False)):
-        for name in ("XLA_FLAGS", "XLA_PYTHON_CLIENT_MEM_FRACTION"):  # restored after the test
-            monkeypatch.delenv(name, raising=False)
-        assert run_cli(lambda args: seen.append(os.environ.get("XLA_FLAGS", "")), argparse.ArgumentParser(), argv) == 0
-        assert ("--xla_gpu_enable_triton_gemm=false" in seen[-1]) == applied, (argv, seen)
+    seen, thresholds = [], gc.get_threshold()
+    try:
+        for argv, applied in (([], False), (None, True)):
+            for name in ("XLA_FLAGS", "XLA_PYTHON_CLIENT_MEM_FRACTION"):  # restored after the test
+                monkeypatch.delenv(name, raising=False)
+            gc.set_threshold(700, 10, 10)
+            run = lambda args: seen.append((os.environ.get("XLA_FLAGS", ""), gc.get_threshold()))  # noqa: E731
+            assert run_cli(run, argparse.ArgumentParser(), argv) == 0
+            assert ("--xla_gpu_enable_triton_gemm=false" in seen[-1][0]) == applied, (argv, seen)
+            assert seen[-1][1] == (GC_THRESHOLDS if applied else (700, 10, 10)), (argv, seen)
+    finally:
+        gc.set_threshold(*thresholds)
+
+
+def test_programs_lowered_after_the_jax_defaults_carry_no_tracebacks(monkeypatch):
+    """`apply_jax_defaults` (every command line's): each operation of a program lowered afterwards is located by its
+    own source line and named scopes, not by the Python call chain that made it, which XLA would format into every
+    kernel's profiler annotation each time the executable loads; a user's `JAX_TRACEBACK_IN_LOCATIONS_LIMIT` is
+    kept."""
+    import jax
+    import jax.numpy as jnp
+
+    name = "jax_traceback_in_locations_limit"
+
+    def lowered():  # new functions each time: JAX keeps a function's lowering
+        def inner(x):
+            with jax.named_scope("block"):
+                return jnp.sin(x) * 2
+
+        def outer(x):
+            return inner(x)
+
+        text = jax.jit(outer).lower(1.0).as_text(debug_info=True)
+        return text.count("callsite("), '"jit(outer)/block/sin"' in text
+
+    before = getattr(jax.config, name)
+    try:
+        jax.config.update(name, 100)
+        chains, scoped = lowered()
+        assert chains > 0 and scoped
+        monkeypatch.delenv(name.upper(), raising=False)
+        assert apply_jax_defaults() == [name]
+        assert getattr(jax.config, name) == 1 and lowered() == (0, True)
+        jax.config.update(name, 100)
+        monkeypatch.setenv(name.upper(), "100")
+        assert apply_jax_defaults() == [] and getattr(jax.config, name) == 100
+    finally:
+        jax.config.update(name, before)
 
 
 def test_a_command_line_starts_the_device_client_before_its_work(monkeypatch):

@@ -170,7 +170,8 @@ def test_prepare_compiles_a_split_step_side_by_side(monkeypatch):
         out = run.decide("pick up the cup", images, states / 10, num_steps=2, seed=3)
     assert steps_built == [0, 0, 1]
     assert out.actions.shape == (16, DOF) and np.isfinite(out.actions_raw).all()
-    step = {"jit(_noise_program)", "jit(_first_program)", "jit(_middle_program)", "jit(_last_program)"}
+    step = {"jit(_noise_program)", "jit(_first_program)", "jit(_middle_program)", "jit(_last_video_program)",
+            "jit(_head_program)"}
     ahead = {(thread, f) for thread, f in compiles if thread.startswith("wan_tpu-compile-") and f in step}
     assert {f for _, f in ahead} == step and len({thread for thread, _ in ahead}) == len(step)
     assert not {f for thread, f in compiles if thread == "MainThread"} & step

@@ -137,12 +137,14 @@ def test_sampling_as_several_programs_meets_the_authors(tiny, monkeypatch):
         name, *a, **kw))
     lat, act, st = sample(tiny, cond, num_steps=4, eta=1.0, noise=authors_noise("sample_decision", 4), programs=3)
     # Each program found once (its key built once), then called at every step.
-    assert sorted(found) == ["unifolm-sample-first", "unifolm-sample-last", "unifolm-sample-middle",
-                             "unifolm-sample-noise"]
+    # The two heads run one program (built alike, their weights its arguments).
+    assert sorted(found) == ["unifolm-sample-first", "unifolm-sample-head", "unifolm-sample-last",
+                             "unifolm-sample-middle", "unifolm-sample-noise"]
     assert_close(lat, g["sample_decision/latents"], 1e-4, "latents")
     assert_close(act, g["sample_decision/actions"], 1e-3, "actions")
     assert_close(st, g["sample_decision/states"], 1e-3, "states")
-    programs = (sampling._first_program, sampling._middle_program, sampling._last_program)
+    programs = (sampling._first_program, sampling._middle_program, sampling._last_video_program,
+                sampling._head_program)
     compiled = [p._cache_size() for p in programs]
     sample(tiny, cond, num_steps=3, eta=1.0, key=jax.random.key(0), programs=3)
     assert [p._cache_size() for p in programs] == compiled
@@ -163,20 +165,38 @@ def test_sampling_as_several_programs_meets_the_authors(tiny, monkeypatch):
         sampling.cut_units(tiny.diffusion_model, unit_count(tiny.config.unet) + 1)
 
 
+@pytest.mark.slow
+def test_a_model_without_heads_samples_alike_in_pieces():
+    """A base model (no heads): its last piece runs the video's update and the heads' zero ε (`_last_program`) as
+    the one-program loop does; in 2 pieces the samples agree with it within float32 rounding (other fusions)."""
+    from wan_tpu.unifolm.model import random_unifolm
+    from wan_tpu.unifolm.presets import preset_config
+
+    cfg = preset_config("unifolm-tiny-base")
+    model = random_unifolm(cfg, jnp.float32, seed=0)
+    rng = np.random.default_rng(0)
+    h, w = cfg.latent_size
+    cond = model.prepare(rng.standard_normal((1, 77, cfg.unet.context_dim), np.float32),
+                         rng.standard_normal((1, 257, cfg.resampler.embedding_dim), np.float32),
+                         rng.standard_normal((1, 4, h, w), np.float32))
+    whole = sample(model, cond, num_steps=2, eta=1.0, key=jax.random.key(1))
+    pieces = sample(model, cond, num_steps=2, eta=1.0, key=jax.random.key(1), programs=2)
+    for a, b, name in zip(whole, pieces, ("latents", "actions", "states")):
+        assert_close(b, np.asarray(a), 1e-5, name)
+
+
 def test_the_step_is_cut_in_pieces_whose_largest_is_the_least_it_can_be():
     """`cut_units(unet, K)`: exactly K runs of consecutive units, all of them in order, whose largest weight
-    (`unit_layers`, the end's `end_layers` in the last run) no other cut betters (every cut tried); the heads
-    weigh as the layers their compile takes, none without heads."""
+    (`unit_layers`, the output convolution's `END_LAYERS` in the last run; the heads are a program of their own)
+    no other cut betters (every cut tried)."""
     import itertools
 
-    from wan_tpu.configs.unifolm import TINY_BASE
     from wan_tpu.unifolm import sampling
     from wan_tpu.unifolm.model import abstract_unifolm
     from wan_tpu.unifolm.presets import preset_config
 
     unet = abstract_unifolm(preset_config("unifolm-tiny"), jnp.float32).diffusion_model
-    units, weights, end = unet.units(), sampling.unit_layers(unet), sampling.end_layers(unet)
-    assert end == 8 and sampling.end_layers(abstract_unifolm(TINY_BASE, jnp.float32).diffusion_model) == 1
+    units, weights, end = unet.units(), sampling.unit_layers(unet), sampling.END_LAYERS
 
     def largest(bounds):
         spans = zip((0, *bounds), (*bounds, len(units)))

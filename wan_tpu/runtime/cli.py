@@ -9,9 +9,10 @@ the stage commands).
 - `parse_mesh`, `check_attention`, `dtype_of`: the shared flags' values, checked before any load.
 - `run_cli`: the contract of a command: bad input → one line on stderr and status 2; a non-finite
   result → one line and status 1; Ctrl-C / SIGTERM → one line naming what was kept, 130 / 143
-  (`wan_tpu.runtime.interrupt`); otherwise 0. A command line also claims its device memory and XLA
-  defaults before the first device use; every command joins its multi-process job there
-  (`wan_tpu.runtime.distributed`: one writer, the others print one line; a stop on any process stops all).
+  (`wan_tpu.runtime.interrupt`); otherwise 0. A command line also claims its device memory, XLA and JAX
+  defaults and spaces out Python's garbage collections (`GC_THRESHOLDS`) before the first device use; every
+  command joins its multi-process job there (`wan_tpu.runtime.distributed`: one writer, the others print one
+  line; a stop on any process stops all).
 - `exit_now`: leave without the interpreter's teardown once the work is written.
 """
 
@@ -26,6 +27,17 @@ from collections.abc import Callable
 from wan_tpu.errors import NonFiniteError, WanInputError
 
 DTYPES = ("bfloat16", "float32")
+
+# Python's cyclic garbage collector in a command line's own process: collections far apart. Building a model's
+# structure (`nnx.eval_shape`) and tracing its programs allocate millions of objects that live on, and every full
+# collection walks all of them again. UnifoLM-WMA-0 on a 2-core CPU, the same script in turns: its abstract UNet
+# built in 2.7-3.7 s instead of 4.3-5.2 s, its prepare program traced in 0.7-1.0 s instead of 1.2-1.9 s. Its cold
+# `unifolm` command on an H200 (`benchmarks/profile_compile.py unifolm --device`, in turns, 2026-11-29): the abstract
+# UNet 3.2 / 3.7 s instead of 4.1, the stage programs traced in 4.5 / 6.2 s instead of 7.4, the first sampling
+# done at 22.6 / 26.3 s instead of 28.2 / 26.5; Matrix-Game-2's programs traced and lowered in 7.6 / 6.5 s of
+# spans instead of 9.3 / 7.6, first chunk at 9.0 / 8.6 s instead of 10.9 / 9.0. Warm starts unchanged. Cycles are
+# still collected, a fiftieth as often.
+GC_THRESHOLDS = (100_000, 50, 100)
 
 COMMON_FLAGS = ("--model", "--dtype", "--mesh", "--attention", "--seed", "--output", "--overwrite",
                 "--no-compile-cache", "--profile", "--quiet")
@@ -147,6 +159,11 @@ def run_cli(run: Callable, parser: argparse.ArgumentParser, argv=None, *,
     called = time.perf_counter()
     import warnings
 
+    if argv is None:
+        import gc
+
+        gc.set_threshold(*GC_THRESHOLDS)
+
     from wan_tpu.runtime import interrupt
 
     # torchax and jax warn that int64 token ids become int32 (x64 is off); harmless for ids < 2^31.
@@ -157,10 +174,11 @@ def run_cli(run: Callable, parser: argparse.ArgumentParser, argv=None, *,
             args = parser.parse_args(argv)
             if argv is None:
                 from wan_tpu.runtime.memory import claim_device_memory
-                from wan_tpu.runtime.xla_defaults import apply_xla_defaults
+                from wan_tpu.runtime.xla_defaults import apply_jax_defaults, apply_xla_defaults
 
                 claim_device_memory(device_memory(args) if device_memory is not None else None)
                 apply_xla_defaults()
+                apply_jax_defaults()
             from wan_tpu.runtime import distributed
             from wan_tpu.runtime.profiling import process_start
 

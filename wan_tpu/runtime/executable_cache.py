@@ -695,7 +695,8 @@ def _environment() -> tuple[str, ...]:
                       and k not in ("WAN_TPU_CACHE_DIR", "WAN_TPU_PAUSE_AT", "WAN_TPU_COMPILE_WORKERS"))
     config = {name: getattr(jax.config, name, None) for name in (
         "jax_enable_x64", "jax_default_matmul_precision", "jax_threefry_partitionable", "jax_default_prng_impl",
-        "jax_numpy_rank_promotion", "jax_use_shardy_partitioner")}
+        "jax_numpy_rank_promotion", "jax_use_shardy_partitioner", "jax_include_full_tracebacks_in_locations",
+        "jax_traceback_in_locations_limit")}
     return (f"jax {jax.__version__} jaxlib {jaxlib.__version__} flax {flax.__version__} numpy {numpy.__version__}",
             f"devices {devices[0].platform} {devices[0].device_kind} x{len(devices)}",
             f"XLA_FLAGS {os.environ.get('XLA_FLAGS', '')}", repr(settings), repr(sorted(config.items())), source_hash())

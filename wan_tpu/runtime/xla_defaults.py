@@ -1,7 +1,8 @@
 """XLA flags a command line sets for its own process, before JAX starts its backends.
 
-    from wan_tpu.runtime.xla_defaults import apply_xla_defaults
+    from wan_tpu.runtime.xla_defaults import apply_jax_defaults, apply_xla_defaults
     apply_xla_defaults()   # first thing in a notebook or script, before any JAX array exists
+    apply_jax_defaults()   # before the first program is traced
 
 `--xla_gpu_enable_triton_gemm=false`: XLA's GPU compiler otherwise autotunes Triton tilings for every
 matrix product against cuBLAS, and keeps Triton where it looked faster in isolation. In our models
@@ -89,6 +90,30 @@ def nvidia_gpu_allowed() -> bool:
 def nvidia_gpu_present() -> bool:
     """Whether JAX may run on an NVIDIA GPU here: allowed, and the driver's device file is on the machine."""
     return nvidia_gpu_allowed() and os.path.exists("/dev/nvidiactl")
+
+
+# JAX settings a command line sets for its own process. `jax_traceback_in_locations_limit` 1: each operation of a
+# lowered program carries its own source line and its named scopes (`jax.named_scope`, what a profile shows), not
+# the Python traceback that made it (up to 100 frames). XLA keeps those frames in every executable and, each time
+# one is loaded, formats them into the profiler annotations of each kernel (`ModuleAnnotations`): two thirds of the
+# time a warm Matrix-Game-2 start spent deserialising its programs (`py-spy --native`, an H200, jax 0.11.2).
+# Without the tracebacks, warm, in turns, one call (`benchmarks/profile_compile.py matrix-game --device`): its
+# decode program loaded in 0.63-0.72 s instead of 1.34-1.42 s, all its programs in 1.56-1.61 s of prefetch threads
+# instead of 2.53-2.68 s; with one frame (this setting; another call) 0.80 s. No frames at all
+# (`jax_include_full_tracebacks_in_locations` off) would also drop the named scopes from the operations' names.
+# Locations are debug information only: the results are the same.
+JAX_DEFAULTS = {"jax_traceback_in_locations_limit": 1}
+
+
+def apply_jax_defaults() -> list[str]:
+    """Set each of `JAX_DEFAULTS` unless the user's environment names it (the name in capitals, which JAX
+    reads itself); returns those set. From Python: call it before the first program is traced."""
+    import jax
+
+    added = [name for name in JAX_DEFAULTS if name.upper() not in os.environ]
+    for name in added:
+        jax.config.update(name, JAX_DEFAULTS[name])
+    return added
 
 
 def apply_xla_defaults() -> list[str]:

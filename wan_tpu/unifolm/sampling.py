@@ -140,23 +140,29 @@ def step_update(outs, x, action, state, inp: dict, guidance_scale=1.0, guidance_
                 guided: bool = False):
     """`ddim_step` after the UNet: guidance on its outputs `outs` (v, action ε, state ε), then the updates."""
     v, ea, es = outs
-    b = x.shape[0]
     if guided:
-        outs = []
-        for o in (v, ea, es):
-            oc, ou = o[:b], o[b:]
-            g = ou + guidance_scale * (oc - ou)
-            outs.append(jnp.where(guidance_rescale > 0, rescale_noise_cfg(g, oc, guidance_rescale), g))
-        v, ea, es = outs
+        v, ea, es = (_guide(o, x.shape[0], guidance_scale, guidance_rescale) for o in (v, ea, es))
+    x = _video_step(v, x, inp)
+    action = _head_step(ea, action, inp["h_a"], inp["h_a_prev"], clip)
+    state = _head_step(es, state, inp["h_a"], inp["h_a_prev"], clip)
+    return x, action, state
+
+
+def _guide(o, b: int, guidance_scale, guidance_rescale):
+    """Guidance on one output of the doubled batch [cond ‖ uncond] (`b` each) → (b, ...)."""
+    oc, ou = o[:b], o[b:]
+    g = ou + guidance_scale * (oc - ou)
+    return jnp.where(guidance_rescale > 0, rescale_noise_cfg(g, oc, guidance_rescale), g)
+
+
+def _video_step(v, x, inp: dict):
+    """The video DDIM update from the model's v."""
     # v-parameterisation: ε = √ᾱ·v + √(1−ᾱ)·x, x0 = √ᾱ·x − √(1−ᾱ)·v; x0 dynamically rescaled.
     e_t = inp["sqrt_a"] * v + inp["sqrt_1ma"] * x
     x0 = (inp["sqrt_a"] * x - inp["sqrt_1ma"] * v) * inp["rescale"]
     # At t = 999 (ᾱ = 0) with eta 1 the direction's weight is 0 in exact arithmetic: clamp rounding.
     dir_xt = jnp.sqrt(jnp.maximum(1.0 - inp["a_prev"] - inp["sigma"] ** 2, 0.0)) * e_t
-    x = jnp.sqrt(inp["a_prev"]) * x0 + dir_xt + inp["sigma"] * inp["noise"]
-    action = _head_step(ea, action, inp["h_a"], inp["h_a_prev"], clip)
-    state = _head_step(es, state, inp["h_a"], inp["h_a_prev"], clip)
-    return x, action, state
+    return jnp.sqrt(inp["a_prev"]) * x0 + dir_xt + inp["sigma"] * inp["noise"]
 
 
 def _initial_noise(shapes: tuple, key, noise: dict, num_steps: int, stochastic: bool):
@@ -190,8 +196,9 @@ def _sample_loop(graphdef, state, cond, uncond, tables, key, noise, guidance_sca
 
 def cut_units(unet, programs: int) -> tuple[tuple[tuple[str, int], ...], ...]:
     """`unet.units()` in `programs` consecutive runs whose largest layer count is the least it can be (the
-    output convolution and the heads counted as `end_layers`, in the last run): the pieces of a step run as
-    several programs, which compile side by side, so the largest one's compile is what a cold start waits for."""
+    output convolution counted as one layer, in the last run; the heads compile as a program of their own,
+    `_head_program`): the pieces of a step run as several programs, which compile side by side, so the largest
+    one's compile is what a cold start waits for."""
     units = unet.units()
     if programs < 1 or programs > len(units):
         raise WanInputError(f"sampling programs must be 1 to {len(units)} (the UNet's blocks), got {programs}")
@@ -199,7 +206,7 @@ def cut_units(unet, programs: int) -> tuple[tuple[tuple[str, int], ...], ...]:
     edges = [0]
     for weight in weights:
         edges.append(edges[-1] + weight)
-    end = end_layers(unet)
+    end = END_LAYERS
     # most[k][i]: the least largest run weight of units[:i] in k runs; cut[k][i]: where its last run begins.
     n, inf = len(units), float("inf")
     most = [[inf] * (n + 1) for _ in range(programs)]
@@ -230,18 +237,10 @@ def unit_layers(unet) -> list[int]:
             for kind, i in unet.units()]
 
 
-def end_layers(unet) -> int:
-    """`cut_units`' weight of the step's end (the output convolution and the heads) in UNet layers (a ResBlock,
-    a spatial or a temporal transformer): a head's 1-D residual block compiles in about a fifth of a layer's
-    time. UnifoLM-WMA-0 on an H200 (the pieces' compiles in worker processes, `profile_compile.py unifolm
-    --device`): 0.8 s a layer, its heads' 36 blocks 6.7 s; by operation count (4,412 in the heads, 260–290
-    a layer) they were 19 layers, and the pieces cut so compiled in 8.6–9.8 s with the heads, 13.3–18.3 s
-    without."""
-    from wan_tpu.unifolm.heads import ConditionalResidualBlock1D
-
-    heads = [h for h in (unet.action_unet, unet.state_unet) if h is not None]
-    blocks = sum(isinstance(m, ConditionalResidualBlock1D) for h in heads for _, m in nnx.iter_graph(h))
-    return 1 + round(blocks / 5)
+# `cut_units`' weight of the output convolution, which ends the last run. The heads are not in it: UnifoLM-WMA-0's two
+# compile as about 8 layers (their 36 residual blocks 6.7 s, a layer 0.8 s: H200, the pieces in compile workers,
+# `profile_compile.py unifolm --device`), and as `_head_program` one of them compiles once, beside the pieces.
+END_LAYERS = 1
 
 
 def _run_units(unet, units, carry):
@@ -270,11 +269,43 @@ def _middle_program(graphdef, treedef, leaves, carry, *, units):
 @functools.partial(jax.jit, static_argnames=("graphdef", "treedef", "units", "clip"))
 def _last_program(graphdef, treedef, leaves, carry, cond, uncond, x, action, st, inp, guidance_scale,
                   guidance_rescale, *, units, clip):
-    """A step's last program: the last run of blocks, the heads, guidance and both DDIM updates."""
+    """A step's last program for a model without heads: the last run of blocks, guidance and both DDIM updates
+    (the heads' ε zero, as `WMAModel.end` gives)."""
     unet = _merge(graphdef, treedef, leaves)
     heads = step_inputs(cond, x, action, st, inp, uncond)[4:]
     outs = unet.end(_run_units(unet, units, carry), *heads)
     return step_update(outs, x, action, st, inp, guidance_scale, guidance_rescale, clip, uncond is not None)
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "treedef", "units", "guided"))
+def _last_video_program(graphdef, treedef, leaves, carry, x, inp, guidance_scale, guidance_rescale, *, units, guided):
+    """A step's last program for a model with heads: the last run of blocks, the output convolution, guidance
+    and the video's DDIM update → (x, the feature maps this program added for the heads)."""
+    unet = _merge(graphdef, treedef, leaves)
+    given = len(carry["maps"])
+    carry = _run_units(unet, units, carry)
+    v = unet.end_video(carry)
+    if guided:
+        v = _guide(v, x.shape[0], guidance_scale, guidance_rescale)
+    return _video_step(v, x, inp), (*carry["maps"][given:], carry["h"])
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "treedef", "clip"))
+def _head_program(graphdef, treedef, leaves, sample_, maps, obs, uncond_obs, inp, guidance_scale, guidance_rescale,
+                  *, clip):
+    """One head (`ConditionalUnet1D`) of a step on the UNet's feature maps `maps`, its guidance and its DDIM
+    update → its sample at the previous step. The action and the state head are built alike, so this one
+    program serves both (their weights `leaves` are arguments): compiled once, not twice within the last piece."""
+    head = _merge(graphdef, treedef, leaves)
+    b = sample_.shape[0]
+    guided = uncond_obs is not None
+    dup = (lambda a: jnp.concatenate([a, a], axis=0)) if guided else (lambda a: a)
+    t = jnp.full((b,), inp["t"], jnp.int32)
+    eps = head(dup(sample_), dup(t), list(maps), jnp.concatenate([obs, uncond_obs], axis=0) if guided else obs)
+    eps = eps.astype(jnp.float32)
+    if guided:
+        eps = _guide(eps, b, guidance_scale, guidance_rescale)
+    return _head_step(eps, sample_, inp["h_a"], inp["h_a_prev"], clip)
 
 
 @functools.partial(jax.jit, static_argnames=("shapes", "num_steps", "stochastic"))
@@ -292,10 +323,11 @@ def _step_constants(tables: dict, step_noise: tuple, i: int) -> dict:
 
 
 def _sample_programs(graphdef, state, cond, uncond, tables, key, noise, guidance_scale, guidance_rescale, clip,
-                     shapes, stochastic, runs, program_key):
-    """`_sample_loop`'s sampling with each step as `len(runs)` programs (`runs` from `cut_units`), run by a Python
-    loop over the steps. The programs take one step's constants, not the schedule, so any step count runs
-    them; compiled ahead (`executable_cache.ahead`) they compile side by side, a thread each. The same noise
+                     shapes, stochastic, runs, program_key, heads=()):
+    """`_sample_loop`'s sampling with each step as `len(runs)` programs (`runs` from `cut_units`), then, for a model
+    with heads, `_head_program` once per head (`heads`: the action and the state head's graphdef, treedef and
+    weights), run by a Python loop over the steps. The programs take one step's constants, not the schedule, so
+    any step count runs them; compiled ahead (`executable_cache.ahead`) they compile side by side, a thread each. The same noise
     as `_sample_loop`; results within float32 rounding of it (other fusions)."""
     num_steps = len(tables["t"])
     key_of = lambda *extra: None if program_key is None else (*program_key, *extra)  # noqa: E731
@@ -325,9 +357,22 @@ def _sample_programs(graphdef, state, cond, uncond, tables, key, noise, guidance
         for units in runs[1:-1]:
             carry = run("unifolm-sample-middle", units, _middle_program, (graphdef, treedef, leaves, carry),
                         dict(units=units), ("units",))
-        x, action, st = run("unifolm-sample-last", runs[-1], _last_program,
-                            (graphdef, treedef, leaves, carry, cond, uncond, x, action, st, inp, guidance_scale,
-                             guidance_rescale), dict(units=runs[-1], clip=clip), ("units", "clip"))
+        if not heads:
+            x, action, st = run("unifolm-sample-last", runs[-1], _last_program,
+                                (graphdef, treedef, leaves, carry, cond, uncond, x, action, st, inp, guidance_scale,
+                                 guidance_rescale), dict(units=runs[-1], clip=clip), ("units", "clip"))
+            continue
+        x, added = run("unifolm-sample-last", runs[-1], _last_video_program,
+                       (graphdef, treedef, leaves, carry, x, inp, guidance_scale, guidance_rescale),
+                       dict(units=runs[-1], guided=uncond is not None), ("units", "guided"))
+        maps = (*carry["maps"], *added)
+        samples = []
+        for i, (sample_, (head_graphdef, head_treedef, head_leaves)) in enumerate(zip((action, st), heads)):
+            samples.append(run("unifolm-sample-head", (), _head_program,
+                               (head_graphdef, head_treedef, head_leaves, sample_, maps, cond.obs[i],
+                                None if uncond is None else uncond.obs[i], inp, guidance_scale, guidance_rescale),
+                               dict(clip=clip), ("clip",)))
+        action, st = samples
     return x, action, st
 
 
@@ -364,10 +409,16 @@ def sample(model, cond: Conditions, *, num_steps: int = 50, eta: float = 1.0, ke
     guided = uncond is not None and guidance_scale != 1.0
     graphdef, state = nnx.split(model.diffusion_model)
     if programs != 1:
-        runs = cut_units(model.diffusion_model, programs)
+        unet = model.diffusion_model
+        runs = cut_units(unet, programs)
+        heads = []
+        for head in () if unet.action_unet is None else (unet.action_unet, unet.state_unet):
+            head_graphdef, head_state = nnx.split(head)
+            head_leaves, head_treedef = jax.tree.flatten(head_state)
+            heads.append((head_graphdef, head_treedef, tuple(head_leaves)))
         return _sample_programs(graphdef, state, cond, uncond if guided else None, tables, key, injected,
                                 jnp.float32(guidance_scale), jnp.float32(guidance_rescale), cfg.head_clip_sample,
-                                (shape, act_shape, st_shape), stochastic, runs, program_key)
+                                (shape, act_shape, st_shape), stochastic, runs, program_key, tuple(heads))
     tables = {k: jnp.asarray(v) for k, v in tables.items()}
     args = (graphdef, state, cond, uncond if guided else None, tables, key, injected, jnp.float32(guidance_scale),
             jnp.float32(guidance_rescale), cfg.head_clip_sample, (shape, act_shape, st_shape), stochastic)

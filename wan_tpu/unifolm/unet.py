@@ -220,13 +220,18 @@ class WMAModel(nnx.Module):
             prev = h
         return dict(carry, h=h, hs=hs, maps=maps, prev=prev)
 
-    def end(self, carry: dict, x_action=None, x_state=None, obs=None):
-        """The output convolution (v in the authors' layout) and the heads on the carry's maps."""
-        h, maps, timesteps = carry["h"], [*carry["maps"], carry["h"]], carry["timesteps"]
+    def end_video(self, carry: dict):
+        """The output convolution on the carry: v (B, 4, T, H, W) in the authors' layout."""
+        h, timesteps = carry["h"], carry["timesteps"]
         b = timesteps.shape[0]
         t = h.shape[0] // b
         y = self.out_conv(jax.nn.silu(self.out_norm(h))).astype(jnp.float32)
-        y = y.reshape(b, t, h.shape[1], h.shape[2], -1).transpose(0, 4, 1, 2, 3)
+        return y.reshape(b, t, h.shape[1], h.shape[2], -1).transpose(0, 4, 1, 2, 3)
+
+    def end(self, carry: dict, x_action=None, x_state=None, obs=None):
+        """The output convolution (v in the authors' layout) and the heads on the carry's maps."""
+        maps, timesteps = [*carry["maps"], carry["h"]], carry["timesteps"]
+        y = self.end_video(carry)
         if self.action_unet is None:
             zeros = lambda a: None if a is None else jnp.zeros(a.shape, jnp.float32)
             return y, zeros(x_action), zeros(x_state)
