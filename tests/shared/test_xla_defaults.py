@@ -78,6 +78,14 @@ def test_a_command_line_applies_them_and_a_python_call_does_not(monkeypatch):
             assert run_cli(run, argparse.ArgumentParser(), argv) == 0
             assert ("--xla_gpu_enable_triton_gemm=false" in seen[-1][0]) == applied, (argv, seen)
             assert seen[-1][1] == (GC_THRESHOLDS if applied else (700, 10, 10)), (argv, seen)
+        # A server keeps Python's collections (`spaced_gc=False`): its jobs' cycles may hold device buffers.
+        gc.set_threshold(700, 10, 10)
+        assert run_cli(run, argparse.ArgumentParser(), None, spaced_gc=False) == 0 and seen[-1][1] == (700, 10, 10)
+        from wan_tpu.serve import cli as serve_cli
+
+        asked = {}
+        monkeypatch.setattr(serve_cli, "run_cli", lambda *a, **kw: asked.update(kw) or 0)
+        assert serve_cli.main([]) == 0 and asked["spaced_gc"] is False
     finally:
         gc.set_threshold(*thresholds)
 

@@ -36,7 +36,9 @@ DTYPES = ("bfloat16", "float32")
 # UNet 3.2 / 3.7 s instead of 4.1, the stage programs traced in 4.5 / 6.2 s instead of 7.4, the first sampling
 # done at 22.6 / 26.3 s instead of 28.2 / 26.5; Matrix-Game-2's programs traced and lowered in 7.6 / 6.5 s of
 # spans instead of 9.3 / 7.6, first chunk at 9.0 / 8.6 s instead of 10.9 / 9.0. Warm starts unchanged. Cycles are
-# still collected, a fiftieth as often.
+# still collected, young ones a hundred times less often and full collections far less: right for a command that
+# ends, not for a server, whose jobs' cycles could hold device buffers between rare full collections (`wan-serve`
+# keeps Python's defaults: `spaced_gc=False`).
 GC_THRESHOLDS = (100_000, 50, 100)
 
 COMMON_FLAGS = ("--model", "--dtype", "--mesh", "--attention", "--seed", "--output", "--overwrite",
@@ -149,17 +151,18 @@ def dtype_of(name: str):
 
 def run_cli(run: Callable, parser: argparse.ArgumentParser, argv=None, *,
             device_memory: Callable[[argparse.Namespace], int | None] | None = None,
-            compile_workers: Callable[[argparse.Namespace], bool] | None = None) -> int:
+            compile_workers: Callable[[argparse.Namespace], bool] | None = None, spaced_gc: bool = True) -> int:
     """Run `run(args)` under the command contract (module docstring); `argv=None` means a command line
     (the process is ours: device memory and XLA defaults are claimed), a list means a call from Python.
     `device_memory(args)`: the bytes the run needs on a device at most, which a command line reserves
     instead of most of the GPU (`wan_tpu.runtime.memory.claim_device_memory`). `compile_workers(args)`: whether the
     command compiles its large programs in worker processes (`wan_tpu.runtime.compile_workers`, where its default
-    count is not 0); `WAN_TPU_COMPILE_WORKERS` set decides for every command line."""
+    count is not 0); `WAN_TPU_COMPILE_WORKERS` set decides for every command line. `spaced_gc`: whether a command
+    line's process takes `GC_THRESHOLDS`."""
     called = time.perf_counter()
     import warnings
 
-    if argv is None:
+    if argv is None and spaced_gc:
         import gc
 
         gc.set_threshold(*GC_THRESHOLDS)

@@ -358,4 +358,5 @@ def device_memory(args) -> int | None:
 def main(argv=None) -> int:
     # A Wan or UnifoLM server's large programs compile at once in worker processes (Matrix-Game-2's gained nothing).
     return run_cli(run, build_parser(), argv, device_memory=device_memory,
-                   compile_workers=lambda args: (args.family or detect_family(args.model)) in ("wan", "unifolm"))
+                   compile_workers=lambda args: (args.family or detect_family(args.model)) in ("wan", "unifolm"),
+                   spaced_gc=False)
