@@ -102,8 +102,8 @@ def test_world_model_commands_pass_their_need(clean_env, module, tmp_path):
     cli = importlib.import_module(module)
     got = {}
 
-    def fake_run_cli(run, parser, argv=None, *, device_memory=None, compile_workers=None):
-        got["need"], got["workers"] = device_memory, compile_workers
+    def fake_run_cli(run, parser, argv=None, *, device_memory=None, compile_workers=None, spaced_gc=True):
+        got["need"], got["workers"], got["spaced_gc"] = device_memory, compile_workers, spaced_gc
         return 0
 
     clean_env.setattr(cli, "run_cli", fake_run_cli)
@@ -116,6 +116,7 @@ def test_world_model_commands_pass_their_need(clean_env, module, tmp_path):
         assert need(argparse.Namespace(model="matrix-game-tiny", family=None, max_sessions=3)) == 48 * GiB
     else:
         assert need(argparse.Namespace(model=str(tmp_path))) == 16 * GiB
+    assert got["spaced_gc"] is (module != "wan_tpu.serve.cli")  # a server keeps Python's garbage collections
     workers = got["workers"]
     if module == "wan_tpu.matrix_game.cli":
         assert workers is None
