@@ -31,7 +31,7 @@ if "WAN_TPU_CACHE_DIR" not in os.environ:
 
 # As a command line lowers its programs (`xla_defaults.JAX_DEFAULTS`): one source line per operation, not its traceback.
 # (Its spaced-out garbage collections, `wan_tpu.runtime.cli.GC_THRESHOLDS`, are not taken here: this suite ran 1,083 s
-# with them against 971 s without, 2-core CPU.)
+# with them, 971-1,052 s without, 2-core CPU.)
 os.environ.setdefault("JAX_TRACEBACK_IN_LOCATIONS_LIMIT", "1")
 
 import jax  # noqa: E402
