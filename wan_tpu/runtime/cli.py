@@ -36,7 +36,7 @@ DTYPES = ("bfloat16", "float32")
 # UNet 3.2 / 3.7 s instead of 4.1, the stage programs traced in 4.5 / 6.2 s instead of 7.4, the first sampling
 # done at 22.6 / 26.3 s instead of 28.2 / 26.5; Matrix-Game-2's programs traced and lowered in 7.6 / 6.5 s of
 # spans instead of 9.3 / 7.6, first chunk at 9.0 / 8.6 s instead of 10.9 / 9.0. Warm starts unchanged. Cycles are
-# still collected, young ones a hundred times less often and full collections far less: right for a command that
+# still collected, young ones 140 times less often and full collections far less: right for a command that
 # ends, not for a server, whose jobs' cycles could hold device buffers between rare full collections (`wan-serve`
 # keeps Python's defaults: `spaced_gc=False`).
 GC_THRESHOLDS = (100_000, 50, 100)

@@ -1,4 +1,4 @@
-"""XLA flags a command line sets for its own process, before JAX starts its backends.
+"""XLA flags (and JAX settings) a command line sets for its own process, before JAX starts its backends.
 
     from wan_tpu.runtime.xla_defaults import apply_jax_defaults, apply_xla_defaults
     apply_xla_defaults()   # first thing in a notebook or script, before any JAX array exists
