@@ -142,3 +142,28 @@ def test_loader_rejects_bad_folders(tmp_path):
 def test_config_json_round_trip():
     for cfg in CONFIGS.values():
         assert config_from_json(json.loads(json.dumps(config_to_json(cfg)))) == cfg
+
+
+def test_an_abstract_build_draws_nothing_and_keeps_every_shape():
+    """`KeyCounter` gives `SHAPES_ONLY`: the abstract model and VAE (loaders, sharding plans, compile-ahead) are built
+    with zeros traced, not random draws, and have the very structure, shapes and dtypes of a build with real keys."""
+    import jax
+    from flax import nnx
+
+    from wan_tpu.configs.autoencoder_kl import AutoencoderKLConfig
+    from wan_tpu.layers.initializers import SHAPES_ONLY
+    from wan_tpu.unifolm.autoencoder_kl import AutoencoderKL
+    from wan_tpu.unifolm.model import KeyCounter, UnifolmWMA
+    from wan_tpu.unifolm.presets import preset_config
+
+    cfg = preset_config("unifolm-tiny")
+    assert KeyCounter(0).params() is SHAPES_ONLY
+    for build in (lambda keys: UnifolmWMA(cfg, dtype=jnp.bfloat16, rngs=keys),
+                  lambda keys: AutoencoderKL(AutoencoderKLConfig(block_out_channels=(32, 64)), rngs=keys)):
+        shapes_only = nnx.split(nnx.eval_shape(lambda: build(KeyCounter(0))))
+        drawn = nnx.split(nnx.eval_shape(lambda: build(KeyCounter(0, shapes_only=False))))
+        assert repr(shapes_only[0]) == repr(drawn[0])  # the structure (equality holds for one module only)
+        described = lambda state: jax.tree.map(lambda a: (a.shape, a.dtype), state)  # noqa: E731
+        assert described(shapes_only[1]) == described(drawn[1])
+        jaxpr = jax.make_jaxpr(lambda: nnx.state(build(KeyCounter(0))))()
+        assert not any("random" in eqn.primitive.name for eqn in jaxpr.jaxpr.eqns)

@@ -166,6 +166,43 @@ def test_sampling_as_several_programs_meets_the_authors(tiny, monkeypatch):
 
 
 @pytest.mark.slow
+def test_sampling_layer_by_layer_meets_the_authors(tiny, monkeypatch):
+    """`programs=LAYERS`: every layer a program of its own, layers alike (structure, weights' and inputs' shapes)
+    one program; the authors' goldens, stochastic and guided, at the one-program loop's tolerances."""
+    from wan_tpu.runtime import executable_cache
+    from wan_tpu.unifolm import sampling
+
+    g = golden("sampling")
+    unet = tiny.diffusion_model
+    found, cached_program = [], executable_cache.cached_program
+    monkeypatch.setattr(executable_cache, "cached_program", lambda name, *a, **kw: found.append(
+        (name, kw.get("key") if "key" in kw else a[0])) or cached_program(name, *a, **kw))
+    key = ("tiny-layers",)
+    lat, act, st = sample(tiny, conditions(tiny, world=False), num_steps=4, eta=1.0,
+                          noise=authors_noise("sample_decision", 4), programs=sampling.LAYERS, program_key=key)
+    assert_close(lat, g["sample_decision/latents"], 1e-4, "latents")
+    assert_close(act, g["sample_decision/actions"], 1e-3, "actions")
+    assert_close(st, g["sample_decision/states"], 1e-3, "states")
+    # A program per kind of layer (its structure, weights' and inputs' shapes), found once, called at every step.
+    per_step = sum(len(unet.middle_block if kind == "mid" else (unet.input_blocks if kind == "in" else
+                                                                unet.output_blocks)[i]) for kind, i in unet.units()) + 1
+    kinds = [k for name, k in found if name == "unifolm-sample-layer"]
+    assert len(kinds) < per_step * 2 / 3 and len(set(kinds)) < len(kinds)  # alike in structure, not all in shapes
+    assert [name for name, _ in found if name != "unifolm-sample-layer"] == [
+        "unifolm-sample-noise", "unifolm-sample-first", "unifolm-sample-last", "unifolm-sample-head"]
+    texts = {text for _, _, _, text, _ in sampling.layer_programs(unet).values()}
+    assert not any(" at 0x" in text for text in texts)
+    world = conditions(tiny, world=True)
+    uncond = conditions(tiny, world=True, clip_zero=True, text="in:empty_text")
+    noise = {k: v for k, v in authors_noise("sample_guided", 0).items() if k != "steps"}
+    lat, act, st = sample(tiny, world, num_steps=2, eta=0.0, noise=noise, guidance_scale=2.0, guidance_rescale=0.7,
+                          uncond=uncond, programs=sampling.LAYERS)
+    assert_close(lat, g["sample_guided/latents"], 1e-4, "latents")
+    assert_close(act, g["sample_guided/actions"], 1e-3, "actions")
+    assert_close(st, g["sample_guided/states"], 1e-3, "states")
+
+
+@pytest.mark.slow
 def test_a_model_without_heads_samples_alike_in_pieces():
     """A base model (no heads): its last piece runs the video's update and the heads' zero ε (`_last_program`) as
     the one-program loop does; in 2 pieces the samples agree with it within float32 rounding (other fusions)."""

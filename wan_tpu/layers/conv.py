@@ -29,6 +29,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from wan_tpu.errors import WanInputError
+from wan_tpu.layers import initializers
 
 _LAYOUT: contextvars.ContextVar[bool | None] = contextvars.ContextVar("wan_tpu_conv_out_first", default=None)
 _SPATIAL = ("W", "HW", "DHW")
@@ -75,7 +76,7 @@ class Conv(nnx.Module):
         for k in kernel:
             fan_in *= k
         shape = (cout, *kernel, cin) if self.out_first else (*kernel, cin, cout)
-        self.kernel = nnx.Param(jax.random.normal(rngs.params(), shape, dtype) / fan_in**0.5)
+        self.kernel = nnx.Param(initializers.normal(rngs.params(), shape, dtype) / fan_in**0.5)
         self.bias = nnx.Param(jnp.zeros((cout,), dtype)) if use_bias else None
 
     def __call__(self, x):

@@ -10,6 +10,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from wan_tpu.layers import initializers
+
 
 def timestep_embedding(t, dim: int, flip_sin_to_cos: bool = True, downscale_freq_shift: float = 0.0,
                        max_period: float = 10000.0):
@@ -33,7 +35,8 @@ def timestep_embedding(t, dim: int, flip_sin_to_cos: bool = True, downscale_freq
 
 def linear(din: int, dout: int, dtype, rngs: nnx.Rngs, use_bias: bool = True) -> nnx.Linear:
     """A linear layer (biased unless `use_bias=False`) whose parameters and matmul run in `dtype`."""
-    return nnx.Linear(din, dout, use_bias=use_bias, dtype=dtype, param_dtype=dtype, rngs=rngs)
+    return nnx.Linear(din, dout, use_bias=use_bias, dtype=dtype, param_dtype=dtype, kernel_init=initializers.lecun_normal,
+                      rngs=rngs)
 
 
 class TimestepEmbedding(nnx.Module):

@@ -24,6 +24,7 @@ from flax import nnx
 
 from wan_tpu.configs.autoencoder_kl import AutoencoderKLConfig
 from wan_tpu.errors import WanInputError
+from wan_tpu.layers import initializers
 from wan_tpu.layers.attention import attention
 from wan_tpu.layers.norms import GroupNorm
 
@@ -46,7 +47,8 @@ class DiagonalGaussian(NamedTuple):
 
 def _conv(cin, cout, k, *, dtype, rngs, stride=1, padding=None):
     pad = ((k // 2, k // 2),) * 2 if padding is None else padding
-    return nnx.Conv(cin, cout, (k, k), strides=stride, padding=pad, dtype=dtype, param_dtype=dtype, rngs=rngs)
+    return nnx.Conv(cin, cout, (k, k), strides=stride, padding=pad, dtype=dtype, param_dtype=dtype,
+                    kernel_init=initializers.lecun_normal, rngs=rngs)
 
 
 class ResnetBlock2D(nnx.Module):
@@ -68,7 +70,8 @@ class AttentionBlock(nnx.Module):
 
     def __init__(self, c, groups, *, dtype, rngs):
         self.group_norm = GroupNorm(groups, c, NORM_EPS)
-        linear = lambda: nnx.Linear(c, c, dtype=dtype, param_dtype=dtype, rngs=rngs)  # noqa: E731
+        linear = lambda: nnx.Linear(c, c, dtype=dtype, param_dtype=dtype,  # noqa: E731
+                                    kernel_init=initializers.lecun_normal, rngs=rngs)
         self.to_q, self.to_k, self.to_v, self.to_out = linear(), linear(), linear(), linear()
 
     def __call__(self, x):

@@ -17,6 +17,7 @@ import numpy as np
 from flax import nnx
 
 from wan_tpu.configs.unifolm import UnifolmHeadConfig
+from wan_tpu.layers import initializers
 from wan_tpu.layers.embeddings import linear, timestep_embedding
 from wan_tpu.layers.norms import FP32LayerNorm, GroupNorm
 from wan_tpu.unifolm.blocks import conv
@@ -142,7 +143,7 @@ class ConvTranspose1d(nnx.Module):
     (torch's (in, out, K) with the kernel axis first)."""
 
     def __init__(self, ch: int, *, dtype, rngs):
-        self.kernel = nnx.Param(jax.random.normal(rngs.params(), (4, ch, ch), dtype) / (4 * ch) ** 0.5)
+        self.kernel = nnx.Param(initializers.normal(rngs.params(), (4, ch, ch), dtype) / (4 * ch) ** 0.5)
         self.bias = nnx.Param(jnp.zeros((ch,), dtype))
 
     def __call__(self, x):

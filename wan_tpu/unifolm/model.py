@@ -28,7 +28,9 @@ from flax import nnx
 
 from wan_tpu.configs.unifolm import UnifolmConfig
 from wan_tpu.errors import WanInputError
+from wan_tpu.layers import initializers
 from wan_tpu.layers.embeddings import TextProjection
+from wan_tpu.layers.initializers import SHAPES_ONLY
 from wan_tpu.unifolm.perceiver import Perceiver
 from wan_tpu.unifolm.unet import WMAModel
 
@@ -43,17 +45,21 @@ class Conditions(NamedTuple):
 
 
 class KeyCounter:
-    """Stands in for `nnx.Rngs` while building: `params()` gives key(seed) folded with a Python counter.
+    """Stands in for `nnx.Rngs` while building an abstract module (`nnx.eval_shape`): `params()` gives
+    `SHAPES_ONLY`, so the initialisers trace zeros, not random draws (`wan_tpu.layers.initializers`); with
+    `shapes_only=False`, key(seed) folded with a Python counter.
 
     nnx.Rngs counts in a traced variable, and every count update under `eval_shape`/`jit` costs time
     linear in the trace so far (flax probes the tracer's sharding, which builds an error message over
     all equations): quadratic for the UNet's ~2,200 parameters (minutes). A host-side counter keeps
     tracing linear (seconds)."""
 
-    def __init__(self, seed: int = 0):
-        self.seed, self._count = seed, itertools.count()
+    def __init__(self, seed: int = 0, *, shapes_only: bool = True):
+        self.seed, self._count, self.shapes_only = seed, itertools.count(), shapes_only
 
     def params(self):
+        if self.shapes_only:
+            return SHAPES_ONLY
         return jax.random.fold_in(jax.random.key(self.seed), next(self._count))
 
 
@@ -108,8 +114,8 @@ class UnifolmWMA(nnx.Module):
         # checkpoint carries them too).
         self.state_projector = TextProjection(config.agent_state_dim, d, dtype=dtype, rngs=rngs)
         self.action_projector = TextProjection(config.agent_action_dim, d, dtype=dtype, rngs=rngs)
-        self.agent_action_pos_emb = nnx.Param(jax.random.normal(rngs.params(), (1, 16, d), dtype))
-        self.agent_state_pos_emb = nnx.Param(jax.random.normal(rngs.params(), (1, n_obs, d), dtype))
+        self.agent_action_pos_emb = nnx.Param(initializers.normal(rngs.params(), (1, 16, d), dtype))
+        self.agent_state_pos_emb = nnx.Param(initializers.normal(rngs.params(), (1, n_obs, d), dtype))
 
     def build_context(self, text_emb, clip_tokens, obs_state=None, actions=None, keep_action_tokens=True):
         """The cross-attention context of their sampling scripts (B, L, D) — per frame already for a

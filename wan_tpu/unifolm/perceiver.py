@@ -16,6 +16,7 @@ from flax import nnx
 
 from wan_tpu.configs.unifolm import PerceiverConfig
 from wan_tpu.layers import attention as attention_lib
+from wan_tpu.layers import initializers
 from wan_tpu.layers.embeddings import linear
 from wan_tpu.layers.norms import FP32LayerNorm
 from wan_tpu.unifolm.blocks import heads, merge_heads
@@ -63,7 +64,7 @@ class Perceiver(nnx.Module):
     (no proj_in; norm_out over dim, which equals output_dim in every config)."""
 
     def __init__(self, cfg: PerceiverConfig, *, dtype, rngs, attention_impl=None):
-        self.latents = nnx.Param(jax.random.normal(rngs.params(), (1, cfg.num_latents, cfg.dim), dtype) / cfg.dim**0.5)
+        self.latents = nnx.Param(initializers.normal(rngs.params(), (1, cfg.num_latents, cfg.dim), dtype) / cfg.dim**0.5)
         self.proj_in = linear(cfg.embedding_dim, cfg.dim, dtype, rngs) if cfg.embedding_dim else None
         self.layers = nnx.List([PerceiverLayer(cfg, dtype=dtype, rngs=rngs) for _ in range(cfg.depth)])
         self.proj_out = linear(cfg.dim, cfg.output_dim, dtype, rngs)
