@@ -1,7 +1,7 @@
 """UniFoLM sampling: the video DDIM (v-prediction, zero-terminal-SNR betas, dynamic x0 rescale) and the
 heads' own DDIM (diffusers `DDIMScheduler`, squaredcos_cap_v2, ε-prediction, clipped x0), stepped
 together in **one compiled loop** (`lax.scan` over the steps), or with `programs=K` each step as K programs
-(the UNet's blocks cut in K) run by a loop over the steps.
+(the UNet's blocks cut in K), or with `programs=LAYERS` a program per kind of layer, run by a loop over the steps.
 
     latents, actions, states = sample(model, cond, num_steps=50, eta=1.0, key=jax.random.key(123))
 
