@@ -102,7 +102,6 @@ PROBES = [
     ("unifolm iterations 0", UNI[:2] + ["--mode", "interact", "--observation", "obs.npz", "--iterations", "0"], "--iterations"),
     ("unifolm sampling programs 0", UNI + ["--sampling-programs", "0"], "--sampling-programs"),
     ("unifolm sampling programs 99", UNI + ["--sampling-programs", "99"], "sampling programs must be a whole number from 1"),
-    ("unifolm sampling programs word", UNI + ["--sampling-programs", "lots"], "or 'layers'"),
     ("unifolm NaN state", UNI[:6] + ["--observation", "nan_obs.npz"], "NaN"),
     ("unifolm NaN state json", UNI[:6] + ["--observation", "obs_nan.json"], "NaN"),
     ("unifolm NaN action", UNI_WORLD + ["--actions", "nan_actions.npz"], "NaN"),

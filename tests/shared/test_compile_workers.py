@@ -62,28 +62,6 @@ def test_a_program_compiled_in_a_worker_gives_the_same_bits(pool):
     assert compile_workers.stats()["fell_back"] == before + 1
 
 
-def test_small_programs_of_a_named_function_go_to_a_worker(pool, monkeypatch):
-    """Below `MIN_BYTES` a program compiles here, unless its function asked to be sent whatever its size (many
-    small programs of a second each: UnifoLM's layer programs); the bits are the same either way."""
-    monkeypatch.setattr(compile_workers, "MIN_BYTES", 2**30)
-    monkeypatch.setattr(compile_workers, "_ANY_SIZE", set())
-
-    def layer_like(x):
-        return jnp.tanh(x @ x.T * 0.75)
-
-    x = jnp.asarray(X)
-    before = compile_workers.stats()["compiled"]
-    here = jax.jit(layer_like)(x)
-    assert compile_workers.stats()["compiled"] == before
-    compile_workers.send_any_size("layer_like")
-    there = jax.jit(lambda v: layer_like(v))(x)  # another function's name: still here
-    assert compile_workers.stats()["compiled"] == before
-    jax.clear_caches()
-    there = jax.jit(layer_like)(x)
-    assert compile_workers.stats()["compiled"] == before + 1
-    np.testing.assert_array_equal(np.asarray(there), np.asarray(here))
-
-
 def test_a_worker_that_died_costs_a_compile_here(pool):
     x = jnp.asarray(X)
     worker = pool.workers[0]

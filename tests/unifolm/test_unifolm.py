@@ -190,9 +190,6 @@ def test_the_step_is_cut_in_pieces_by_default_where_compile_workers_run(monkeypa
     assert UnifolmPipeline.from_pretrained("unifolm-tiny").sampling_programs == WORKER_SAMPLING_PROGRAMS == 4
     assert UnifolmPipeline.from_pretrained("unifolm-tiny", sampling_programs=2).sampling_programs == 2
     assert UnifolmPipeline.from_pretrained("unifolm-tiny").set_sampling_programs(1).sampling_programs == 1
-    assert UnifolmPipeline.from_pretrained("unifolm-tiny", sampling_programs="layers").sampling_programs == "layers"
-    with pytest.raises(WanInputError, match="or 'layers', got 'layer'"):
-        UnifolmPipeline.from_pretrained("unifolm-tiny", sampling_programs="layer")
 
 
 def test_prepare_checks_its_mode():

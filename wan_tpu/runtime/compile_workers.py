@@ -48,8 +48,6 @@ ENV = "WAN_TPU_COMPILE_WORKERS"
 # layout programs did not.
 MIN_BYTES = 32 * 1024
 MAX_DEFAULT = 4
-# Programs sent to a worker whatever their size (`send_any_size`): JAX's module names (`jit_<function>`).
-_ANY_SIZE: set[str] = set()
 MIN_GPU_BYTES = 40 * 2**30
 
 
@@ -114,12 +112,6 @@ def stop() -> None:
 
 def running() -> bool:
     return _POOL is not None
-
-
-def send_any_size(function_name: str) -> None:
-    """Programs of the jitted function `function_name` go to a worker below `MIN_BYTES` too: small programs that
-    come many at once and take a second each to compile (UnifoLM's layer programs, 7–12 kB), not single ops."""
-    _ANY_SIZE.add("jit_" + function_name)
 
 
 def _count(what: str) -> None:
@@ -190,7 +182,7 @@ def _compile(backend, module, executable_devices, options, host_callbacks):
     from jax._src.interpreters import mlir
 
     data = mlir.module_to_bytecode(module)
-    if len(data) < MIN_BYTES and (not _ANY_SIZE or _module_name(module) not in _ANY_SIZE):
+    if len(data) < MIN_BYTES:
         return _ORIGINAL(backend, module, executable_devices, options, host_callbacks)
     worker = pool.acquire()
     if not isinstance(worker, _Worker):  # here: in this process's own slot, or with no worker left

@@ -63,8 +63,9 @@ def _without_passes(*names: str) -> dict:
 # on an H200 (jax 0.11.2, with the shipped tuning, cold, in turns, 2026-11-29, `benchmarks/profile_compile.py
 # matrix-game --device`): first chunk 13.82 / 14.35 vs 17.12 / 17.42 s; the decode's compile 4.6 vs 9.2 s, the
 # first frame's encode 0.9 vs 2.9 s, XLA compile 18.1 vs 26.9 s in all; each later chunk 0.28-0.29 s either way.
-# UnifoLM-WMA's sampling, the same day, ran 2.64 s without it against 2.23 s with it, so only these programs take
-# it. A CPU or TPU compile has no such pass and ignores the option.
+# UnifoLM-WMA's one-program sampling, the same day, ran 2.64 s without it against 2.23 s with it, so it keeps it; its
+# step as pieces does not (`wan_tpu.unifolm.sampling.PIECES`). A CPU or TPU compile has no such pass and ignores the
+# option.
 NO_SOFTMAX_REWRITER = _without_passes("triton-softmax-rewriter")
 
 

@@ -35,7 +35,7 @@ import time
 from wan_tpu.errors import WanInputError
 from wan_tpu.runtime import interrupt
 from wan_tpu.runtime.cli import CliParser, add_common_args, check_attention, dtype_of, parse_mesh, run_cli
-from wan_tpu.unifolm.server import MAX_BODY, sampling_programs_flag
+from wan_tpu.unifolm.server import MAX_BODY
 
 FAMILIES = ("wan", "matrix-game", "unifolm")
 
@@ -70,9 +70,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--fs", type=int, default=None, help="UnifoLM: frame-stride condition (default: the config's)")
     p.add_argument("--stats", default=None, help="UnifoLM: LeRobot stats.safetensors (default: the checkpoint's)")
     p.add_argument("--encoder-dtype", choices=("float32", "bfloat16"), default="float32", help="UnifoLM: CLIP towers' dtype")
-    p.add_argument("--sampling-programs", type=sampling_programs_flag, default=None, metavar="K|layers",
-                   help="UnifoLM: each DDIM step as K programs compiled side by side, or 'layers': a program per "
-                        "kind of layer, the quickest cold start (default: 4 where compile workers run, else 1)")
+    p.add_argument("--sampling-programs", type=int, default=None, metavar="K",
+                   help="UnifoLM: each DDIM step as K programs compiled side by side (default: 4 where compile "
+                        "workers run, else 1: one program)")
     p.add_argument("--variant", default=None, help="Matrix-Game-2: universal, gta_drive or templerun")
     p.add_argument("--max-sessions", type=int, default=1, help="Matrix-Game-2: live sessions at once (default 1)")
     return p
@@ -115,7 +115,8 @@ def check_args(args) -> str | None:
     """Every flag that can be checked before loading; returns the API key."""
     if not 0 <= args.port <= 65535:
         raise WanInputError(f"--port must be 0..65535, got {args.port}")
-    for flag, value, low in (("--queue-size", args.queue_size, 1), ("--max-sessions", args.max_sessions, 1)):
+    for flag, value, low in (("--queue-size", args.queue_size, 1), ("--max-sessions", args.max_sessions, 1),
+                             ("--sampling-programs", args.sampling_programs, 1)):
         if value is not None and value < low:
             raise WanInputError(f"{flag} must be at least {low}, got {value}")
     if not args.grace >= 0:

@@ -27,7 +27,6 @@ import numpy as np
 from wan_tpu.errors import NonFiniteError, WanInputError
 from wan_tpu.runtime import distributed, interrupt
 from wan_tpu.runtime.cli import CliParser, add_common_args, check_attention, dtype_of, parse_mesh, run_cli
-from wan_tpu.unifolm.server import sampling_programs_flag
 
 MODES = ("decision", "world", "interact", "generate")
 
@@ -50,11 +49,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--iterations", type=int, default=1, help="interaction iterations (interact)")
     p.add_argument("--encoder-dtype", choices=("float32", "bfloat16"), default="float32",
                    help="the CLIP towers' dtype (bfloat16 halves their memory; the tiny presets' stay float32)")
-    p.add_argument("--sampling-programs", type=sampling_programs_flag, default=None, metavar="K|layers",
-                   help="run each DDIM step as K programs, compiled side by side and shared by every step count, or "
-                        "'layers': a program per kind of layer, the quickest cold start, each step slower (default: 4 "
-                        "where compile workers run, an NVIDIA GPU of 40 GB or more; else 1, the whole sampling as one "
-                        "program)")
+    p.add_argument("--sampling-programs", type=int, default=None, metavar="K",
+                   help="run each DDIM step as K programs, compiled side by side and shared by every step count "
+                        "(default: 4 where compile workers run, an NVIDIA GPU of 40 GB or more; else 1, the whole "
+                        "sampling as one program)")
     p.add_argument("--serve", type=int, metavar="PORT", help="serve POST /predict_action on 127.0.0.1:PORT instead of one "
                    "run (the process becomes wan-serve with the same flags)")
     return p
@@ -117,6 +115,8 @@ def check_settings(args) -> None:
         raise WanInputError(f"--fs must be at least 1 (fps // frame stride), got {args.fs}")
     if args.mode != "world" and args.actions is not None:
         raise WanInputError("--actions is the chunk --mode world plays; drop it for other modes")
+    if args.sampling_programs is not None and args.sampling_programs < 1:
+        raise WanInputError(f"--sampling-programs must be at least 1, got {args.sampling_programs}")
 
 
 def output_paths(video: str, with_vectors: bool, overwrite: bool) -> list[str]:

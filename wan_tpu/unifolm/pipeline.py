@@ -183,7 +183,7 @@ class UnifolmPipeline:
     def from_pretrained(cls, path_or_preset: str, *, mesh=None, dtype=jnp.float32, attention: str | None = None,
                         compile_cache: bool = True, stats: str | None = None,
                         encoder_dtype=jnp.float32, offload: str = "auto",
-                        sampling_programs: int | str | None = None) -> UnifolmPipeline:
+                        sampling_programs: int | None = None) -> UnifolmPipeline:
         """A converted checkpoint folder (`wan-convert-unifolm` (`wan_tpu/unifolm/convert.py`)) or a preset name
         (`unifolm-tiny`, `unifolm-tiny-base`: random weights, seconds on a CPU).
 
@@ -270,24 +270,22 @@ class UnifolmPipeline:
         self.offload = offload
         return self
 
-    def set_sampling_programs(self, programs: int | str | None = None) -> UnifolmPipeline:
+    def set_sampling_programs(self, programs: int | None = None) -> UnifolmPipeline:
         """The programs each DDIM step runs as (`wan_tpu.unifolm.sampling.sample`'s `programs`): 1, the whole
-        sampling loop in one program; K > 1, the step's UNet blocks cut in K programs; "layers" (`sampling.LAYERS`),
-        a program per kind of layer. Both compile side by side in `prepare`, serve every step count and run by a
-        loop over the steps. None (default): `WORKER_SAMPLING_PROGRAMS` where compile worker processes run
-        (`wan_tpu.runtime.compile_workers`, which compile the programs at the same time), else 1. Results agree
-        within float32 rounding (other fusions), not bit for bit."""
+        sampling loop in one program; K > 1, the step's UNet blocks cut in K programs, which `prepare` compiles
+        side by side and which serve every step count, run by a loop over the steps. None (default):
+        `WORKER_SAMPLING_PROGRAMS` where compile worker processes run (`wan_tpu.runtime.compile_workers`, which
+        compile the pieces at the same time), else 1. Results agree within float32 rounding (other fusions), not
+        bit for bit."""
         from wan_tpu.runtime import compile_workers
-        from wan_tpu.unifolm.sampling import LAYERS
         from wan_tpu.unifolm.unet import unit_count
 
         most = unit_count(self.config.unet)
         if programs is None:
             programs = min(WORKER_SAMPLING_PROGRAMS, most) if compile_workers.running() else 1
-        if programs != LAYERS and (isinstance(programs, bool) or not isinstance(programs, int)
-                                   or not 1 <= programs <= most):
-            raise WanInputError(f"sampling programs must be a whole number from 1 to {most} (the UNet's blocks) or "
-                                f"{LAYERS!r}, got {programs!r}")
+        if isinstance(programs, bool) or not isinstance(programs, int) or not 1 <= programs <= most:
+            raise WanInputError(f"sampling programs must be a whole number from 1 to {most} (the UNet's blocks), "
+                                f"got {programs!r}")
         self.sampling_programs = programs
         return self
 

@@ -1,7 +1,7 @@
 """UniFoLM sampling: the video DDIM (v-prediction, zero-terminal-SNR betas, dynamic x0 rescale) and the
 heads' own DDIM (diffusers `DDIMScheduler`, squaredcos_cap_v2, ε-prediction, clipped x0), stepped
 together in **one compiled loop** (`lax.scan` over the steps), or with `programs=K` each step as K programs
-(the UNet's blocks cut in K), or with `programs=LAYERS` a program per kind of layer, run by a loop over the steps.
+(the UNet's blocks cut in K), run by a loop over the steps.
 
     latents, actions, states = sample(model, cond, num_steps=50, eta=1.0, key=jax.random.key(123))
 
@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import functools
 import math
-import re
 
 import jax
 import jax.numpy as jnp
@@ -30,12 +29,17 @@ from flax import nnx
 
 from wan_tpu.configs.unifolm import UnifolmConfig
 from wan_tpu.errors import WanInputError
-from wan_tpu.runtime import compile_workers, executable_cache
+from wan_tpu.runtime import executable_cache, xla_defaults
 from wan_tpu.unifolm.model import Conditions
-from wan_tpu.unifolm.unet import apply_layer
 
-# `sample(programs=LAYERS)`: a step as one program per kind of layer (`_layer_program`), besides the first and last.
-LAYERS = "layers"
+# XLA options of the step's pieces (`programs=K`): no Triton softmax rewriter. Its Triton fusions of the UNet's
+# GroupNorms and LayerNorms were most of a piece's compile: the first piece's HLO passes took 8.1-9.6 s with them
+# (priority fusion tiling them 4.7-5.4 s, the rewriter 2.7-3.5 s), 1.3-1.4 s without (each with its shipped
+# tuning). UnifoLM-WMA-0 decision, 16 steps, H200, in turns, two calls (2026-11-30, `benchmarks/profile_compile.py
+# unifolm --device --runs 1`): first sampling cold 22.79 / 23.37 and 21.45 / 19.97 s vs 29.33 / 30.30 and
+# 27.14 / 26.44 s; the 16 steps 2.25-2.51 s (mean 2.35) vs 2.10-2.40 (2.31). The one-program loop keeps the
+# rewriter: it ran 18% slower without it.
+PIECES = xla_defaults.NO_SOFTMAX_REWRITER
 
 
 def video_alphas_cumprod(cfg: UnifolmConfig) -> np.ndarray:
@@ -248,9 +252,9 @@ def unit_layers(unet) -> list[int]:
 END_LAYERS = 1
 
 
-def _run_units(unet, units, carry, apply=None):
+def _run_units(unet, units, carry):
     for unit in units:
-        carry = unet.run_unit(unit, carry, apply)
+        carry = unet.run_unit(unit, carry)
     return carry
 
 
@@ -313,37 +317,6 @@ def _head_program(graphdef, treedef, leaves, sample_, maps, obs, uncond_obs, inp
     return _head_step(eps, sample_, inp["h_a"], inp["h_a_prev"], clip)
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "treedef", "t", "attn"))
-def _layer_program(graphdef, treedef, leaves, h, emb, context, skip, *, t, attn):
-    """One layer of the UNet (`unet.apply_layer`) as a program of its own (`programs=LAYERS`): its weights `leaves`
-    are arguments, so every layer of the same structure and shapes runs the same program."""
-    return apply_layer(_merge(graphdef, treedef, leaves), h, emb, context, t, skip, self_attn=attn[0],
-                       cross_attn=attn[1])
-
-
-compile_workers.send_any_size(_layer_program.__name__)
-
-
-def layer_programs(unet) -> dict:
-    """`id(layer)` → (graphdef, treedef, weights, text, kind) for every layer `unet.run_unit` applies: what
-    `_layer_program` takes; the text naming its structure in a program's key (function addresses left out; the
-    weights' shapes are in the key already); its kind, the text and the weights' shapes and dtypes (layers of one
-    kind given inputs of the same shapes run one program)."""
-    found = {}
-    for kind, i in unet.units():
-        block = unet.middle_block if kind == "mid" else (unet.input_blocks if kind == "in" else unet.output_blocks)[i]
-        for layer in (*block, *((unet.init_attn,) if (kind, i) == ("in", 0) else ())):
-            graphdef, state = nnx.split(layer)
-            leaves, treedef = jax.tree.flatten(state)
-            text = _ADDRESS.sub("", repr(graphdef))
-            kind = (text, tuple((tuple(leaf.shape), str(leaf.dtype)) for leaf in leaves))
-            found[id(layer)] = (graphdef, treedef, tuple(leaves), text, kind)
-    return found
-
-
-_ADDRESS = re.compile(r" at 0x[0-9a-fA-F]+")
-
-
 @functools.partial(jax.jit, static_argnames=("shapes", "num_steps", "stochastic"))
 def _noise_program(key, noise, shapes, num_steps, stochastic):
     """`_initial_noise` with the per-step noise as one array per step (the step programs take one step's)."""
@@ -361,47 +334,30 @@ def _step_constants(tables: dict, step_noise: tuple, i: int) -> dict:
 
 
 def _sample_programs(graphdef, state, cond, uncond, tables, key, noise, guidance_scale, guidance_rescale, clip,
-                     shapes, stochastic, runs, program_key, heads=(), layers=None):
+                     shapes, stochastic, runs, program_key, heads=()):
     """`_sample_loop`'s sampling with each step as `len(runs)` programs (`runs` from `cut_units`), then, for a model
     with heads, `_head_program` once per head (`heads`: the action and the state head's graphdef, treedef and
     weights), run by a Python loop over the steps. The programs take one step's constants, not the schedule, so
-    any step count runs them; compiled ahead (`executable_cache.ahead`) they compile side by side, a thread each.
-    `layers` (`programs=LAYERS`): (the UNet, `layer_programs(unet)`), `runs` then `((), ())`: between the first
-    program (the embeddings) and the last (the output convolution and the updates) every layer runs as
-    `_layer_program`, one program for the layers alike. The same noise as `_sample_loop`; results within float32
-    rounding of it (other fusions)."""
-    from wan_tpu.unifolm.blocks import ResBlock, SpatialTransformer
-
+    any step count runs them; compiled ahead (`executable_cache.ahead`) they compile side by side, a thread each,
+    with XLA's options `PIECES`. The same noise as `_sample_loop`; results within float32 rounding of it (other
+    fusions)."""
     num_steps = len(tables["t"])
     key_of = lambda *extra: None if program_key is None else (*program_key, *extra)  # noqa: E731
     x, action, st, step_noise = executable_cache.cached_call(
         "unifolm-sample-noise", key_of(shapes, num_steps, stochastic), _noise_program,
         (key, noise, shapes, num_steps, stochastic), static_argnums=(2, 3, 4))
-    programs: dict = {}  # (name, what tells it apart) → the program, found once (`cached_program`), then called
+    programs: dict = {}  # (name, units) → the program, found once (`cached_program`), then called every step
     # The weights go to the programs as one flat tuple, flattened once: a call given the UNet's state flattens
     # its 2,198 leaves through nnx's nodes every time (2.4–2.5 ms a call vs 0.41 ms, 2-core CPU host).
     leaves, treedef = jax.tree.flatten(state)
     leaves = tuple(leaves)
 
-    def run(name, memo, jitted, args, kwargs, static_argnames, key=None):
-        if (name, memo) not in programs:
-            programs[name, memo] = executable_cache.cached_program(
-                name, key_of(*(kwargs.values() if key is None else key)), jitted, args, kwargs, static_argnums=(0, 1),
-                static_argnames=static_argnames, key_names_statics=True)
-        return programs[name, memo](*args, **kwargs)
-
-    apply = None
-    if layers is not None:
-        unet, found = layers
-        attn = (unet.self_attention, unet.cross_attention)
-        shape_of = lambda a: None if a is None else tuple(a.shape)  # noqa: E731
-
-        def apply(layer, h, emb, context, t, skip):
-            layer_graphdef, layer_treedef, layer_leaves, text, kind = found[id(layer)]
-            args = (layer_graphdef, layer_treedef, layer_leaves, h, emb if isinstance(layer, ResBlock) else None,
-                    context if isinstance(layer, SpatialTransformer) else None, skip)
-            return run("unifolm-sample-layer", (kind, t, shape_of(h), shape_of(skip)), _layer_program, args,
-                       dict(t=t, attn=attn), ("t", "attn"), key=(text, t))
+    def run(name, units, jitted, args, kwargs, static_argnames):
+        if (name, units) not in programs:
+            programs[name, units] = executable_cache.cached_program(
+                name, key_of(*kwargs.values()), jitted, args, kwargs, static_argnums=(0, 1),
+                static_argnames=static_argnames, compiler_options=PIECES, key_names_statics=True)
+        return programs[name, units](*args, **kwargs)
 
     # Ahead of time (`prepare`) the first step meets every program; the other steps would only trace the same
     # calls again, seconds of Python under the GIL that the weights' loads need (UnifoLM-WMA-0, 16 steps, 4
@@ -410,8 +366,6 @@ def _sample_programs(graphdef, state, cond, uncond, tables, key, noise, guidance
         inp = _step_constants(tables, step_noise, i)
         carry = run("unifolm-sample-first", runs[0], _first_program,
                     (graphdef, treedef, leaves, cond, uncond, x, action, st, inp), dict(units=runs[0]), ("units",))
-        if apply is not None:
-            carry = _run_units(unet, unet.units(), carry, apply)
         for units in runs[1:-1]:
             carry = run("unifolm-sample-middle", units, _middle_program, (graphdef, treedef, leaves, carry),
                         dict(units=units), ("units",))
@@ -444,9 +398,7 @@ def sample(model, cond: Conditions, *, num_steps: int = 50, eta: float = 1.0, ke
     (`UnifolmPipeline.program_key`): what determines the model's program; with it the compiled loop is
     kept whole on disk and a later process loads it without tracing (`wan_tpu.runtime.executable_cache`).
     `programs` > 1: each step runs as that many programs (`_sample_programs`), which compile side by side and
-    serve every step count, instead of one program holding the whole loop; `LAYERS`: each layer as a program of
-    its own, layers of the same structure and shapes (the output blocks' transformers and the input blocks' at a
-    level, most ResBlocks of a level) running one program, so fewer operations compile.
+    serve every step count, instead of one program holding the whole loop.
     """
     cfg = model.config
     b, c, t, h, w = cond.concat.shape
@@ -470,8 +422,7 @@ def sample(model, cond: Conditions, *, num_steps: int = 50, eta: float = 1.0, ke
     graphdef, state = nnx.split(model.diffusion_model)
     if programs != 1:
         unet = model.diffusion_model
-        layers = (unet, layer_programs(unet)) if programs == LAYERS else None
-        runs = ((), ()) if programs == LAYERS else cut_units(unet, programs)
+        runs = cut_units(unet, programs)
         heads = []
         for head in () if unet.action_unet is None else (unet.action_unet, unet.state_unet):
             head_graphdef, head_state = nnx.split(head)
@@ -479,7 +430,7 @@ def sample(model, cond: Conditions, *, num_steps: int = 50, eta: float = 1.0, ke
             heads.append((head_graphdef, head_treedef, tuple(head_leaves)))
         return _sample_programs(graphdef, state, cond, uncond if guided else None, tables, key, injected,
                                 jnp.float32(guidance_scale), jnp.float32(guidance_rescale), cfg.head_clip_sample,
-                                (shape, act_shape, st_shape), stochastic, runs, program_key, tuple(heads), layers)
+                                (shape, act_shape, st_shape), stochastic, runs, program_key, tuple(heads))
     tables = {k: jnp.asarray(v) for k, v in tables.items()}
     args = (graphdef, state, cond, uncond if guided else None, tables, key, injected, jnp.float32(guidance_scale),
             jnp.float32(guidance_rescale), cfg.head_clip_sample, (shape, act_shape, st_shape), stochastic)

@@ -44,21 +44,6 @@ def resize_center_crop(images: np.ndarray, height: int, width: int) -> np.ndarra
 MAX_BODY = 64 * 2**20  # 64 MiB: two 3×1080×1920 frames as JSON numbers fit; a larger body is refused unread (413)
 
 
-def sampling_programs_flag(text: str):
-    """`--sampling-programs` of `wan-unifolm` and `wan-serve`: a whole number K of at least 1, or `layers`."""
-    import argparse
-
-    if text == "layers":
-        return text
-    try:
-        programs = int(text)
-    except ValueError:
-        programs = 0
-    if programs < 1:
-        raise argparse.ArgumentTypeError(f"must be a whole number of at least 1 or 'layers', got {text!r}")
-    return programs
-
-
 def one_line(error: BaseException) -> str:
     """An error as one line for the response's `desc` (never a traceback)."""
     text = " ".join(str(error).split()) or type(error).__name__

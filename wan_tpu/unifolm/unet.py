@@ -46,22 +46,6 @@ def default_attention(impl):
     return functools.partial(attention_lib.attention, impl=impl)
 
 
-def apply_layer(layer, h, emb, context, t: int, skip=None, *, self_attn, cross_attn):
-    """One layer of a `WMAModel` unit on the activations `h` (an output block's first: `skip`, the input block's
-    activations, concatenated to them first): `emb` the ResBlocks' embedding, `context` the spatial transformers',
-    `t` frames per clip; `self_attn`, `cross_attn` the UNet's attention hooks."""
-    if skip is not None:
-        h = jnp.concatenate([h, skip], axis=-1)
-    attn = dict(self_attn=self_attn, cross_attn=cross_attn)
-    if isinstance(layer, ResBlock):
-        return layer(h, emb, t)
-    if isinstance(layer, SpatialTransformer):
-        return layer(h, context, **attn)
-    if isinstance(layer, TemporalTransformer):
-        return layer(h, t, **attn)
-    return layer(h)
-
-
 class WMAModel(nnx.Module):
     def __init__(self, config: UnifolmConfig, *, dtype=jnp.float32, rngs: nnx.Rngs, attention_impl=None):
         self.config = config
@@ -196,26 +180,31 @@ class WMAModel(nnx.Module):
         return dict(h=h, hs=[], maps=[], prev=None, emb=jnp.repeat(emb, t, axis=0), context=context.astype(self.dtype),
                     timesteps=timesteps)
 
-    def run_unit(self, unit: tuple[str, int], carry: dict, apply=None) -> dict:
-        """One of `units()` on the carry → the next carry (the skip activations and head maps in it). `apply`: how
-        a layer runs (`apply_layer`'s arguments; default `apply_layer`): a caller may run each layer as a program of
-        its own."""
+    def run_unit(self, unit: tuple[str, int], carry: dict) -> dict:
+        """One of `units()` on the carry → the next carry (the skip activations and head maps in it)."""
         kind, i = unit
-        apply = apply or self.apply_layer
         h, hs, maps, prev = carry["h"], list(carry["hs"]), list(carry["maps"]), carry["prev"]
         emb, context = carry["emb"], carry["context"]
         t = emb.shape[0] // carry["timesteps"].shape[0]
+        attn = dict(self_attn=self.self_attention, cross_attn=self.cross_attention)
 
-        def run(block, h, skip=None):
+        def run(block, h):
             for layer in block:
-                h, skip = apply(layer, h, emb, context, t, skip), None
+                if isinstance(layer, ResBlock):
+                    h = layer(h, emb, t)
+                elif isinstance(layer, SpatialTransformer):
+                    h = layer(h, context, **attn)
+                elif isinstance(layer, TemporalTransformer):
+                    h = layer(h, t, **attn)
+                else:
+                    h = layer(h)
             return h
 
         if kind == "in":
             block = self.input_blocks[i]
             h = run(block, h)
             if i == 0:
-                h = apply(self.init_attn, h, emb, context, t, None)
+                h = self.init_attn(h, t, **attn)
             if i and isinstance(block[0], Downsample):
                 maps.append(hs[-1])
             hs.append(h)
@@ -225,16 +214,11 @@ class WMAModel(nnx.Module):
             maps.append(h)
         else:
             block = self.output_blocks[i]
-            h = run(block, h, hs.pop())
+            h = run(block, jnp.concatenate([h, hs.pop()], axis=-1))
             if isinstance(block[-1], Upsample):
                 maps.append(prev)
             prev = h
         return dict(carry, h=h, hs=hs, maps=maps, prev=prev)
-
-    def apply_layer(self, layer, h, emb, context, t: int, skip=None):
-        """`apply_layer` with this UNet's attention hooks."""
-        return apply_layer(layer, h, emb, context, t, skip, self_attn=self.self_attention,
-                           cross_attn=self.cross_attention)
 
     def end_video(self, carry: dict):
         """The output convolution on the carry: v (B, 4, T, H, W) in the authors' layout."""
