@@ -35,10 +35,9 @@ from wan_tpu.unifolm.model import Conditions
 # XLA options of the step's pieces (`programs=K`): no Triton softmax rewriter. Its Triton fusions of the UNet's
 # GroupNorms and LayerNorms were most of a piece's compile: the first piece's HLO passes took 8.1-9.6 s with them
 # (priority fusion tiling them 4.7-5.4 s, the rewriter 2.7-3.5 s), 1.3-1.4 s without (each with its shipped
-# tuning). UnifoLM-WMA-0 decision, 16 steps, H200, in turns, two calls (2026-11-30, `benchmarks/profile_compile.py
-# unifolm --device --runs 1`): first sampling cold 22.79 / 23.37 and 21.45 / 19.97 s vs 29.33 / 30.30 and
-# 27.14 / 26.44 s; the 16 steps 2.25-2.51 s (mean 2.35) vs 2.10-2.40 (2.31). The one-program loop keeps the
-# rewriter: it ran 18% slower without it.
+# tuning). UnifoLM-WMA-0 decision, 16 steps, H200, in turns (2026-11-30, `benchmarks/profile_compile.py unifolm
+# --device --runs 1`): first sampling cold 22.79 / 23.37 s vs 29.33 / 30.30 s; the 16 steps, over two calls,
+# 2.25-2.51 s (mean 2.35) vs 2.10-2.40 (2.31). The one-program loop keeps the rewriter: it ran 18% slower without it.
 PIECES = xla_defaults.NO_SOFTMAX_REWRITER
 
 
