@@ -30,7 +30,6 @@ from wan_tpu.configs.unifolm import UnifolmConfig
 from wan_tpu.errors import WanInputError
 from wan_tpu.layers import initializers
 from wan_tpu.layers.embeddings import TextProjection
-from wan_tpu.layers.initializers import SHAPES_ONLY
 from wan_tpu.unifolm.perceiver import Perceiver
 from wan_tpu.unifolm.unet import WMAModel
 
@@ -59,7 +58,7 @@ class KeyCounter:
 
     def params(self):
         if self.shapes_only:
-            return SHAPES_ONLY
+            return initializers.SHAPES_ONLY
         return jax.random.fold_in(jax.random.key(self.seed), next(self._count))
 
 
