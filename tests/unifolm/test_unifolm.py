@@ -102,10 +102,10 @@ def test_modes_and_queues(pipe):
 @pytest.mark.slow  # compiles the stage programs twice (about 90 s on 2 cores)
 def test_prepare_compiles_the_stage_programs_ahead_and_changes_no_bit(monkeypatch):
     """`prepare("decision")` loads the components and loads or compiles the prepare, sampling and decode
-    programs and the encoders' in its threads (one per program, side by side), none on the caller's; `decide` then
-    gives bit-identical outputs to a run without it. Each run with the cache off, JAX's caches cleared and the in-process
-    program memo emptied first, so that it compiles its own programs. Reference: the run without
-    `prepare`; tolerance: none."""
+    programs and the encoders' in its threads (one per program, side by side), and the caller's thread compiles no
+    program at all; `decide` then gives bit-identical outputs to a run without it. Each run with the cache off, JAX's
+    caches cleared and the in-process program memo emptied first, so that it compiles its own programs. Reference:
+    the run without `prepare`; tolerance: none."""
     import jax
 
     from wan_tpu.runtime import executable_cache
@@ -136,7 +136,9 @@ def test_prepare_compiles_the_stage_programs_ahead_and_changes_no_bit(monkeypatc
     assert stages <= {f for _, f in ahead}
     assert len({thread for thread, _ in ahead}) == len(stages)  # side by side, a thread each
     main = {f for thread, f in seen["prepare"] if thread == "MainThread"}
-    assert not main & stages, main
+    # Nor any other program: the calls' few operations outside the stage programs (the seed's keys, the last
+    # observed frame) were compiled in `prepare`'s thread, and the rest is put or read on the host.
+    assert not main, main
     for field in ("video_raw", "actions_raw", "actions"):
         np.testing.assert_array_equal(getattr(outputs["prepare"], field), getattr(outputs["plain"], field))
 

@@ -340,8 +340,9 @@ class UnifolmPipeline:
         modules (from their configs: no wait for their weights) and the encoders' outputs' shapes (from
         abstract encoders for a folder; a preset's once loaded), each program's outputs giving the next one's
         inputs: the calls' own code traced (`jax.eval_shape`) with `executable_cache.ahead` (which compiles
-        them side by side, a thread each, once each is lowered), so nothing runs on the devices in these
-        threads (the encoders' small programs compile on first use, as without `prepare`). The calls wait for them,
+        them side by side, a thread each, once each is lowered), so no stage program runs in these threads; then
+        the calls' few operations outside them (the seed's keys, the last observed frame) run once on zeros, so
+        that a call after `prepare` compiles nothing. The calls wait for them,
         then run the very programs compiled here: the results are bit-identical with and without
         `prepare`. A compile that fails is a warning and the call compiles on use. With a mesh only the
         loads run ahead. The threads run in this pipeline's `compile_cache` choice."""
@@ -374,9 +375,9 @@ class UnifolmPipeline:
 
     def _compile_stages(self, warmup, encoders, mode: str, num_steps: int, eta: float, keep_action_tokens: bool) -> None:
         """The stage programs of `prepare(mode)`, through the calls' own code (`_stages`) with
-        `executable_cache.ahead`, traced by `jax.eval_shape` (nothing runs on the devices here): inputs of
+        `executable_cache.ahead`, traced by `jax.eval_shape` (no stage program runs here): inputs of
         the calls' shapes, the abstract model and VAE, and the encoders `encoders` (functions) give: abstract
-        ones, or the loaded ones."""
+        ones, or the loaded ones. Then the calls' operations outside the stage programs, once on zeros."""
         from wan_tpu.runtime.compile_ahead import Cancelled
 
         model, vae = self._abstracts["model"](), self._abstracts["vae"]()
@@ -402,6 +403,10 @@ class UnifolmPipeline:
         with executable_cache.ahead():
             jax.eval_shape(stages, images, spec(1, n, cfg.agent_state_dim), spec(1, t, cfg.agent_action_dim),
                            jax.eval_shape(jax.random.key, 0))
+        # The calls' remaining work on the device outside the stage programs, the seed's keys and the last observed
+        # frame, compiles small programs of its own (0.1-0.3 s each on an H200), which the first call compiled after
+        # the loads: run once here on zeros of the inputs' shapes, so that it finds them compiled.
+        jax.block_until_ready((_seed_keys(0), jnp.zeros(images.shape, images.dtype)[:, :, -1]))
 
     # ---- inputs ---------------------------------------------------------------------------------
     def check_images(self, images, n_obs: int | None = None) -> jax.Array:
@@ -423,7 +428,7 @@ class UnifolmPipeline:
             raise WanInputError(f"images are {x.shape[3]}x{x.shape[2]}; {self.name} takes {self.width}x{self.height} "
                                 "(resize the short side and centre-crop, as the authors' data pipeline)")
         x = np.concatenate([np.repeat(x[:1], n_obs - x.shape[0], axis=0), x]).astype(np.float32)
-        return jnp.asarray(x.transpose(1, 0, 2, 3)[None])
+        return jax.device_put(x.transpose(1, 0, 2, 3)[None])  # put as is: `jnp.asarray` compiled a program per shape
 
     def _dof(self, kind: str, given: int | None) -> int:
         if self.stats is not None:
@@ -446,7 +451,7 @@ class UnifolmPipeline:
         if self.stats is not None:
             x = self.stats.normalize(x, kind)
         x = np.concatenate([np.repeat(x[:1], rows - x.shape[0], axis=0), x])
-        return jnp.asarray(np.pad(x, ((0, 0), (0, limit - dof)))[None]), dof
+        return jax.device_put(np.pad(x, ((0, 0), (0, limit - dof)))[None].astype(np.float32)), dof
 
     def _out(self, y, kind: str, dof: int) -> np.ndarray:
         y = np.asarray(y, np.float32)[..., :dof]
@@ -474,7 +479,9 @@ class UnifolmPipeline:
     def _encode_conditions(self, model, vae, image_encoder, text, images, states, actions, fs, key, noise,
                            keep_action_tokens):
         last = images[:, :, -1]
-        fs = jnp.asarray(self.config.unet.default_fs if fs is None else fs, jnp.int32)
+        # On the host: a device scalar made from a number compiled a program of its own (also in the ahead trace,
+        # where a host value gives the programs the same signature).
+        fs = np.asarray(self.config.unet.default_fs if fs is None else fs, np.int32)
         # Without `noise`, `key` draws it inside the program (`_prepare`).
         return _prepare_split(model, vae, text, image_encoder.encode(last), last, key if noise is None else noise,
                               images, states, actions, fs, keep_action_tokens=keep_action_tokens, key=self.program_key)
@@ -518,8 +525,7 @@ class UnifolmPipeline:
         in `self.timer`). `seed`: an int or a key."""
         model, vae, image_encoder, encode_text = parts
         stage = self._stage if timed else lambda name: contextlib.nullcontext()
-        key = jax.random.key(seed) if isinstance(seed, int) else seed
-        k_vae, k_sample = jax.random.split(key)
+        k_vae, k_sample = _seed_keys(seed)
         with stage("encode conditions"):
             cond = jax.block_until_ready(self._encode_conditions(model, vae, image_encoder, encode_text(prompt), images,
                                                                  states, actions, fs, k_vae, None, keep_action_tokens))
@@ -532,7 +538,7 @@ class UnifolmPipeline:
             video = jax.block_until_ready(_decode_split(vae, latents, self.program_key))
             if isinstance(video, jax.Array) and not video.is_fully_addressable:  # spread over several processes
                 video = distributed.to_host(video)
-            video = video[0]
+            video = np.asarray(video)[0]  # on the host: the device's indexing compiled a program of its own
         return video, act, st
 
     def _run(self, prompt, images, states, actions, fs, num_steps, eta, seed, keep_action_tokens=True):
@@ -563,8 +569,9 @@ class UnifolmPipeline:
         st, state_dof = self.check_vectors(states, "state", n, pad_rows=True)
         action_dof = self._dof("action", None) or state_dof
         video, act, _ = self._run(instruction, imgs, st, None, fs, num_steps, eta, seed, keep_action_tokens)
-        return UnifolmOutput(to_uint8(video), np.asarray(video), actions=self._out(act[0], "action", action_dof),
-                             actions_raw=np.asarray(act[0]))
+        act = np.asarray(act)[0]
+        return UnifolmOutput(to_uint8(video), np.asarray(video), actions=self._out(act, "action", action_dof),
+                             actions_raw=act)
 
     @in_pipeline_choice
     def predict(self, images, states, actions, *, num_steps: int | None = None, eta: float = 1.0, seed=0,
@@ -577,8 +584,9 @@ class UnifolmPipeline:
         st, state_dof = self.check_vectors(states, "state", n, pad_rows=True)
         act, _ = self.check_vectors(actions, "action", self.config.unet.temporal_length, pad_rows=False)
         video, _, st_out = self._run("", imgs, st, act, fs, num_steps, eta, seed)
-        return UnifolmOutput(to_uint8(video), np.asarray(video), states=self._out(st_out[0], "state", state_dof),
-                             states_raw=np.asarray(st_out[0]))
+        st_out = np.asarray(st_out)[0]
+        return UnifolmOutput(to_uint8(video), np.asarray(video), states=self._out(st_out, "state", state_dof),
+                             states_raw=st_out)
 
     @in_pipeline_choice
     def interact(self, instruction: str, image, state, iterations: int = 1, *, num_steps: int | None = None,
@@ -673,6 +681,13 @@ def _prepare_split(model, vae, *args, keep_action_tokens: bool, key: tuple | Non
         "unifolm-prepare", None if key is None else (*key, keep_action_tokens), _prepare_program,
         (model_graph, vae_graph, model_state, vae_state, *args), {"keep_action_tokens": keep_action_tokens},
         static_argnums=(0, 1), static_argnames=("keep_action_tokens",), key_names_statics=True)
+
+
+def _seed_keys(seed) -> tuple:
+    """A call's (VAE posterior key, sampling key) from `seed` (an int or a key)."""
+    key = jax.random.key(seed) if isinstance(seed, int) else seed
+    k_vae, k_sample = jax.random.split(key)
+    return k_vae, k_sample
 
 
 def _decode_split(vae, z, key: tuple | None):

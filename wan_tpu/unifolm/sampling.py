@@ -428,11 +428,12 @@ def sample(model, cond: Conditions, *, num_steps: int = 50, eta: float = 1.0, ke
             head_leaves, head_treedef = jax.tree.flatten(head_state)
             heads.append((head_graphdef, head_treedef, tuple(head_leaves)))
         return _sample_programs(graphdef, state, cond, uncond if guided else None, tables, key, injected,
-                                jnp.float32(guidance_scale), jnp.float32(guidance_rescale), cfg.head_clip_sample,
+                                np.float32(guidance_scale), np.float32(guidance_rescale), cfg.head_clip_sample,
                                 (shape, act_shape, st_shape), stochastic, runs, program_key, tuple(heads))
-    tables = {k: jnp.asarray(v) for k, v in tables.items()}
-    args = (graphdef, state, cond, uncond if guided else None, tables, key, injected, jnp.float32(guidance_scale),
-            jnp.float32(guidance_rescale), cfg.head_clip_sample, (shape, act_shape, st_shape), stochastic)
+    # Host values, put as they are: a device array made from each compiled a program of its own before the loop.
+    tables = jax.device_put(tables)
+    args = (graphdef, state, cond, uncond if guided else None, tables, key, injected, np.float32(guidance_scale),
+            np.float32(guidance_rescale), cfg.head_clip_sample, (shape, act_shape, st_shape), stochastic)
     key = None if program_key is None else (*program_key, cfg.head_clip_sample, stochastic)
     return executable_cache.cached_call("unifolm-sample", key, _sample_loop, args, static_argnums=(0, 9, 10, 11),
                                         key_names_statics=True)
