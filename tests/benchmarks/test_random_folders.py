@@ -56,14 +56,16 @@ def test_unifolm_tiny_folder_loads(tmp_path):
 
 
 @pytest.mark.slow  # compiles the tiny stage programs (about 15 s on 2 cores)
-def test_unifolm_folder_compiles_its_stages_before_the_encoders_load(tmp_path, backend_compiles):
+def test_unifolm_folder_compiles_its_stages_before_the_encoders_load(tmp_path, backend_compiles, monkeypatch):
     """A converted folder's `prepare` compiles the stage programs for the CLIP towers built from their
     configs: with the towers' loads held back, the stage programs still compile; the towers then load with the
-    abstract ones' structure, and `decide` runs the programs compiled ahead (none compiled on its thread)."""
+    abstract ones' structure, and `decide` runs the programs compiled ahead (none compiled on its thread). The
+    UNet's host conversions all wait for the stage programs' trace to end."""
     import threading
 
     from flax import nnx
 
+    from wan_tpu.loading.params import StoredParam
     from wan_tpu.unifolm.pipeline import UnifolmPipeline
 
     folder = tmp_path / "uf"
@@ -73,10 +75,17 @@ def test_unifolm_folder_compiles_its_stages_before_the_encoders_load(tmp_path, b
     for name in ("image_encoder", "text_encoder"):
         load = pipe._loaders[name]
         pipe._loaders[name] = lambda load=load: (gate.wait(60), load())[1]
+    traced, unet_conversions = [], []
+    compile_stages, read_host = pipe._compile_stages, StoredParam.read_host
+    pipe._compile_stages = lambda *a: (traced.append(a[-1]), compile_stages(*a))[1]
+    monkeypatch.setattr(StoredParam, "read_host", lambda self: (
+        unet_conversions.append(traced[0].is_set()) if any(f.endswith("unet.safetensors") for f in self.tensors.files)
+        else None, read_host(self))[1])
     with pipe.prepare("decision", num_steps=2) as warmup:
         warmup.compiles["stages"].result(timeout=300)
         assert not gate.is_set() and not warmup.loads["image_encoder"].done()
         gate.set()
+    assert len(traced) == 1 and unet_conversions and all(unet_conversions)
     for name in ("image_encoder", "text_encoder"):
         assert nnx.graphdef(pipe._abstracts[name]().model) == nnx.graphdef(pipe.component(name).model)
     start = len(backend_compiles)

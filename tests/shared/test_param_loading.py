@@ -112,7 +112,54 @@ def test_layout_programs_compile_without_autotuning_on_gpus(source, monkeypatch)
     params = cases(src)[:4]
     for p, out in zip(params, load_params(params)):
         np.testing.assert_array_equal(np.asarray(out).view(np.uint8), host_reference(p, tensors).view(np.uint8))
-    assert seen == [{"xla_gpu_enable_command_buffer": "", "xla_gpu_autotune_level": 0}] * len(params)
+    # Each program met twice: compiled in the layout thread (`_compile_layouts`), then called by its parameter.
+    assert seen == [{"xla_gpu_enable_command_buffer": "", "xla_gpu_autotune_level": 0}] * (2 * len(params))
+
+
+def test_early_puts_are_taken_once_and_give_the_hosts_bits(source, monkeypatch):
+    """`EarlyPuts` puts the large tensors as stored before any parameter list exists; `load_params(early=)` takes
+    each instead of putting it again (a tensor that a second parameter reads is put again for it, as without), and
+    every layout program compiles once, in the layout thread, before its parameter's call: results bit for bit
+    the host's."""
+    from wan_tpu.runtime import executable_cache
+
+    src, tensors = source
+    monkeypatch.setattr(param_loading, "DEVICE_LAYOUT_BYTES", 0)
+    monkeypatch.setattr(executable_cache, "_CALLED", {})
+    puts, put_stored = [], param_loading._put_stored
+    monkeypatch.setattr(param_loading, "_put_stored", lambda t, n: puts.append(n) or put_stored(t, n))
+    compiled, store = [], executable_cache.store
+    monkeypatch.setattr(executable_cache, "store", lambda name, *a, **k: compiled.append(name) or store(name, *a, **k))
+    early = param_loading.EarlyPuts(src)
+    params = cases(src)
+    for p, out in zip(params, load_params(params, early=early)):
+        ref = host_reference(p, tensors)
+        assert out.dtype == ref.dtype and out.shape == ref.shape
+        np.testing.assert_array_equal(np.asarray(out).view(np.uint8), ref.view(np.uint8))
+    assert sorted(puts) == sorted(tensors)  # each stored tensor put once, early
+    assert all(early.take(src, name) is None for name in tensors)  # all taken
+    # Five device layouts (the as-stored bias needs none): five programs, none compiled twice.
+    assert compiled == ["param-layout"] * 5
+
+
+def test_closed_early_puts_hold_nothing(source, monkeypatch):
+    """A load that fails its checks closes its `EarlyPuts`: what was put is dropped and nothing more is put; another
+    source's tensors are never taken from it."""
+    src, tensors = source
+    monkeypatch.setattr(param_loading, "DEVICE_LAYOUT_BYTES", 0)
+    early = param_loading.EarlyPuts(src, threads=1)
+    other = TensorSource(src.files)
+    assert early.take(other, "bias") is None
+    early.close()
+    assert all(early.take(src, name) is None for name in tensors)
+    assert not [t for t in threading.enumerate() if t.name.startswith("wan_tpu-early-put")]
+    every = param_loading.EarlyPuts(src)
+    assert len(every._futures) == len(tensors)
+    every.close()
+    monkeypatch.setattr(param_loading, "DEVICE_LAYOUT_BYTES", 1 << 30)
+    none = param_loading.EarlyPuts(src)
+    assert not none._futures  # small tensors stay for the host's conversion
+    none.close()
 
 
 def test_place_gets_final_host_arrays_in_order(source):
@@ -181,3 +228,42 @@ def test_host_transpose_in_bands_matches_numpy_bitwise(tmp_path, monkeypatch, st
         assert got.dtype == ref.dtype and got.shape == ref.shape == ((3,) if stacked else ()) + (11, 37)
         assert got.flags.c_contiguous and got.tobytes() == ref.tobytes()
     assert not [t for t in threading.enumerate() if t.name.startswith("wan_tpu-transpose")]  # none outlives it
+
+
+def test_host_work_waits_for_its_event_while_the_early_puts_go_on(source, monkeypatch):
+    """Within `host_work_after(event)` `load_params` converts nothing on the host, and lays nothing out, before
+    `event` is set, while the large tensors' early puts go on (what UnifoLM's `prepare` runs its model's load in);
+    then every parameter comes out as the host's, bit for bit."""
+    import time
+
+    from wan_tpu.loading.params import StoredParam
+
+    src, tensors = source
+    monkeypatch.setattr(param_loading, "DEVICE_LAYOUT_BYTES", 48)  # the blocks' and conv's tensors: early puts
+    puts, put_stored = [], param_loading._put_stored
+    monkeypatch.setattr(param_loading, "_put_stored", lambda t, n: puts.append(n) or put_stored(t, n))
+    converted, read_host = [], StoredParam.read_host
+    monkeypatch.setattr(StoredParam, "read_host", lambda self: converted.append(self.names[0]) or read_host(self))
+    laid_out, layout_program = [], param_loading._layout_program
+    monkeypatch.setattr(param_loading, "_layout_program", lambda *a: laid_out.append(a) or layout_program(*a))
+    event, out, params = threading.Event(), [], cases(src)
+    early = param_loading.EarlyPuts(src)
+
+    def load():
+        with param_loading.host_work_after(event):
+            out.extend(load_params(params, early=early))
+
+    thread = threading.Thread(target=load)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while len(puts) < 4 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    time.sleep(0.3)
+    assert sorted(puts) == ["blocks.0.w", "blocks.1.w", "blocks.2.w", "conv"]
+    assert not converted and not out and thread.is_alive()
+    assert laid_out and all(isinstance(x, jax.ShapeDtypeStruct) for a in laid_out for x in a[0])  # compiles only
+    event.set()
+    thread.join(60)
+    assert converted == ["gamma"] and len(out) == len(params)
+    for p, o in zip(params, out):
+        np.testing.assert_array_equal(np.asarray(o).view(np.uint8), host_reference(p, tensors).view(np.uint8))

@@ -128,6 +128,40 @@ def test_loader_names_every_bad_key_in_one_line(tmp_path):
         assert part in msg
 
 
+def test_early_puts_load_the_same_bits_and_a_bad_folder_keeps_none(tmp_path, monkeypatch):
+    """Every UNet tensor put early (`EarlyPuts`, here from any size) and laid out on the device: each parameter
+    the same bits as converted on the host (the tiny tensors' own path), each tensor put once; a folder that
+    fails the checks leaves no early put behind."""
+    from flax import nnx
+
+    from wan_tpu.loading import params as param_loading
+    from wan_tpu.loading.checkpoint import open_component
+    from wan_tpu.unifolm import loading
+
+    folder = write_tiny(str(tmp_path / "tiny"))
+    host = nnx.to_flat_state(nnx.state(load_unifolm(folder)))
+    monkeypatch.setattr(param_loading, "DEVICE_LAYOUT_BYTES", 0)
+    puts, put_stored = [], param_loading._put_stored
+    monkeypatch.setattr(param_loading, "_put_stored", lambda t, n: puts.append(n) or put_stored(t, n))
+    device = dict(nnx.to_flat_state(nnx.state(load_unifolm(folder))))
+    assert sorted(puts) == sorted(open_component(folder, "unet"))
+    for key, var in host:
+        a, b = np.asarray(var.get_value()), np.asarray(device[key].get_value())
+        assert a.dtype == b.dtype and a.shape == b.shape and np.array_equal(a.view(np.uint8), b.view(np.uint8)), key
+
+    made = []
+    monkeypatch.setattr(loading, "EarlyPuts", lambda src: made.append(param_loading.EarlyPuts(src)) or made[-1])
+    path = os.path.join(folder, "conditioning.safetensors")
+    from safetensors.numpy import load_file, save_file
+
+    tensors = load_file(path)
+    tensors["stray.weight"] = np.zeros((2,), np.float32)
+    save_file(tensors, path)
+    with pytest.raises(WanInputError, match="unexpected"):
+        load_unifolm(folder)
+    assert len(made) == 1 and not made[0]._futures
+
+
 def test_loader_rejects_bad_folders(tmp_path):
     with pytest.raises(WanInputError, match="no config.json"):
         load_unifolm(str(tmp_path))

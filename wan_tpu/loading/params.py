@@ -25,15 +25,25 @@ devices slice by slice (`wan_tpu.parallel.sharding.place_param`), so a device ne
 In a job of several processes (`wan_tpu.runtime.distributed`) `place` is given a `ParamSlices` instead:
 each process reads from the checkpoint only the slices its own devices hold (`ParamSlices[index]`), so no
 host reads, or holds, a whole sharded parameter.
+
+A loader whose parameter list waits on something slow (UnifoLM's comes from its abstract build, seconds of the
+interpreter on a cold start) starts `EarlyPuts` first: the checkpoint's large tensors go to the device as stored
+while the list is made, and `load_params(..., early=)` takes them from there. The layout programs those
+parameters need then compile in a thread of their own, in the order the parameters come, beside the small
+parameters' host conversions, rather than one at a time in the loading thread as each large parameter arrives.
+Within `host_work_after(event)` the host conversions wait for `event` (the puts and compiles do not).
 """
 
 from __future__ import annotations
 
 import collections
 import concurrent.futures
+import contextlib
+import contextvars
 import dataclasses
 import functools
 import os
+import threading
 from collections.abc import Callable, Sequence
 
 import jax
@@ -254,6 +264,119 @@ def _layout_program(layers: tuple, layout: Layout, stacked: bool, dtype):
                                         compiler_options=executable_cache.run_once())
 
 
+_HOST_WORK_AFTER: contextvars.ContextVar = contextvars.ContextVar("wan_tpu_host_work_after", default=None)
+
+
+@contextlib.contextmanager
+def host_work_after(event: threading.Event):
+    """Within it, in this thread, `load_params` converts no parameter on the host (and lays none out on the device)
+    before `event` is set; the large tensors' puts (`EarlyPuts`) and the layout programs' compiles go on meanwhile.
+    A loader whose conversions would only take turns with more urgent interpreter work (UnifoLM's `prepare`
+    tracing its stage programs, whose compiles then start sooner) runs in it."""
+    token = _HOST_WORK_AFTER.set(event)
+    try:
+        yield
+    finally:
+        _HOST_WORK_AFTER.reset(token)
+
+
+class EarlyPuts:
+    """The large tensors (`DEVICE_LAYOUT_BYTES` or more) of `tensors` put on the default device as stored, in
+    `threads` background threads, from before the model's parameter list exists; `load_params(..., early=self)`
+    takes each from here instead of putting it. The puts are what the loader would do (`_put`: a large tensor goes
+    as stored, its layout and cast on the device), only sooner: UnifoLM-WMA-0's 168 large tensors are 7.5 of its
+    UNet's 10 GB, and its parameter list, from the abstract build, came 1.9–2.8 s into a cold start's load on an
+    H200 host. `close()` drops what was not taken (a load that failed its checks: nothing stays on the device)."""
+
+    def __init__(self, tensors: TensorSource, threads: int = READ_THREADS):
+        self.tensors = tensors
+        names = [n for n in tensors if _stored_bytes(tensors, n) >= DEVICE_LAYOUT_BYTES]
+        self._lock = threading.Lock()
+        self._pool = concurrent.futures.ThreadPoolExecutor(threads, thread_name_prefix="wan_tpu-early-put")
+        self._futures = {n: self._pool.submit(_put_stored, tensors, n) for n in names}
+        self._pool.shutdown(wait=False)
+
+    def take(self, tensors, name: str) -> jax.Array | None:
+        """The tensor `name` of `tensors` on the device (waiting for its put), or None where it is not put here."""
+        if tensors is not self.tensors:
+            return None
+        with self._lock:
+            future = self._futures.pop(name, None)
+        return None if future is None else future.result()
+
+    def close(self) -> None:
+        """Drop what was not taken, and wait for the puts under way: no thread outlives the load."""
+        with self._lock:
+            futures, self._futures = self._futures, {}
+        for future in futures.values():
+            future.cancel()
+        self._pool.shutdown(wait=True)
+
+
+def _stored_bytes(tensors, name: str) -> int:
+    return int(np.prod(tensors.shape(name), dtype=np.int64)) * np.dtype(tensors.dtype(name)).itemsize
+
+
+def _put_stored(tensors, name: str) -> jax.Array:
+    return jax.device_put(np.asarray(tensors[name]))
+
+
+def _on_device(p: StoredParam) -> bool:
+    """Whether `_put` puts `p` as stored and leaves its layout and cast to a program on the device."""
+    return p.stored_bytes >= DEVICE_LAYOUT_BYTES and not (p.as_stored and not p.stacked)
+
+
+def _layout_key(p: StoredParam) -> tuple:
+    shape = tuple(p.tensors.shape(p.names[0]))
+    return (len(p.names) if p.stacked else 0, shape, np.dtype(p.stored_dtype), p.layout, np.dtype(p.dtype))
+
+
+class _LayoutCompiles:
+    """The layout programs of `params`' device layouts, compiled (or read back from the executable cache) one after
+    another in a thread of their own, in the order the parameters come: `wait(p)` waits for `p`'s own program only;
+    `close()` stops the thread after the program under way (a load that failed) and joins it, so that no thread
+    outlives its load."""
+
+    def __init__(self, params: Sequence[StoredParam]):
+        self._todo: dict = {}
+        for p in params:
+            if _on_device(p):
+                self._todo.setdefault(_layout_key(p), p)
+        self._ready = {key: threading.Event() for key in self._todo}
+        self._stop = threading.Event()
+        self._thread = None
+        if self._todo:
+            # Not a daemon: a thread killed inside XLA at exit aborts the process.
+            self._thread = threading.Thread(target=self._compile_all, name="wan_tpu-layout-compile")
+            self._thread.start()
+
+    def _compile_all(self) -> None:
+        from wan_tpu.runtime import executable_cache
+
+        try:
+            for key, p in self._todo.items():
+                if self._stop.is_set():
+                    return
+                try:
+                    stored = jax.ShapeDtypeStruct(key[1], key[2])
+                    with executable_cache.ahead():  # compiled and kept (`_CALLED`), nothing run
+                        _layout_program((stored,) * max(key[0], 1), p.layout, p.stacked, p.dtype)
+                except Exception:  # noqa: BLE001 - the parameter's own call compiles it, and raises what it raises
+                    pass
+                self._ready[key].set()
+        finally:
+            for event in self._ready.values():
+                event.set()
+
+    def wait(self, p: StoredParam) -> None:
+        self._ready[_layout_key(p)].wait()
+
+    def close(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+
+
 def _ordered(pool, fn, items, ahead: int):
     """`fn` over `items` in `pool`, results in order, at most `ahead` of them pending beyond the consumer."""
     pending = collections.deque()
@@ -267,9 +390,11 @@ def _ordered(pool, fn, items, ahead: int):
 
 
 def load_params(params: Sequence[StoredParam], place: Callable[..., jax.Array] | None = None,
-                threads: int = READ_THREADS, streamed: Sequence[bool] = ()) -> list[jax.Array]:
+                threads: int = READ_THREADS, streamed: Sequence[bool] = (),
+                early: EarlyPuts | None = None) -> list[jax.Array]:
     """Every parameter on the device, in order: the default device, or where `place(i, host)` puts
-    `params[i]` given in our layout and dtype (e.g. sharded over a mesh).
+    `params[i]` given in our layout and dtype (e.g. sharded over a mesh). `early`: the checkpoint's large tensors
+    already on their way to the default device (`EarlyPuts`, without `place`), taken from there.
 
     `streamed[i]`: parameter `i` (a stack whose layers stream from host memory, `wan_tpu.parallel.offload`)
     goes straight into its devices' host memory instead, converted on the host, never occupying device
@@ -288,11 +413,20 @@ def load_params(params: Sequence[StoredParam], place: Callable[..., jax.Array] |
         if place is not None:
             hosts = _ordered(pool, StoredParam.read_host, params, threads)
             return [place(i, host, **where(i)) for i, host in enumerate(hosts)]
-        out = []
-        for p, on_device, arrays in _ordered(pool, lambda i: _put(params[i], where(i).get("memory_kind")),
-                                             range(len(params)), 2 * threads):
-            out.append(_layout_program(tuple(arrays), p.layout, p.stacked, p.dtype) if on_device else arrays[0])
-        return out
+        layouts = _LayoutCompiles([p for i, p in enumerate(params) if not where(i)])
+        try:
+            after = _HOST_WORK_AFTER.get()
+            if after is not None:
+                after.wait()
+            out = []
+            for p, on_device, arrays in _ordered(pool, lambda i: _put(params[i], where(i).get("memory_kind"), early),
+                                                 range(len(params)), 2 * threads):
+                if on_device:
+                    layouts.wait(p)
+                out.append(_layout_program(tuple(arrays), p.layout, p.stacked, p.dtype) if on_device else arrays[0])
+            return out
+        finally:
+            layouts.close()
 
 
 def _place_slices(place, i: int, p: StoredParam, where: dict) -> jax.Array:
@@ -303,13 +437,18 @@ def _place_slices(place, i: int, p: StoredParam, where: dict) -> jax.Array:
         return place(i, p.read_host(), **where)
 
 
-def _put(p: StoredParam, host_kind: str | None = None):
+def _put(p: StoredParam, host_kind: str | None = None, early: EarlyPuts | None = None):
     """`p` host → device: (p, whether its layout and cast are still to do on the device, the arrays put).
 
-    Large parameters go as stored, each layer straight from its memory map (no host copy); small ones
-    are converted on the host first, so that they compile no program of their own. With `host_kind`
-    the parameter goes to that host memory of the default device, converted on the host (a layout
+    Large parameters go as stored, each layer straight from its memory map (no host copy), or are taken from
+    `early`; small ones are converted on the host first, so that they compile no program of their own. With
+    `host_kind` the parameter goes to that host memory of the default device, converted on the host (a layout
     program would run on the device)."""
+    if early is not None and host_kind is None:
+        arrays = [early.take(p.tensors, n) for n in p.names]
+        if any(a is not None for a in arrays):
+            arrays = [a if a is not None else _put_stored(p.tensors, n) for a, n in zip(arrays, p.names)]
+            return p, not (p.as_stored and not p.stacked), arrays
     if host_kind is not None:
         sharding = jax.sharding.SingleDeviceSharding(jax.devices()[0], memory_kind=host_kind)
         return p, False, [jax.device_put(p.read_host(), sharding)]

@@ -237,17 +237,19 @@ class Warmup:
         for future in concurrent.futures.as_completed(futures):
             yield futures[future]
 
-    def prefetch(self, group: str, key) -> None:
+    def prefetch(self, group: str, key) -> bool:
         """Start loading the programs the last run of (`group`, `key`) used (`executable_cache.prefetch`), now,
         beside the loads: a warm start's largest program deserialises from the start instead of once the
         compile thread has traced its way to it. `wait_compiled` waits for these loads too: a program's first
-        run must not overlap other CUDA work (`MatrixGamePipeline._wait_compiled` says why)."""
+        run must not overlap other CUDA work (`MatrixGamePipeline._wait_compiled` says why). → whether there
+        were programs to load (a warm start)."""
         from wan_tpu.runtime import executable_cache
 
         with self.selected():
             future = executable_cache.prefetch(group, key)
         if future is not None:
             self.background.append(future)
+        return future is not None
 
     def wait_compiled(self, name: str) -> None:
         """Wait for the compile `name` if one was started (for all of them where `exclusive`), for the

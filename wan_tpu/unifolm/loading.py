@@ -33,7 +33,7 @@ from wan_tpu.configs.unifolm import config_from_json
 from wan_tpu.errors import WanInputError
 from wan_tpu.layers.conv import kernel_layout, out_first_kernels
 from wan_tpu.loading.checkpoint import open_component
-from wan_tpu.loading.params import Layout, StoredParam, load_params
+from wan_tpu.loading.params import EarlyPuts, Layout, StoredParam, load_params
 from wan_tpu.unifolm.model import UnifolmWMA, abstract_unifolm
 
 # Our module path → the authors' (applied in order, each once, to the dotted module path).
@@ -147,6 +147,17 @@ def load_unifolm(path: str, dtype=jnp.float32, mesh=None, attention_impl=None) -
     except json.JSONDecodeError as e:
         raise WanInputError(f"{cfg_path}: not valid JSON ({e}); re-convert the checkpoint") from None
     sources = {c: open_component(path, c) for c in ("unet", "conditioning")}
+    # On one device the UNet's large tensors start for the device now, as stored, while the abstract build
+    # below gives the parameter list (`EarlyPuts`).
+    early = EarlyPuts(sources["unet"]) if mesh is None else None
+    try:
+        return _load(path, cfg, sources, early, dtype, mesh, attention_impl)
+    finally:
+        if early is not None:
+            early.close()
+
+
+def _load(path, cfg, sources, early, dtype, mesh, attention_impl) -> UnifolmWMA:
     # Sharded, the convolutions keep (*k, in, out), the layout the sharding rules name.
     with kernel_layout(False) if mesh is not None else contextlib.nullcontext():
         graphdef, state = abstract_unifolm(cfg, dtype, attention_impl, split=True)
@@ -186,7 +197,7 @@ def load_unifolm(path: str, dtype=jnp.float32, mesh=None, attention_impl=None) -
         from wan_tpu.parallel.sharding import place_param
 
         place = lambda i, host: place_param(mesh, "unifolm", plan[i][0], host)  # noqa: E731
-    for (*_, var), value in zip(plan, load_params(stored, place)):
+    for (*_, var), value in zip(plan, load_params(stored, place, early=early)):
         var.set_value(value)
     model = nnx.merge(graphdef, nnx.from_flat_state(flat))
     if mesh is not None:

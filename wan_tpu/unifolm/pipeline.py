@@ -45,6 +45,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import os
+import threading
 from dataclasses import dataclass, field
 
 import jax
@@ -359,21 +360,31 @@ class UnifolmPipeline:
         num_steps = self.default_steps[mode] if num_steps is None else num_steps
         _check_steps(self.config, num_steps)
         warmup = self._warmup = Warmup(compile_cache=self.compile_cache)
+        stages = self.program_key is not None and {"model", "vae"} <= set(self._abstracts)
+        # Set once the stage programs are traced (or their thread ends; at once on a warm start): till then the
+        # model's load converts nothing on the host (`params.host_work_after`), its large tensors' puts and layout
+        # compiles going on. Measured in `_load_after`.
+        traced = threading.Event() if stages else None
         for name in self.COMPONENTS:
             if name not in self._loaded:
-                warmup.start(name, self._loaders[name])
+                load = self._loaders[name]
+                warmup.start(name, functools.partial(_load_after, traced, load) if name == "model" and stages else load)
         if self.program_key is not None:  # after the loads start: its key waits for the device client
-            warmup.prefetch("unifolm", (self.program_key, mode, num_steps, eta != 0, keep_action_tokens))
-        if self.program_key is not None and {"model", "vae"} <= set(self._abstracts):
+            warm = warmup.prefetch("unifolm", (self.program_key, mode, num_steps, eta != 0, keep_action_tokens))
+            if warm and traced is not None:
+                traced.set()  # the programs are read back, their short trace lowers nothing: no reason to wait
+        if stages:
             # The encoders' weights only matter here through their outputs' shapes: built from their configs
             # where the pipeline can (no wait for their loads), else the loads themselves.
             encoders = [functools.partial(self._loaded.get, n) if n in self._loaded else self._abstracts[n]
                         if n in self._abstracts else warmup.loads[n].result for n in ("image_encoder", "text_encoder")]
-            warmup.start("stages", self._compile_stages, warmup, encoders, mode, num_steps, eta, keep_action_tokens,
-                         kind="compile")
+            future = warmup.start("stages", self._compile_stages, warmup, encoders, mode, num_steps, eta,
+                                  keep_action_tokens, traced, kind="compile")
+            future.add_done_callback(lambda _: traced.set())  # whatever happened to the thread
         return warmup
 
-    def _compile_stages(self, warmup, encoders, mode: str, num_steps: int, eta: float, keep_action_tokens: bool) -> None:
+    def _compile_stages(self, warmup, encoders, mode: str, num_steps: int, eta: float, keep_action_tokens: bool,
+                        traced: threading.Event | None = None) -> None:
         """The stage programs of `prepare(mode)`, through the calls' own code (`_stages`) with
         `executable_cache.ahead`, traced by `jax.eval_shape` (no stage program runs here): inputs of
         the calls' shapes, the abstract model and VAE, and the encoders `encoders` (functions) give: abstract
@@ -403,6 +414,8 @@ class UnifolmPipeline:
         with executable_cache.ahead():
             jax.eval_shape(stages, images, spec(1, n, cfg.agent_state_dim), spec(1, t, cfg.agent_action_dim),
                            jax.eval_shape(jax.random.key, 0))
+            if traced is not None:
+                traced.set()  # the compiles, under way, need no interpreter: the model's load goes on
         # The calls' remaining work on the device outside the stage programs, the seed's keys and the last observed
         # frame, compiles small programs of its own (0.1-0.3 s each on an H200), which the first call compiled after
         # the loads: run once here on zeros of the inputs' shapes, so that it finds them compiled.
@@ -681,6 +694,20 @@ def _prepare_split(model, vae, *args, keep_action_tokens: bool, key: tuple | Non
         "unifolm-prepare", None if key is None else (*key, keep_action_tokens), _prepare_program,
         (model_graph, vae_graph, model_state, vae_state, *args), {"keep_action_tokens": keep_action_tokens},
         static_argnums=(0, 1), static_argnames=("keep_action_tokens",), key_names_statics=True)
+
+
+def _load_after(traced: threading.Event, load):
+    """`load()` converting nothing on the host before `traced` is set (`prepare`). UnifoLM-WMA-0's cold start is
+    bound by the interpreter lock until its step's pieces compile (1-5 of an H200 host's 16 cores busy): the UNet's
+    2,030 small host conversions took turns with the stage programs' trace, whose end the pieces' compiles, and so
+    the first sampling, wait for. Cold, decision, 16 steps, in turns (2026-11-30, `profile_compile.py unifolm
+    --device --runs 1`, two rounds): the trace 4.9 / 6.0 s instead of 5.6 / 7.0, first sampling 17.58 / 20.42 s
+    instead of 18.40 / 22.15, with the UNet's large tensors put while its abstract build runs (`EarlyPuts`, which
+    alone gained nothing: docs/TRIED.md)."""
+    from wan_tpu.loading.params import host_work_after
+
+    with host_work_after(traced):
+        return load()
 
 
 def _seed_keys(seed) -> tuple:
