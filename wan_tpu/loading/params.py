@@ -369,7 +369,9 @@ class _LayoutCompiles:
                 event.set()
 
     def wait(self, p: StoredParam) -> None:
-        self._ready[_layout_key(p)].wait()
+        event = self._ready.get(_layout_key(p))  # None: not compiled here, its call compiles it
+        if event is not None:
+            event.wait()
 
     def close(self) -> None:
         self._stop.set()
@@ -413,7 +415,9 @@ def load_params(params: Sequence[StoredParam], place: Callable[..., jax.Array] |
         if place is not None:
             hosts = _ordered(pool, StoredParam.read_host, params, threads)
             return [place(i, host, **where(i)) for i, host in enumerate(hosts)]
-        layouts = _LayoutCompiles([p for i, p in enumerate(params) if not where(i)])
+        # With early puts the large parameters' arrays are ready before their turn: their layout programs compile
+        # ahead of it; otherwise each compiles as its parameter comes.
+        layouts = _LayoutCompiles([p for i, p in enumerate(params) if not where(i)] if early is not None else [])
         try:
             after = _HOST_WORK_AFTER.get()
             if after is not None:
