@@ -37,8 +37,58 @@ os.environ.setdefault("JAX_TRACEBACK_IN_LOCATIONS_LIMIT", "1")
 import jax  # noqa: E402
 import pytest  # noqa: E402
 
+# Seconds each module took (setup, calls and teardown) in a full run on the 2-core CPU machine, for the modules of
+# more than a few seconds; `_two_queues` orders the modules by them. Stale numbers cost time, never a result.
+MODULE_SECONDS = {
+    "unifolm/test_unifolm_sampling.py": 188, "unifolm/test_unifolm.py": 172, "shared/test_readme.py": 172,
+    "shared/test_cli_contract.py": 124, "shared/test_vae.py": 110, "benchmarks/test_bench_e2e.py": 105,
+    "unifolm/test_unifolm_model.py": 96, "shared/test_multihost.py": 88, "unifolm/test_unifolm_sharding.py": 79,
+    "wan/test_generate.py": 76, "matrix_game/test_matrix_game.py": 74, "matrix_game/test_matrix_game_sampling.py": 68,
+    "shared/test_compile_cache.py": 48, "benchmarks/test_bench_unifolm_compile.py": 47,
+    "matrix_game/test_matrix_game_warmup.py": 41, "benchmarks/test_bench_compile_side_by_side.py": 37,
+    "shared/test_flash_gpu.py": 37, "serve/test_serve.py": 37, "wan/test_warmup.py": 36, "wan/test_transformer.py": 34,
+    "wan/test_offload.py": 34, "shared/test_interrupt.py": 30, "wan/test_step_cache.py": 28,
+    "serve/test_play_browser.py": 27, "benchmarks/test_random_folders.py": 27, "matrix_game/test_matrix_game_model.py": 25,
+    "wan/test_quantize.py": 25, "shared/test_executable_cache.py": 25, "serve/test_play_protocol.py": 24,
+    "wan/test_sharding.py": 21, "matrix_game/test_matrix_game_vae.py": 20, "wan/test_pipeline.py": 20, "wan/test_lora.py": 20,
+    "shared/test_splash_exp2.py": 19, "shared/test_text_encoder.py": 17, "serve/test_serve_process.py": 17,
+    "unifolm/test_unifolm_checkpoint.py": 16, "wan/test_denoise.py": 15, "shared/test_torchax_compat.py": 13,
+    "shared/test_clip.py": 13, "wan/test_official.py": 12, "unifolm/test_autoencoder_kl.py": 12,
+    "wan/test_checkpoint_formats.py": 11, "wan/test_memory.py": 11, "shared/test_hub.py": 11,
+    "shared/test_compile_workers.py": 10, "serve/test_serve_families.py": 9, "wan/test_schedulers.py": 8,
+}
+
+
+def _two_queues(items):
+    """The items in two runs of whole modules of about equal seconds, one after the other, each run's slowest modules
+    first. pytest-xdist's worksteal hands the first half of the items to one worker and the rest to the other; a worker
+    that runs out takes the tail of the other's queue. Here both start on the slowest modules and what one takes from
+    the other's tail is short, so that they end together. A module stays whole (its fixtures set up once) but where
+    the halves meet or a worker takes from the other."""
+    modules = {}
+    for item in items:
+        modules.setdefault(item.nodeid.split("::")[0], []).append(item)
+    seconds = {m: MODULE_SECONDS.get(m.removeprefix("tests/"), 0.2 * len(group)) for m, group in modules.items()}
+    runs, loads = ([], []), [0.0, 0.0]
+    for module in sorted(modules, key=lambda m: -seconds[m]):  # longest first, each to the lighter run
+        i = loads.index(min(loads))
+        runs[i].append(module)
+        loads[i] += seconds[module]
+    first, second = runs
+    count = lambda run: sum(len(modules[m]) for m in run)  # noqa: E731
+    half = len(items) // 2
+    # The split is by count: the lightest modules move from the tail of one run to the tail of the other until the
+    # first worker's half ends in the first run's last module, a light one.
+    while len(first) > 1 and count(first) - len(modules[first[-1]]) >= half:
+        second.append(first.pop())
+    while len(second) > 1 and count(first) < half:
+        first.append(second.pop())
+    return [item for module in first + second for item in modules[module]]
+
 
 def pytest_collection_modifyitems(config, items):
+    if hasattr(config, "workerinput"):  # a pytest-xdist worker: every worker orders its items alike
+        items[:] = _two_queues(items)
     if jax.default_backend() == "gpu":
         return
     skip = pytest.mark.skip(reason="needs an NVIDIA GPU (run on the GPU machine)")
