@@ -80,11 +80,11 @@ def test_unet_forward_with_heads(tiny, with_action_tokens):
 
 
 @pytest.mark.slow
-def test_unet_with_out_first_conv_kernels_equals_golden(tmp_path, monkeypatch):
+def test_unet_with_out_first_conv_kernels_equals_golden(tiny_folder, monkeypatch):
     """The GPU's convolution kernel layout (out, *k, in), forced here: loaded from the same torch weights,
     the same forward (`wan_tpu.layers.conv`)."""
     monkeypatch.setenv("WAN_TPU_CONV_KERNEL", "out_first")
-    model = load_unifolm(write_tiny(str(tmp_path / "tiny")))
+    model = load_unifolm(tiny_folder)
     unet = model.diffusion_model
     conv_in = unet.input_blocks[0][0]
     assert conv_in.out_first and conv_in.kernel.shape[1:3] == (3, 3)  # (out, 3, 3, in)
